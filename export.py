@@ -1,0 +1,19 @@
+"""`python export.py [key=value ...]`: see configs/export.yaml and README.md."""
+
+import hydra
+
+from scaleup.distributed.launch import register_resolvers
+from scaleup.errors import exit_on_user_error
+from scaleup.export import export
+
+register_resolvers()
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="export")
+@exit_on_user_error
+def main(cfg):
+    return export(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""What every run leaves on disk besides checkpoints: metrics.json, and the config inside each checkpoint."""
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
+
+
+class MetricsFile(L.Callback):
+    """Writes the final value of every logged metric to `metrics.json` (rank 0, after fit and after test)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.metrics: dict[str, float] = {}
+
+    def _collect(self, trainer: L.Trainer) -> None:
+        for name, value in trainer.callback_metrics.items():
+            value = float(value)
+            self.metrics[name] = value if math.isfinite(value) else str(value)
+        if rank_zero_only.rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(dict(sorted(self.metrics.items())), indent=2) + "\n")
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._collect(trainer)
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._collect(trainer)
+
+
+class ConfigInCheckpoint(L.Callback):
+    """Stores the resolved run config and plan (plain dicts) in each checkpoint, so `eval.py` and
+    `export.py` rebuild the model and data without the user repeating the training overrides."""
+
+    def __init__(self, config: dict[str, Any], plan: dict[str, Any]) -> None:
+        self.config, self.plan = config, plan
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint["scaleup"] = {"config": self.config, "plan": self.plan}

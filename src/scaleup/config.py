@@ -1,0 +1,39 @@
+"""Turning the Hydra config into plain objects the jobs and checkpoints can carry."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("scaleup")
+
+
+def to_plain(cfg: DictConfig) -> dict[str, Any]:
+    """Resolved config as plain dicts and lists: safe to pickle into checkpoints and load with weights_only."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+def build_model(model_cfg: dict[str, Any]) -> L.LightningModule:
+    """The LightningModule from `model` config; nested `net`/`optimizer` stay dicts (it builds them itself)."""
+    kwargs = dict(model_cfg)
+    return get_class(kwargs.pop("_target_"))(**kwargs)
+
+
+def instantiate_each(group: dict[str, Any] | None) -> list[Any]:
+    """Instantiate every entry of a config group that has a `_target_` (callbacks, loggers)."""
+    return [instantiate(entry) for entry in (group or {}).values() if isinstance(entry, dict) and "_target_" in entry]
+
+
+def log_rows(title: str, rows: list[tuple[str, str]]) -> None:
+    width = max(len(name) for name, _ in rows)
+    log.info("\n".join([title, *(f"  {name:<{width}}  {value}" for name, value in rows)]))
+
+
+def write_yaml(data: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(data)))

@@ -1,0 +1,110 @@
+"""Checkpoints that load anywhere and never execute code: safe loading, prefix repair, atomic writes."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+from scaleup.errors import UserError
+
+# Prefixes other code adds to parameter names: DDP's wrapper and torch.compile's OptimizedModule.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """`torch.load` with `weights_only=True` on CPU, with one clear message for each way it can fail.
+
+    `weights_only=True` refuses pickles that would import or call anything beyond tensors and plain
+    containers, so a crafted file cannot run code here.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist (checkpoints are in <run dir>/checkpoints/)")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "Weights only load failed" in str(err) and "Unsupported" in str(err):
+            raise UserError(
+                f"refused to load {path}: it contains pickled Python objects, not just tensors and plain "
+                "containers, and loading it could run arbitrary code. Re-save the weights as a plain "
+                "state_dict (only if you trust the file)"
+            ) from None
+        raise UserError(f"{path} is not a PyTorch checkpoint (it may be truncated or another kind of file)") from None
+    except (RuntimeError, EOFError, ValueError) as err:
+        raise UserError(f"{path} is not a readable checkpoint: truncated or corrupt ({err})") from None
+    if not isinstance(checkpoint, Mapping):
+        raise UserError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict or state_dict")
+    return dict(checkpoint)
+
+
+def strip_wrapper_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Remove leading `module.` / `_orig_mod.` (in any order, any depth) from every key."""
+    state_dict = dict(state_dict)
+    while True:
+        before = list(state_dict)
+        for prefix in WRAPPER_PREFIXES:
+            consume_prefix_in_state_dict_if_present(state_dict, prefix)
+        if list(state_dict) == before:
+            return state_dict
+
+
+def load_weights(net: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Load a state_dict from anywhere (DDP, torch.compile, plain) into `net`, strictly.
+
+    Raises a UserError listing missing and unexpected keys when it still does not fit.
+    """
+    result = net.load_state_dict(strip_wrapper_prefixes(state_dict), strict=False)
+    if result.missing_keys or result.unexpected_keys:
+
+        def show(keys: list[str]) -> str:
+            return ", ".join(keys[:8]) + (f" ... ({len(keys)} in all)" if len(keys) > 8 else "") or "none"
+
+        raise UserError(
+            f"the weights do not fit {type(net).__name__}: missing keys: {show(result.missing_keys)}; "
+            f"unexpected keys: {show(result.unexpected_keys)}. Was it trained with another model config?"
+        )
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    """Write to a temporary file beside `path`, fsync, then rename over it.
+
+    A rename within one directory is atomic: a crash leaves either the old file or the new one, never half
+    of one. (Lightning's own `_atomic_save` stages the file in $TMPDIR, which is a copy, not a rename, when
+    $TMPDIR is on another filesystem.)
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning checkpoint IO with same-directory atomic writes and `weights_only=True` reads."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(self, path: str | Path, map_location: Any = None, weights_only: bool | None = None) -> dict:
+        return load_checkpoint(path)

@@ -1,0 +1,101 @@
+"""What differs between launchers: who is rank 0, one shared run directory, the DDP strategy."""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+RANK_VARIABLES = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+
+
+def is_rank_zero_from_env() -> bool:
+    """Rank 0 before any process group exists: every launcher's rank variable is unset or 0.
+
+    torchrun sets RANK, srun SLURM_PROCID, Lightning's own launcher LOCAL_RANK/NODE_RANK in its children.
+    """
+    return all(int(os.environ.get(name, 0)) == 0 for name in RANK_VARIABLES)
+
+
+def _process_start_time(pid: int) -> datetime | None:
+    """Start time of a process from /proc (Linux), or None."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return datetime.fromtimestamp(boot) + timedelta(seconds=ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def run_stamp() -> str:
+    """A run name that every process of one launch agrees on, without talking to each other.
+
+    Each process resolves Hydra's config on its own, so `${now:...}` can differ by a second between ranks
+    and split one run into several directories. Instead:
+    - SLURM: the job id (a requeued job gets the same directory back, so `ckpt_path=last` resumes it);
+    - torchrun with a rendezvous id (`--rdzv-id`, or --standalone's generated one): that id;
+    - torchrun on one node: the start time of the torchrun agent, the parent of all local workers;
+    - otherwise (a plain `python train.py`; Lightning passes its run dir to the processes it starts): now.
+    """
+    if "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ:
+        step = os.environ.get("SLURM_STEP_ID")
+        return f"slurm-{os.environ['SLURM_JOB_ID']}" + (f".{step}" if step not in (None, "0", "batch") else "")
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        if os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE"):
+            started = _process_start_time(os.getppid())
+            if started is not None:
+                return started.strftime("%Y-%m-%d_%H-%M-%S")
+        run_id = os.environ["TORCHELASTIC_RUN_ID"]
+        if run_id and run_id != "none":
+            return f"torchrun-{run_id}"
+        raise ValueError(
+            "multi-node torchrun without a rendezvous id: give every node the same shared run directory with "
+            "hydra.run.dir=/shared/path/run-name (or pass --rdzv-id=NAME to torchrun)"
+        )
+    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def rank_zero_or(value: Any, other: Any = None) -> Any:
+    return value if is_rank_zero_from_env() else other
+
+
+def register_resolvers() -> None:
+    """Resolvers the configs use; call before Hydra composes the config."""
+    if not OmegaConf.has_resolver("run_stamp"):
+        OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True)
+    if not OmegaConf.has_resolver("rank_zero_or"):
+        OmegaConf.register_new_resolver("rank_zero_or", rank_zero_or)
+    if not OmegaConf.has_resolver("devnull"):
+        OmegaConf.register_new_resolver("devnull", lambda: os.devnull)
+
+
+def build_strategy(strategy: Any, ddp_options: dict[str, Any], world_size: int, multirun: bool) -> tuple[Any, str]:
+    """The Trainer's `strategy` argument and a name for the plan.
+
+    `auto` on several processes is DDP. DDP options come from the `ddp` config block. Under a Hydra
+    multirun sweep Lightning's default subprocess launcher would re-run the whole sweep in every child
+    process (Lightning issue #11300), so sweeps start their processes with spawn instead.
+    """
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if isinstance(strategy, dict):  # e.g. configs/trainer/fsdp.yaml: a `_target_` to instantiate
+        from hydra.utils import instantiate
+
+        instance = instantiate(strategy)
+        return instance, type(instance).__name__
+    name = str(strategy)
+    if name == "auto":
+        name = "ddp" if world_size > 1 else "auto"
+    if name == "ddp" and multirun and world_size > 1:
+        name = "ddp_spawn"
+    if name not in ("ddp", "ddp_spawn"):
+        return name, name
+    options = dict(ddp_options)
+    timeout = timedelta(minutes=float(options.pop("timeout_minutes")))
+    start_method = "spawn" if name == "ddp_spawn" else "popen"
+    return DDPStrategy(start_method=start_method, timeout=timeout, **options), name

@@ -1,0 +1,70 @@
+"""The evaluation job behind `python eval.py ckpt_path=PATH`: test a checkpoint on any device count."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig
+
+from scaleup.callbacks import MetricsFile
+from scaleup.config import build_model, log_rows, to_plain
+from scaleup.distributed.checkpoint import load_checkpoint, load_weights
+from scaleup.distributed.plan import check_launcher, resolve_topology
+from scaleup.errors import UserError
+
+log = logging.getLogger("scaleup")
+
+
+def stored_run(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
+    """The config and plan `train.py` stored in the checkpoint."""
+    if "scaleup" not in checkpoint or "state_dict" not in checkpoint:
+        raise UserError(
+            f"{path} was not written by this template's train.py (no stored config); load its state_dict "
+            "with scaleup.distributed.checkpoint.load_weights instead"
+        )
+    return checkpoint["scaleup"]
+
+
+def evaluate(cfg: DictConfig) -> dict[str, float]:
+    """Rebuild model and data from the checkpoint's own config and run the test split."""
+    checkpoint = load_checkpoint(cfg.ckpt_path)
+    stored = stored_run(checkpoint, cfg.ckpt_path)
+    config, plan = stored["config"], stored["plan"]
+    topology = resolve_topology(cfg.trainer)
+    check_launcher(topology)
+
+    data_cfg = {**config["data"], **to_plain(cfg.data)}
+    # Same per-device batch as training by default: same batches, so the same float sums, to the last bit.
+    data_cfg.update(global_batch_size=None, per_device_batch_size=cfg.batch_size or plan["per_device_batch_size"])
+    datamodule = instantiate(data_cfg)
+    model = build_model(config["model"])
+    load_weights(model, checkpoint["state_dict"])
+    del checkpoint
+
+    precision = cfg.trainer.precision or plan["precision"]
+    if topology.accelerator == "cpu" and str(precision).startswith("16"):
+        precision = "bf16-mixed"  # fp16 autocast needs a GPU; bf16 keeps the reduced-precision behaviour
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    metrics_file = MetricsFile(run_dir / "metrics.json")
+    trainer = L.Trainer(
+        accelerator=topology.accelerator,
+        devices=topology.devices,
+        num_nodes=topology.num_nodes,
+        precision=precision,
+        callbacks=[metrics_file],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=cfg.trainer.enable_progress_bar,
+        default_root_dir=run_dir,
+    )
+    trainer.test(model, datamodule=datamodule, verbose=False)
+    if rank_zero_only.rank == 0:
+        rows = [(name, f"{value:.4f}") for name, value in sorted(metrics_file.metrics.items())]
+        log_rows(f"{cfg.ckpt_path} on {topology.world_size} {topology.accelerator} process(es) ({run_dir})", rows)
+    return metrics_file.metrics

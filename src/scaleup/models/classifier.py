@@ -1,0 +1,112 @@
+"""The LightningModule: any `net` from config, a loss, an optimizer, and exact metrics per stage."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torch import nn
+from torchmetrics import MeanMetric, Metric, SumMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+STAGES = ("train", "val", "test")
+
+
+class StageMetrics(nn.Module):
+    """Sums and counts, reduced across processes once, at `compute()`.
+
+    torchmetrics keeps per-process states (correct counts, loss sums, sample counts) and all-gathers them at
+    epoch end, so the result is exact however unevenly the samples fall over ranks, and evaluation runs no
+    collective per step (uneven batch counts cannot hang). `self.log(value, sync_dist=True)` instead averages
+    per-rank means, which mis-weights ranks with fewer samples.
+    """
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.metrics = nn.ModuleDict(
+            {
+                "acc": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
+                "loss": MeanMetric(),
+                "samples": SumMetric(),
+            }
+        )
+        if num_classes > 5:
+            self.metrics["acc5"] = MulticlassAccuracy(num_classes, top_k=5, average="micro")
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
+        n = target.numel()
+        for name, metric in self.metrics.items():
+            if name == "loss":
+                metric.update(loss.detach(), weight=n)
+            elif name == "samples":
+                metric.update(torch.tensor(float(n), device=target.device))
+            else:
+                metric.update(logits.detach(), target)
+
+    def items(self) -> list[tuple[str, Metric]]:
+        return list(self.metrics.items())
+
+
+class ImageClassifier(L.LightningModule):
+    """Cross-entropy classification around `net`.
+
+    `net` is a Hydra-instantiable dict that includes `num_classes`. Args are plain containers (Hydra configs converted by the job), so `save_hyperparameters` writes only
+    dicts and numbers into checkpoints and `torch.load(..., weights_only=True)` can read them back.
+    """
+
+    def __init__(
+        self,
+        net: Mapping[str, Any],
+        optimizer: Mapping[str, Any],
+        label_smoothing: float = 0.0,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = instantiate(dict(net))
+        if compile:
+            # In-place compile keeps parameter names: no `_orig_mod.` in checkpoints (torch.compile(net) adds it).
+            self.net.compile()
+        self.stage_metrics = nn.ModuleDict({stage: StageMetrics(net["num_classes"]) for stage in STAGES})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        # Mean over this device's batch: DDP then averages the gradients over devices, which equals the mean
+        # over the global batch because every device gets the same batch size (see GlobalBatchSampler).
+        loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
+        metrics = self.stage_metrics[stage]
+        metrics.update(logits, y, loss)
+        for name, metric in metrics.items():
+            self.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name == "acc")
+        return loss
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._step(batch, "train")
+        # This rank's loss for the per-step curve; the exact all-rank mean is `train/loss` at epoch end.
+        self.log("train/loss_step", loss, on_step=True, on_epoch=False, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._step(batch, "test")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # No weight decay on norm weights and biases (1-d tensors): decaying them only hurts (Goyal et al. 2017).
+        decay = [p for p in self.parameters() if p.requires_grad and p.ndim > 1]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim <= 1]
+        groups = [
+            {"params": decay, "name": "decay"},
+            {"params": no_decay, "name": "no_decay", "weight_decay": 0.0},
+        ]
+        # The LR here is the unscaled base LR; the LRScaling callback sets the scaled, warmed-up LR every step.
+        return instantiate(dict(self.hparams.optimizer), _partial_=True)(groups)

@@ -1,0 +1,160 @@
+"""The training job behind `python train.py`: plan, train, test, summarise."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import DictConfig, open_dict
+
+from scaleup.callbacks import ConfigInCheckpoint, LRScaling, MetricsFile, PreemptionCheckpoint
+from scaleup.config import build_model, instantiate_each, log_rows, to_plain, write_yaml
+from scaleup.distributed.checkpoint import AtomicCheckpointIO, load_checkpoint
+from scaleup.distributed.checks import TrainLoaderCheck, check_config, pitfall_warnings
+from scaleup.distributed.launch import build_strategy
+from scaleup.distributed.plan import Plan, build_plan, check_launcher, resolve_topology
+from scaleup.distributed.seeding import PerRankSeed
+from scaleup.models.nets import has_batchnorm
+
+log = logging.getLogger("scaleup")
+
+# Our sampler skips the steps a mid-epoch checkpoint already took (GlobalBatchSampler.resume), so Lightning's
+# generic warning about non-resumable loaders does not apply.
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+
+EXIT_PREEMPTED = 143  # 128 + SIGTERM, the shell's convention for "terminated"
+
+
+def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> Path | None:
+    """`last` is this run directory's own last.ckpt (a fresh start when there is none yet, so the same
+    command can start a job and resume it after a restart); anything else must be an existing checkpoint."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        path = checkpoint_dir / "last.ckpt"
+        if not path.is_file():
+            log.info(f"ckpt_path=last: no {path} yet, starting from scratch")
+            return None
+        return path
+    return Path(ckpt_path)
+
+
+def describe_resume(path: Path, plan: Plan) -> None:
+    """Load the checkpoint once up front (clear errors, no traceback) and say what the new plan changes."""
+    previous = load_checkpoint(path).get("scaleup", {}).get("plan", {})
+    changed = [
+        f"{key} {previous[key]} -> {value}"
+        for key, value in plan.to_dict().items()
+        if key in previous and previous[key] != value and key != "dataset_sizes"
+    ]
+    log.info(f"resuming from {path}" + (f"; changed since: {', '.join(changed)}" if changed else ""))
+    if "global_batch_size" in previous and previous["global_batch_size"] != plan.global_batch_size:
+        log.warning(
+            f"the global batch changed ({previous['global_batch_size']} -> {plan.global_batch_size}): "
+            "the resumed run optimises differently from the original one"
+        )
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Plan the run, print and save the plan, then fit, test on the best checkpoint and summarise."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    checkpoint_dir = run_dir / "checkpoints"
+    topology = resolve_topology(cfg.trainer, dry_run=cfg.dry_run)
+    if not cfg.dry_run:
+        check_launcher(topology)
+
+    # Same seed on every rank before the model is built: identical initial weights everywhere.
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = instantiate(cfg.data)
+    with open_dict(cfg):
+        cfg.model.net.num_classes = cfg.model.net.get("num_classes") or datamodule.num_classes
+    config = to_plain(cfg)
+    model = build_model(config["model"])
+
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    strategy, strategy_name = build_strategy(
+        config["trainer"]["strategy"], config["ddp"], topology.world_size, multirun
+    )
+    plan = build_plan(
+        topology=topology,
+        trainer_cfg=config["trainer"],
+        data_cfg=config["data"],
+        lr_cfg=config["callbacks"]["lr_scaling"],
+        base_lr=config["model"]["optimizer"]["lr"],
+        seed=cfg.seed,
+        dataset_sizes=datamodule.split_sizes(),
+        has_batchnorm=has_batchnorm(model),
+        strategy=strategy_name,
+    )
+    check_config(config, plan)
+    if rank_zero_only.rank == 0:
+        log_rows("plan" + (" (dry run: nothing is started)" if cfg.dry_run else ""), plan.rows())
+        for warning in pitfall_warnings(
+            plan,
+            has_batchnorm=has_batchnorm(model),
+            num_workers=config["data"].get("num_workers", 0),
+            data_in_memory=getattr(datamodule, "in_memory", False),
+        ):
+            log.warning(warning)
+        (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+        write_yaml(config, run_dir / "config.yaml")
+    if cfg.dry_run:
+        return plan.to_dict()
+
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, checkpoint_dir)
+    if ckpt_path is not None:
+        describe_resume(ckpt_path, plan)
+
+    lr_cfg = config["callbacks"]["lr_scaling"]
+    callbacks = [
+        # First: the LR must be set before LearningRateMonitor reads it.
+        LRScaling(plan.schedule(tuple(lr_cfg.get("milestones") or ()), lr_cfg.get("gamma", 0.1))),
+        PerRankSeed(cfg.seed),
+        TrainLoaderCheck(),
+        ConfigInCheckpoint(config, plan.to_dict()),
+        PreemptionCheckpoint(checkpoint_dir),
+        MetricsFile(run_dir / "metrics.json"),
+        *instantiate_each(config["callbacks"]),
+    ]
+    trainer_kwargs = {k: v for k, v in config["trainer"].items() if k not in ("strategy", "sync_batchnorm")}
+    trainer_kwargs.update(accelerator=topology.accelerator, devices=topology.devices, num_nodes=topology.num_nodes)
+    trainer = L.Trainer(
+        **trainer_kwargs,
+        strategy=strategy,
+        sync_batchnorm=plan.sync_batchnorm,
+        callbacks=callbacks,
+        logger=instantiate_each(config["logger"]) or False,
+        plugins=[AtomicCheckpointIO()],
+        default_root_dir=run_dir,
+    )
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    except SIGTERMException:
+        if trainer.is_global_zero:
+            log.warning(f"resume with: python train.py ckpt_path=last hydra.run.dir={run_dir} (plus your overrides)")
+        sys.exit(EXIT_PREEMPTED)
+    best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+    trainer.test(model, datamodule=datamodule, ckpt_path=best or None, verbose=False)
+
+    metrics = next(cb for cb in callbacks if isinstance(cb, MetricsFile)).metrics
+    if trainer.is_global_zero:
+        summarise(run_dir, metrics, best)
+    return metrics
+
+
+def summarise(run_dir: Path, metrics: dict[str, float], best: str) -> None:
+    shown = [(name, f"{value:.4f}" if isinstance(value, float) else str(value)) for name, value in metrics.items()]
+    shown = [row for row in shown if row[0].split("/")[0] in ("val", "test") or row[0] == "train/loss"]
+    log_rows(f"done: {run_dir}", sorted(shown))
+    if best:
+        log.info(f"tested the best checkpoint {best}\nevaluate it again with: python eval.py ckpt_path={best}")

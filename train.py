@@ -1,0 +1,19 @@
+"""`python train.py [key=value ...]`: see configs/train.yaml and README.md."""
+
+import hydra
+
+from scaleup.distributed.launch import register_resolvers
+from scaleup.errors import exit_on_user_error
+from scaleup.train import train
+
+register_resolvers()
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+@exit_on_user_error
+def main(cfg):
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,7 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, open_dict
@@ -126,6 +127,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         MetricsFile(run_dir / "metrics.json"),
         *instantiate_each(config["callbacks"]),
     ]
+    if not config["trainer"].get("enable_progress_bar", True):  # Lightning refuses a bar it was told not to show
+        callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     trainer_kwargs = {k: v for k, v in config["trainer"].items() if k not in ("strategy", "sync_batchnorm")}
     trainer_kwargs.update(accelerator=topology.accelerator, devices=topology.devices, num_nodes=topology.num_nodes)
     trainer = L.Trainer(
@@ -143,7 +146,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if trainer.is_global_zero:
             log.warning(f"resume with: python train.py ckpt_path=last hydra.run.dir={run_dir} (plus your overrides)")
         sys.exit(EXIT_PREEMPTED)
-    best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+    best = next((cb.best_model_path for cb in trainer.checkpoint_callbacks if cb.monitor), "")
     trainer.test(model, datamodule=datamodule, ckpt_path=best or None, verbose=False)
 
     metrics = next(cb for cb in callbacks if isinstance(cb, MetricsFile)).metrics

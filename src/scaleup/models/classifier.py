@@ -54,8 +54,9 @@ class StageMetrics(nn.Module):
 class ImageClassifier(L.LightningModule):
     """Cross-entropy classification around `net`.
 
-    `net` is a Hydra-instantiable dict that includes `num_classes`. Args are plain containers (Hydra configs converted by the job), so `save_hyperparameters` writes only
-    dicts and numbers into checkpoints and `torch.load(..., weights_only=True)` can read them back.
+    `net` is a Hydra-instantiable dict that includes `num_classes`. Args are plain containers (the job converts
+    Hydra configs), so `save_hyperparameters` writes only dicts and numbers into checkpoints and
+    `torch.load(..., weights_only=True)` can read them back.
     """
 
     def __init__(
@@ -71,7 +72,8 @@ class ImageClassifier(L.LightningModule):
         if compile:
             # In-place compile keeps parameter names: no `_orig_mod.` in checkpoints (torch.compile(net) adds it).
             self.net.compile()
-        self.stage_metrics = nn.ModuleDict({stage: StageMetrics(net["num_classes"]) for stage in STAGES})
+        # Attributes, not a ModuleDict: "train" would shadow nn.Module.train.
+        self.train_metrics, self.val_metrics, self.test_metrics = (StageMetrics(net["num_classes"]) for _ in STAGES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -82,7 +84,7 @@ class ImageClassifier(L.LightningModule):
         # Mean over this device's batch: DDP then averages the gradients over devices, which equals the mean
         # over the global batch because every device gets the same batch size (see GlobalBatchSampler).
         loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
-        metrics = self.stage_metrics[stage]
+        metrics = getattr(self, f"{stage}_metrics")
         metrics.update(logits, y, loss)
         for name, metric in metrics.items():
             self.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name == "acc")

@@ -1,0 +1,100 @@
+"""Each DataModule: split sizes, shapes, determinism, and clear errors for missing data."""
+
+import pytest
+import torch
+from PIL import Image
+
+from scaleup.data import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule, SyntheticDataModule
+from scaleup.data.base import random_split_indices
+from scaleup.errors import UserError
+
+
+def test_digits_splits_are_fixed_and_disjoint():
+    a, b = DigitsDataModule(global_batch_size=64), DigitsDataModule(global_batch_size=64, seed=7)
+    assert a.split_sizes() == b.split_sizes() == {"train": 1257, "val": 180, "test": 360}
+    for split in ("train", "val", "test"):  # the run seed does not move samples between splits
+        assert torch.equal(a.splits[split].tensors[0], b.splits[split].tensors[0])
+    x, y = a.splits["train"][0]
+    assert x.shape == (1, 8, 8) and 0 <= int(y) < 10
+    parts = random_split_indices(1797, (1257, 180, 360), seed=0)
+    assert sorted(torch.cat(parts).tolist()) == list(range(1797))
+
+
+def test_digits_fractional_sizes():
+    assert DigitsDataModule(global_batch_size=8, val_size=0.1, test_size=0.2).split_sizes() == {
+        "train": 1258,
+        "val": 180,
+        "test": 359,
+    }
+
+
+def test_synthetic_is_a_function_of_seed_and_index():
+    dm = SyntheticDataModule(global_batch_size=8, train_size=1_281_167, image_shape=(3, 64, 64), num_classes=1000)
+    train = dm.split_sizes() and dm.splits["train"]
+    assert len(train) == 1_281_167
+    x, y = train[1_000_000]
+    assert x.shape == (3, 64, 64) and 0 <= y < 1000
+    again = SyntheticDataModule(global_batch_size=8, train_size=1_281_167, image_shape=(3, 64, 64), num_classes=1000)
+    again.setup()
+    assert torch.equal(again.splits["train"][1_000_000][0], x)
+    assert not torch.equal(dm.splits["val"][0][0], train[0][0])  # splits use disjoint indices
+
+
+def test_synthetic_is_learnable():
+    """Nearest prototype classifies far above chance: accuracy on it means something."""
+    dm = SyntheticDataModule(global_batch_size=8, image_shape=(3, 8, 8), num_classes=10)
+    dm.setup()
+    val = dm.splits["val"]
+    protos = torch.nn.functional.interpolate(val.prototypes, size=(8, 8)).flatten(1)
+    correct = sum(int(((protos - val[i][0].flatten()) ** 2).sum(1).argmin() == val[i][1]) for i in range(200))
+    assert correct / 200 > 0.9
+
+
+@pytest.fixture
+def image_tree(tmp_path):
+    for split, count in (("train", 6), ("val", 3)):
+        for label in ("cat", "dog"):
+            folder = tmp_path / split / label
+            folder.mkdir(parents=True)
+            for i in range(count):
+                color = (200, 30 * i, 0) if label == "cat" else (0, 30 * i, 200)
+                Image.new("RGB", (40, 30), color).save(folder / f"{i}.png")
+    return tmp_path
+
+
+def test_imagefolder_on_generated_pngs(image_tree):
+    dm = ImageFolderDataModule(root=str(image_tree), image_size=32, global_batch_size=4, num_workers=0)
+    assert dm.num_classes == 2
+    assert dm.split_sizes() == {"train": 12, "val": 6, "test": 6}
+    x, y = dm.splits["val"][0]
+    assert x.shape == (3, 32, 32) and y == 0
+    batch = next(iter(dm.train_dataloader()))
+    assert batch[0].shape == (4, 3, 32, 32)
+
+
+def test_imagefolder_missing_directory(tmp_path):
+    with pytest.raises(UserError, match=r"no train/ directory under data.root="):
+        ImageFolderDataModule(root=str(tmp_path / "nowhere"), global_batch_size=4)
+
+
+def test_imagefolder_class_mismatch(image_tree):
+    (image_tree / "val" / "bird").mkdir()
+    (image_tree / "val" / "bird" / "x.png").write_bytes((image_tree / "val" / "cat" / "0.png").read_bytes())
+    dm = ImageFolderDataModule(root=str(image_tree), image_size=32, global_batch_size=4)
+    with pytest.raises(UserError, match="different class directories"):
+        dm.setup()
+
+
+def test_cifar10_missing_files_without_download(tmp_path):
+    dm = CIFAR10DataModule(root=str(tmp_path), download=False, global_batch_size=8)
+    with pytest.raises(UserError, match=r"CIFAR-10 is not under .*data.download=true"):
+        dm.prepare_data()
+
+
+def test_cifar10_offline_download_gives_one_clear_message(tmp_path, monkeypatch):
+    # Point the download at a closed local port: the same failure as a machine with no network, but instant.
+    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    dm = CIFAR10DataModule(root=str(tmp_path), download=True, global_batch_size=8)
+    with pytest.raises(UserError, match=r"could not download CIFAR-10 .* seems offline"):
+        dm.prepare_data()

@@ -13,6 +13,15 @@ class UserError(Exception):
 EXIT_USER_ERROR = 2
 
 
+def user_error_in(err: BaseException | None) -> UserError | None:
+    """The UserError behind `err`, also when a library re-raised it (Hydra's instantiate wraps errors)."""
+    while err is not None:
+        if isinstance(err, UserError):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn a `UserError` raised by a job into `error: <message>` on stderr and exit code 2."""
 
@@ -20,8 +29,11 @@ def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except UserError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+        except Exception as err:
+            cause = user_error_in(err)
+            if cause is None:
+                raise
+            print(f"error: {cause}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
 
     return wrapper

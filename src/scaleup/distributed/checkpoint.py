@@ -32,7 +32,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        if "Weights only load failed" in str(err) and "Unsupported" in str(err):
+        if "Unsupported global" in str(err):  # a class or function the file wants imported
             raise UserError(
                 f"refused to load {path}: it contains pickled Python objects, not just tensors and plain "
                 "containers, and loading it could run arbitrary code. Re-save the weights as a plain "

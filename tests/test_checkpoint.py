@@ -1,0 +1,79 @@
+"""Safe loading, prefix repair and atomic writes, on real files."""
+
+import pathlib
+
+import pytest
+import torch
+
+from scaleup.distributed.checkpoint import atomic_torch_save, load_checkpoint, load_weights, strip_wrapper_prefixes
+from scaleup.errors import UserError
+from scaleup.models.nets import DigitsCNN
+
+
+class Payload:
+    """Unpickling this calls Path.touch(marker): a stand-in for code a crafted checkpoint would run."""
+
+    def __init__(self, marker: pathlib.Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (self.marker,))
+
+
+def test_malicious_pickle_is_refused_and_not_run(tmp_path):
+    marker = tmp_path / "payload-ran"
+    path = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "extra": Payload(marker)}, path)
+    with pytest.raises(UserError, match="refused to load .* could run arbitrary code"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_missing_truncated_and_foreign_files(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_checkpoint(tmp_path / "nope.ckpt")
+    good = tmp_path / "good.ckpt"
+    torch.save({"state_dict": DigitsCNN().state_dict()}, good)
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(UserError, match="truncated or corrupt"):
+        load_checkpoint(truncated)
+    text = tmp_path / "notes.ckpt"
+    text.write_text("not a checkpoint\n")
+    with pytest.raises(UserError, match="is not a PyTorch checkpoint"):
+        load_checkpoint(text)
+    tensor = tmp_path / "tensor.pt"
+    torch.save(torch.ones(3), tensor)
+    with pytest.raises(UserError, match="holds a Tensor"):
+        load_checkpoint(tensor)
+
+
+def test_foreign_state_dict_with_ddp_and_compile_prefixes_loads():
+    source = DigitsCNN(norm="group")
+    foreign = {f"module._orig_mod.{k}": v for k, v in source.state_dict().items()}
+    assert set(strip_wrapper_prefixes(foreign)) == set(source.state_dict())
+    target = DigitsCNN(norm="group")
+    load_weights(target, foreign)
+    for key, value in source.state_dict().items():
+        assert torch.equal(target.state_dict()[key], value)
+
+
+def test_compiled_module_keys_are_plain():
+    """nn.Module.compile() (what model.compile=true uses) keeps parameter names; torch.compile() would not."""
+    net = DigitsCNN()
+    net.compile()
+    assert list(net.state_dict()) == list(DigitsCNN().state_dict())
+    assert next(iter(torch.compile(DigitsCNN()).state_dict())).startswith("_orig_mod.")
+
+
+def test_mismatched_weights_name_the_keys():
+    with pytest.raises(UserError, match=r"missing keys: .*running_mean.*unexpected keys: none"):
+        load_weights(DigitsCNN(norm="batch"), DigitsCNN(norm="group").state_dict())
+
+
+def test_atomic_save_replaces_whole_file_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "ckpt" / "last.ckpt"
+    atomic_torch_save({"step": 1}, path)
+    atomic_torch_save({"step": 2}, path)
+    assert load_checkpoint(path) == {"step": 2}
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]

@@ -1,0 +1,89 @@
+"""The default job end to end: `python train.py`, then eval.py and export.py on what it wrote."""
+
+import hydra
+import pytest
+import torch
+from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import check, read_json, run
+from scaleup.config import build_model
+from scaleup.distributed.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+def best_checkpoint(run_dir):
+    (best,) = (run_dir / "checkpoints").glob("best-*.ckpt")
+    return best
+
+
+def test_default_run_reaches_target_and_writes_every_file(trained_run):
+    metrics = read_json(trained_run / "metrics.json")
+    assert metrics["test/acc"] >= 0.95
+    assert metrics["val/samples"] == 180 and metrics["test/samples"] == 360
+    assert {"train/loss", "train/acc", "val/loss", "val/acc", "val/acc5", "test/loss", "test/acc"} <= metrics.keys()
+    plan = read_json(trained_run / "plan.json")
+    assert plan["dataset_sizes"] == {"train": 1257, "val": 180, "test": 360}
+    assert (plan["world_size"], plan["global_batch_size"], plan["seed"]) == (1, 64, 42)
+    assert {p.name for p in (trained_run / "checkpoints").iterdir()} == {"last.ckpt", best_checkpoint(trained_run).name}
+    assert [p.name for p in trained_run.glob("*.log")] == ["train.log"]
+    log = (trained_run / "train.log").read_text()
+    assert "global batch" in log and "done:" in log
+    assert OmegaConf.load(trained_run / "config.yaml").model.net.num_classes == 10
+    last = load_checkpoint(trained_run / "checkpoints" / "last.ckpt")
+    assert last["global_step"] == plan["total_steps"]  # the plan's step count is what the Trainer did
+
+
+def test_tensorboard_events_hold_the_expected_tags(trained_run):
+    events = EventAccumulator(str(trained_run / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss_step", "train/loss", "val/acc", "val/loss", "lr-SGD/decay", "test/acc"} <= tags
+    lrs = [e.value for e in events.Scalars("lr-SGD/decay")]
+    assert lrs[0] == pytest.approx(0.1) and lrs[-1] < 0.01  # warmup starts at the base LR, cosine decays
+
+
+def test_eval_reproduces_the_training_runs_test_numbers(trained_run, tmp_path):
+    check(
+        run(
+            [
+                f"ckpt_path={best_checkpoint(trained_run)}",
+                "trainer.enable_progress_bar=false",
+                f"hydra.run.dir={tmp_path}",
+            ],
+            script="eval.py",
+        )
+    )
+    trained, evaluated = read_json(trained_run / "metrics.json"), read_json(tmp_path / "metrics.json")
+    for name in ("test/acc", "test/acc5", "test/loss", "test/samples"):
+        assert evaluated[name] == trained[name], name
+
+
+def test_export_round_trip_strict_load_same_predictions(trained_run, tmp_path):
+    out = tmp_path / "net.pt"
+    ckpt = best_checkpoint(trained_run)
+    check(run([f"ckpt_path={ckpt}", f"output_path={out}"], script="export.py"))
+    cfg = OmegaConf.load(trained_run / "config.yaml")
+    net = hydra.utils.instantiate(cfg.model.net)
+    net.load_state_dict(torch.load(out, weights_only=True), strict=True)
+    module = build_model(OmegaConf.to_container(cfg.model))
+    module.load_state_dict(load_checkpoint(ckpt)["state_dict"])
+    x = torch.randn(16, 1, 8, 8)
+    torch.testing.assert_close(net.eval()(x), module.eval()(x), rtol=0, atol=0)
+
+    again = run([f"ckpt_path={ckpt}", f"output_path={out}"], script="export.py")
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+
+@pytest.mark.parametrize("script", ["eval.py", "export.py"])
+def test_missing_checkpoint_is_one_clear_message(tmp_path, script):
+    result = run(
+        [f"ckpt_path={tmp_path}/nope.ckpt", f"hydra.run.dir={tmp_path}"]
+        + ([f"output_path={tmp_path}/x.pt"] if script == "export.py" else []),
+        script=script,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: checkpoint {tmp_path}/nope.ckpt does not exist")
+    assert "Traceback" not in result.stderr

@@ -20,10 +20,13 @@ class RankProbe(L.Callback):
         self.out_dir = Path(out_dir)
         self.record: dict = {"epochs": {}}
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Before DDP wraps the model (and broadcasts rank 0's weights): what this rank built by itself.
+        self.record["initial_checksum"] = parameter_checksum(pl_module.net)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.record["rank"] = trainer.global_rank
         self.record["world_size"] = trainer.world_size
-        self.record["initial_checksum"] = parameter_checksum(pl_module.net)
         # After PerRankSeed: the stream dropout and augmentation draw from on this rank.
         self.record["dropout_mask"] = torch.nn.functional.dropout(torch.ones(64), p=0.5).nonzero().flatten().tolist()
 

@@ -3,8 +3,8 @@
 import math
 
 import pytest
-from conftest import check, read_json, run
 
+from conftest import check, read_json, run
 from scaleup.distributed.plan import LRSchedule, Topology, build_plan, resolve_batch, scaled_lr, total_steps
 from scaleup.errors import UserError
 

@@ -24,7 +24,7 @@ def test_malicious_pickle_is_refused_and_not_run(tmp_path):
     marker = tmp_path / "payload-ran"
     path = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {}, "extra": Payload(marker)}, path)
-    with pytest.raises(UserError, match="refused to load .* could run arbitrary code"):
+    with pytest.raises(UserError, match=r"refused to load .* could run arbitrary code"):
         load_checkpoint(path)
     assert not marker.exists()
 

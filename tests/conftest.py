@@ -46,12 +46,18 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def merged(args: list[str]) -> list[str]:
+    """Overrides with repeated keys collapsed, the last one winning (Hydra itself would not say which wins)."""
+    by_key = {arg.split("=", 1)[0]: arg for arg in args}
+    return list(by_key.values())
+
+
 def run(
     args: list[str], *, script: str = "train.py", timeout: float = 300, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """Run an entry point from the repo root, the way a user would."""
     return subprocess.run(
-        [sys.executable, script, *args],
+        [sys.executable, script, *merged(args)],
         cwd=ROOT,
         env=env or clean_env(),
         capture_output=True,

@@ -38,3 +38,14 @@ class RankProbe(L.Callback):
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.record))
         (self.out_dir / f"pid{trainer.global_rank}").write_text(str(os.getpid()))
+
+
+class StopAfterEpochs(L.Callback):
+    """Ends fit after `epochs` epochs while the plan still counts the full run: an interruption, cleanly."""
+
+    def __init__(self, epochs: int) -> None:
+        self.epochs = epochs
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch + 1 >= self.epochs:
+            trainer.should_stop = True

@@ -43,7 +43,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     # Same per-device batch as training by default: same batches, so the same float sums, to the last bit.
     data_cfg.update(global_batch_size=None, per_device_batch_size=cfg.batch_size or plan["per_device_batch_size"])
     datamodule = instantiate(data_cfg)
-    model = build_model(config["model"])
+    model = build_model({**config["model"], "compile": cfg.compile})
     load_weights(model, checkpoint["state_dict"])
     del checkpoint
 

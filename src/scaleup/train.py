@@ -20,11 +20,12 @@ from omegaconf import DictConfig, open_dict
 
 from scaleup.callbacks import ConfigInCheckpoint, LRScaling, MetricsFile, PreemptionCheckpoint
 from scaleup.config import build_model, instantiate_each, log_rows, to_plain, write_yaml
-from scaleup.distributed.checkpoint import AtomicCheckpointIO, load_checkpoint
+from scaleup.distributed.checkpoint import AtomicCheckpointIO, load_checkpoint, remove_interrupted_writes
 from scaleup.distributed.checks import TrainLoaderCheck, check_config, pitfall_warnings
 from scaleup.distributed.launch import build_strategy
 from scaleup.distributed.plan import Plan, build_plan, check_launcher, resolve_topology
 from scaleup.distributed.seeding import PerRankSeed
+from scaleup.errors import UserError
 from scaleup.models.nets import has_batchnorm
 
 log = logging.getLogger("scaleup")
@@ -50,9 +51,33 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> Path | Non
     return Path(ckpt_path)
 
 
-def describe_resume(path: Path, plan: Plan) -> None:
-    """Load the checkpoint once up front (clear errors, no traceback) and say what the new plan changes."""
-    previous = load_checkpoint(path).get("scaleup", {}).get("plan", {})
+def check_resume(path: Path, config: dict[str, Any], plan: Plan) -> None:
+    """Open the checkpoint up front (clear errors, no traceback), refuse another network, report what changed.
+
+    Runs before anything is written, so a bad resume leaves the run directory as it was.
+    """
+    checkpoint = load_checkpoint(path)
+    if checkpoint.get("global_step", 0) >= plan.total_steps:
+        raise UserError(
+            f"{path} is at step {checkpoint['global_step']} (epoch {checkpoint.get('epoch')}), already at or past "
+            f"this plan's {plan.total_steps} steps; raise trainer.max_epochs or trainer.max_steps to train further"
+        )
+    stored = checkpoint.get("scaleup", {})
+    previous_net = stored.get("config", {}).get("model", {}).get("net")
+    net = config["model"]["net"]
+    if previous_net is not None and previous_net != net:
+        diffs = [
+            f"{k}={previous_net.get(k)} (now {net.get(k)})"
+            for k in sorted(net.keys() | previous_net.keys())
+            if previous_net.get(k) != net.get(k)
+        ]
+        raise UserError(
+            f"{path} was trained with another network: model.net.{', model.net.'.join(diffs)}; "
+            "resume with the same model settings, or start a new run"
+        )
+    if rank_zero_only.rank != 0:
+        return
+    previous = stored.get("plan", {})
     changed = [
         f"{key} {previous[key]} -> {value}"
         for key, value in plan.to_dict().items()
@@ -98,6 +123,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         strategy=strategy_name,
     )
     check_config(config, plan)
+    ckpt_path = None if cfg.dry_run else resolve_ckpt_path(cfg.ckpt_path, checkpoint_dir)
+    if ckpt_path is not None:
+        check_resume(ckpt_path, config, plan)
     if rank_zero_only.rank == 0:
         log_rows("plan" + (" (dry run: nothing is started)" if cfg.dry_run else ""), plan.rows())
         for warning in pitfall_warnings(
@@ -111,10 +139,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         write_yaml(config, run_dir / "config.yaml")
     if cfg.dry_run:
         return plan.to_dict()
-
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, checkpoint_dir)
-    if ckpt_path is not None:
-        describe_resume(ckpt_path, plan)
 
     lr_cfg = config["callbacks"]["lr_scaling"]
     callbacks = [
@@ -140,6 +164,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         plugins=[AtomicCheckpointIO()],
         default_root_dir=run_dir,
     )
+    if trainer.is_global_zero:
+        remove_interrupted_writes(checkpoint_dir)
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException:

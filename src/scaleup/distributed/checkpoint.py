@@ -100,6 +100,14 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
         os.close(dir_fd)
 
 
+def remove_interrupted_writes(directory: str | Path) -> list[Path]:
+    """Delete temporary files that a killed `atomic_torch_save` left behind (never a finished checkpoint)."""
+    stale = list(Path(directory).glob(".*.tmp")) if Path(directory).is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning checkpoint IO with same-directory atomic writes and `weights_only=True` reads."""
 

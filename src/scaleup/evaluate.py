@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,6 @@ from typing import Any
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from scaleup.callbacks import MetricsFile
@@ -51,20 +51,22 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     if topology.accelerator == "cpu" and str(precision).startswith("16"):
         precision = "bf16-mixed"  # fp16 autocast needs a GPU; bf16 keeps the reduced-precision behaviour
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    metrics_file = MetricsFile(run_dir / "metrics.json")
+    metrics_path = run_dir / "metrics.json"
     trainer = L.Trainer(
         accelerator=topology.accelerator,
         devices=topology.devices,
         num_nodes=topology.num_nodes,
         precision=precision,
-        callbacks=[metrics_file],
+        callbacks=[MetricsFile(metrics_path)],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=cfg.trainer.enable_progress_bar,
         default_root_dir=run_dir,
     )
     trainer.test(model, datamodule=datamodule, verbose=False)
-    if rank_zero_only.rank == 0:
-        rows = [(name, f"{value:.4f}") for name, value in sorted(metrics_file.metrics.items())]
-        log_rows(f"{cfg.ckpt_path} on {topology.world_size} {topology.accelerator} process(es) ({run_dir})", rows)
-    return metrics_file.metrics
+    if not trainer.is_global_zero:
+        return {}
+    metrics = json.loads(metrics_path.read_text())
+    rows = [(name, f"{value:.4f}") for name, value in metrics.items()]
+    log_rows(f"{cfg.ckpt_path} on {topology.world_size} {topology.accelerator} process(es) ({run_dir})", rows)
+    return metrics

@@ -175,9 +175,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     best = next((cb.best_model_path for cb in trainer.checkpoint_callbacks if cb.monitor), "")
     trainer.test(model, datamodule=datamodule, ckpt_path=best or None, verbose=False)
 
-    metrics = next(cb for cb in callbacks if isinstance(cb, MetricsFile)).metrics
-    if trainer.is_global_zero:
-        summarise(run_dir, metrics, best)
+    if not trainer.is_global_zero:
+        return {}
+    # Read back what rank 0 wrote: with ddp_spawn, training and testing ran in child processes.
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    summarise(run_dir, metrics, best)
     return metrics
 
 

@@ -10,25 +10,30 @@ from lightning.pytorch.utilities import rank_zero_only
 
 
 class MetricsFile(L.Callback):
-    """Writes the final value of every logged metric to `metrics.json` (rank 0, after fit and after test)."""
+    """Merges the final value of every logged metric into `metrics.json` (rank 0, after fit and after test).
+
+    Merging through the file, not an in-memory dict, keeps fit and test metrics together when each stage
+    runs in its own processes (ddp_spawn starts new ones for `trainer.test`).
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.metrics: dict[str, float] = {}
 
-    def _collect(self, trainer: L.Trainer) -> None:
+    def _write(self, trainer: L.Trainer) -> None:
+        if rank_zero_only.rank != 0:
+            return
+        metrics = json.loads(self.path.read_text()) if self.path.is_file() else {}
         for name, value in trainer.callback_metrics.items():
             value = float(value)
-            self.metrics[name] = value if math.isfinite(value) else str(value)
-        if rank_zero_only.rank == 0:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(dict(sorted(self.metrics.items())), indent=2) + "\n")
+            metrics[name] = value if math.isfinite(value) else str(value)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(dict(sorted(metrics.items())), indent=2) + "\n")
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._collect(trainer)
+        self._write(trainer)
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._collect(trainer)
+        self._write(trainer)
 
 
 class ConfigInCheckpoint(L.Callback):

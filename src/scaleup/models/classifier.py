@@ -75,6 +75,13 @@ class ImageClassifier(L.LightningModule):
         # Attributes, not a ModuleDict: "train" would shadow nn.Module.train.
         self.train_metrics, self.val_metrics, self.test_metrics = (StageMetrics(net["num_classes"]) for _ in STAGES)
 
+    def setup(self, stage: str) -> None:
+        # ddp_spawn hands the module to its processes through shared memory, so on CPU every rank's metric
+        # states would be one shared tensor (each rank adding into the others' sums). Reset makes them private.
+        for stage_metrics in (self.train_metrics, self.val_metrics, self.test_metrics):
+            for _, metric in stage_metrics.items():
+                metric.reset()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 

@@ -26,6 +26,8 @@ class RankProbe(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.record["rank"] = trainer.global_rank
+        self.record["local_rank"] = trainer.local_rank
+        self.record["node_rank"] = trainer.node_rank
         self.record["world_size"] = trainer.world_size
         # After PerRankSeed: the stream dropout and augmentation draw from on this rank.
         self.record["dropout_mask"] = torch.nn.functional.dropout(torch.ones(64), p=0.5).nonzero().flatten().tolist()
@@ -49,3 +51,20 @@ class StopAfterEpochs(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.current_epoch + 1 >= self.epochs:
             trainer.should_stop = True
+
+
+class FailOnRank(L.Callback):
+    """Raises on one rank at one step, as a bug or a dying GPU would; with `first_attempt_only`, only before
+    torchrun's first restart."""
+
+    def __init__(self, rank: int, step: int, first_attempt_only: bool = False) -> None:
+        self.rank, self.step, self.first_attempt_only = rank, step, first_attempt_only
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+        if (
+            trainer.global_rank == self.rank
+            and trainer.global_step == self.step
+            and not (self.first_attempt_only and restarted)
+        ):
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from scaleup.callbacks import MetricsFile
 from scaleup.config import build_model, log_rows, to_plain
 from scaleup.distributed.checkpoint import load_checkpoint, load_weights
+from scaleup.distributed.launch import shut_down_process_group
 from scaleup.distributed.plan import check_launcher, resolve_topology
 from scaleup.errors import UserError
 
@@ -64,6 +65,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         default_root_dir=run_dir,
     )
     trainer.test(model, datamodule=datamodule, verbose=False)
+    shut_down_process_group()
     if not trainer.is_global_zero:
         return {}
     metrics = json.loads(metrics_path.read_text())

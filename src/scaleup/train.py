@@ -22,7 +22,7 @@ from scaleup.callbacks import ConfigInCheckpoint, LRScaling, MetricsFile, Preemp
 from scaleup.config import build_model, instantiate_each, log_rows, to_plain, write_yaml
 from scaleup.distributed.checkpoint import AtomicCheckpointIO, load_checkpoint, remove_interrupted_writes
 from scaleup.distributed.checks import TrainLoaderCheck, check_config, pitfall_warnings
-from scaleup.distributed.launch import build_strategy
+from scaleup.distributed.launch import build_strategy, fresh_store_after_torchrun_restart, shut_down_process_group
 from scaleup.distributed.plan import Plan, build_plan, check_launcher, resolve_topology
 from scaleup.distributed.seeding import PerRankSeed
 from scaleup.errors import UserError
@@ -98,6 +98,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     topology = resolve_topology(cfg.trainer, dry_run=cfg.dry_run)
     if not cfg.dry_run:
         check_launcher(topology)
+        fresh_store_after_torchrun_restart()
 
     # Same seed on every rank before the model is built: identical initial weights everywhere.
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -174,6 +175,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         sys.exit(EXIT_PREEMPTED)
     best = next((cb.best_model_path for cb in trainer.checkpoint_callbacks if cb.monitor), "")
     trainer.test(model, datamodule=datamodule, ckpt_path=best or None, verbose=False)
+    shut_down_process_group()
 
     if not trainer.is_global_zero:
         return {}

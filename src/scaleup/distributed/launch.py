@@ -74,6 +74,29 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("devnull", lambda: os.devnull)
 
 
+def fresh_store_after_torchrun_restart() -> None:
+    """After `torchrun --max-restarts` restarts the workers, give the new attempt a store of its own.
+
+    torchrun's workers meet in the agent's store, which outlives a restart: the restarted ranks then read the
+    dead attempt's addresses from it and fail with "Connection refused". Rank 0 hosts a new store instead, on
+    the port after the agent's one for each attempt (MASTER_PORT + restart count).
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if attempt > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + attempt)
+
+
+def shut_down_process_group() -> None:
+    """Leave the process group together: a rank that exits while a peer still holds gloo connections can
+    abort in C++ ("terminate called without an active exception") and fail an otherwise finished run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def build_strategy(strategy: Any, ddp_options: dict[str, Any], world_size: int, multirun: bool) -> tuple[Any, str]:
     """The Trainer's `strategy` argument and a name for the plan.
 

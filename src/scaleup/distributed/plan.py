@@ -319,3 +319,12 @@ def check_launcher(topology: Topology) -> None:
             f"{topology.devices} x {topology.num_nodes} = {topology.world_size}; make them equal "
             f"(e.g. trainer.devices={size // topology.num_nodes} trainer.num_nodes={topology.num_nodes})"
         )
+    if launched and launched[0] == "SLURM":
+        per_node, nodes = os.environ.get("SLURM_NTASKS_PER_NODE"), os.environ.get("SLURM_NNODES")
+        if per_node and per_node.isdigit() and int(per_node) != topology.devices:
+            raise UserError(
+                f"SLURM runs --ntasks-per-node={per_node} but trainer.devices={topology.devices}: one task per "
+                f"device, so pass trainer.devices={per_node}"
+            )
+        if nodes and int(nodes) != topology.num_nodes:
+            raise UserError(f"SLURM runs --nodes={nodes} but trainer.num_nodes={topology.num_nodes}; make them equal")

@@ -1,0 +1,246 @@
+"""Every launcher gives one run directory, one log file, one metrics.json, and correct ranks (CPU, gloo, loopback)."""
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import QUICK, ROOT, check, clean_env, merged, read_json, run
+
+pytestmark = pytest.mark.slow
+
+ONE_EPOCH = [*QUICK, "trainer.max_epochs=1", "+callbacks.probe._target_=probes.RankProbe"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*torchrun_args: str, args: list[str], env=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "train.py", *merged(args)],
+        cwd=ROOT,
+        env=env or clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def only_run_dir(log_dir):
+    """The single run directory under paths.log_dir, asserting there is exactly one."""
+    (run_dir,) = [p for p in (log_dir / "train").iterdir()]
+    return run_dir
+
+
+def assert_one_clean_run(run_dir, world_size=2):
+    assert [p.name for p in run_dir.glob("*.log")] == ["train.log"]
+    assert (run_dir / "metrics.json").is_file() and read_json(run_dir / "plan.json")["world_size"] == world_size
+    assert read_json(run_dir / "metrics.json")["test/samples"] == 360
+    ranks = [read_json(run_dir / "probe" / f"rank{r}.json") for r in range(world_size)]
+    assert [r["rank"] for r in ranks] == list(range(world_size))
+    assert {r["world_size"] for r in ranks} == {world_size}
+    return ranks
+
+
+def probe_dir_arg(log_dir):
+    # The run dir is not known in advance: ask the probe to write inside whatever Hydra resolved.
+    return "+callbacks.probe.out_dir=${hydra:runtime.output_dir}/probe"
+
+
+def test_lightning_launcher_one_run_dir(tmp_path):
+    check(run([*ONE_EPOCH, "trainer.devices=2", f"paths.log_dir={tmp_path}", probe_dir_arg(tmp_path)]))
+    ranks = assert_one_clean_run(only_run_dir(tmp_path))
+    assert [r["local_rank"] for r in ranks] == [0, 1]
+
+
+def test_torchrun_standalone_one_run_dir(tmp_path):
+    result = torchrun(
+        "--standalone",
+        "--nproc_per_node=2",
+        args=[*ONE_EPOCH, "trainer.devices=2", f"paths.log_dir={tmp_path}", probe_dir_arg(tmp_path)],
+    )
+    check(result)
+    assert_one_clean_run(only_run_dir(tmp_path))
+
+
+def test_torchrun_two_nodes_on_loopback(tmp_path):
+    run_dir, port = tmp_path / "shared-run", free_port()
+    args = [
+        *ONE_EPOCH,
+        "trainer.devices=1",
+        "trainer.num_nodes=2",
+        f"hydra.run.dir={run_dir}",
+        f"+callbacks.probe.out_dir={run_dir / 'probe'}",
+    ]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node_rank={node}",
+                "--nproc_per_node=1",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                "train.py",
+                *merged(args),
+            ],
+            cwd=ROOT,
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    ranks = assert_one_clean_run(run_dir)
+    assert [(r["rank"], r["local_rank"], r["node_rank"]) for r in ranks] == [(0, 0, 0), (1, 0, 1)]
+
+
+def test_multi_node_torchrun_without_shared_run_dir_is_one_clear_message(tmp_path):
+    env = clean_env(
+        TORCHELASTIC_RUN_ID="none",
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="1",
+        RANK="0",
+        LOCAL_RANK="0",
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    result = run([*QUICK, "trainer.num_nodes=2", f"paths.log_dir={tmp_path}"], env=env, timeout=60)
+    assert result.returncode != 0
+    assert "give every node the same shared run directory with hydra.run.dir=" in result.stderr
+    assert not (tmp_path / "train").exists()
+
+
+def slurm_env(rank: int, ntasks: int = 2, port: int = 0) -> dict[str, str]:
+    """What `srun --ntasks-per-node=2` on one node sets for task `rank`."""
+    return clean_env(
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="train",
+        SLURM_NTASKS=str(ntasks),
+        SLURM_NTASKS_PER_NODE=str(ntasks),
+        SLURM_NNODES="1",
+        SLURM_NODELIST="127.0.0.1",
+        SLURM_PROCID=str(rank),
+        SLURM_LOCALID=str(rank),
+        SLURM_NODEID="0",
+        SLURM_STEP_ID="0",
+        MASTER_PORT=str(port),
+    )
+
+
+def test_slurm_srun_environment(tmp_path):
+    port = free_port()
+    args = [*ONE_EPOCH, "trainer.devices=2", f"paths.log_dir={tmp_path}", probe_dir_arg(tmp_path)]
+    tasks = [
+        subprocess.Popen(
+            [sys.executable, "train.py", *merged(args)],
+            cwd=ROOT,
+            env=slurm_env(rank, port=port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [task.communicate(timeout=300)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outputs
+    run_dir = only_run_dir(tmp_path)
+    assert run_dir.name == "slurm-4242"  # named after the job: a requeued job finds its checkpoints again
+    ranks = assert_one_clean_run(run_dir)
+    assert [r["local_rank"] for r in ranks] == [0, 1]
+
+
+def test_slurm_task_count_mismatch_is_one_clear_message(tmp_path):
+    result = run([*QUICK, "trainer.devices=1", f"paths.log_dir={tmp_path}"], env=slurm_env(0), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: SLURM started 2 process(es) but trainer.devices x trainer.num_nodes = 1 x 1 = 1; make them equal "
+        "(e.g. trainer.devices=2 trainer.num_nodes=1)"
+    )
+
+
+def test_ddp_spawn_one_run_dir(tmp_path):
+    check(
+        run(
+            [
+                *ONE_EPOCH,
+                "trainer.devices=2",
+                "trainer.strategy=ddp_spawn",
+                f"paths.log_dir={tmp_path}",
+                probe_dir_arg(tmp_path),
+            ]
+        )
+    )
+    assert_one_clean_run(only_run_dir(tmp_path))
+
+
+def test_multirun_sweep_with_two_devices(tmp_path):
+    result = check(
+        run(
+            ["-m", "seed=1,2", *QUICK, "trainer.max_epochs=1", "trainer.devices=2", f"paths.log_dir={tmp_path}"],
+            timeout=600,
+        )
+    )
+    (sweep,) = (tmp_path / "train-sweep").iterdir()
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    assert [read_json(sweep / job / "plan.json")["seed"] for job in ("0", "1")] == [1, 2]
+    for job in ("0", "1"):
+        assert read_json(sweep / job / "plan.json")["strategy"] == "ddp_spawn"
+        assert read_json(sweep / job / "metrics.json")["test/samples"] == 360
+    assert not (tmp_path / "train").exists()  # no stray per-child run directories
+    assert result.stdout.count("Launching") <= 2
+
+
+@pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
+def test_a_failing_rank_stops_every_process_quickly(tmp_path, launcher):
+    args = [
+        *QUICK,
+        "trainer.max_epochs=5",
+        "trainer.devices=2",
+        "+callbacks.fail._target_=probes.FailOnRank",
+        "+callbacks.fail.rank=1",
+        "+callbacks.fail.step=3",
+        f"paths.log_dir={tmp_path}",
+    ]
+    start = time.monotonic()
+    result = (
+        run(args, timeout=120)
+        if launcher == "lightning"
+        else torchrun("--standalone", "--nproc_per_node=2", args=args, timeout=120)
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert "injected failure on rank 1 at step 3" in result.stdout + result.stderr
+    assert elapsed < 90, f"took {elapsed:.0f} s to stop"
+    print(f"{launcher}: all processes stopped {elapsed:.1f} s after start, exit {result.returncode}")
+
+
+def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path):
+    args = [
+        *QUICK,
+        "trainer.max_epochs=3",
+        "trainer.devices=2",
+        "ckpt_path=last",
+        f"paths.log_dir={tmp_path}",
+        "+callbacks.fail._target_=probes.FailOnRank",
+        "+callbacks.fail.rank=1",
+        "+callbacks.fail.step=25",
+        "+callbacks.fail.first_attempt_only=true",
+    ]
+    result = check(torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=1", args=args))
+    run_dir = only_run_dir(tmp_path)  # the restarted workers found the same run directory
+    log = (run_dir / "train.log").read_text()
+    assert "resuming from" in log and "last.ckpt" in log
+    assert read_json(run_dir / "metrics.json")["test/samples"] == 360
+    assert "injected failure" in result.stdout + result.stderr

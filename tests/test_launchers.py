@@ -244,3 +244,23 @@ def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path):
     assert "resuming from" in log and "last.ckpt" in log
     assert read_json(run_dir / "metrics.json")["test/samples"] == 360
     assert "injected failure" in result.stdout + result.stderr
+
+
+def test_fsdp_is_planned_anywhere_and_refused_on_cpu(tmp_path):
+    planned = check(
+        run(
+            [
+                "trainer=fsdp",
+                "model=resnet50",
+                "data=synthetic",
+                "trainer.devices=8",
+                "dry_run=true",
+                f"hydra.run.dir={tmp_path / 'plan'}",
+            ]
+        )
+    )
+    assert read_json(tmp_path / "plan" / "plan.json")["strategy"] == "FSDPStrategy", planned.stdout
+    refused = run(
+        ["trainer=fsdp", "trainer.devices=2", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path}"], timeout=60
+    )
+    assert refused.returncode == 2 and "trainer=fsdp needs GPUs" in refused.stderr

@@ -23,6 +23,10 @@ def check_config(cfg: dict[str, Any], plan: Plan) -> None:
             "remove data.shuffle: the training sampler shuffles every epoch by itself (and a DataLoader "
             "refuses shuffle=True together with a sampler)"
         )
+    if plan.accelerator == "cpu" and "FSDP" in plan.strategy:
+        raise UserError(
+            "trainer=fsdp needs GPUs (Lightning runs FSDP on CUDA only); on CPU use the default DDP strategy"
+        )
     if plan.accelerator == "cpu" and plan.precision.startswith("16"):
         raise UserError(
             f"trainer.precision={plan.precision} needs a GPU; on CPU use trainer.precision=bf16-mixed or 32-true"

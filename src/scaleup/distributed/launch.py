@@ -97,6 +97,14 @@ def shut_down_process_group() -> None:
         dist.destroy_process_group()
 
 
+def fsdp_strategy(wrap_modules: list[str], **kwargs: Any) -> Any:
+    """Lightning's FSDPStrategy, sharding at the given module classes (dotted names, as config can hold)."""
+    from hydra.utils import get_class
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return FSDPStrategy(auto_wrap_policy={get_class(name) for name in wrap_modules}, **kwargs)
+
+
 def build_strategy(strategy: Any, ddp_options: dict[str, Any], world_size: int, multirun: bool) -> tuple[Any, str]:
     """The Trainer's `strategy` argument and a name for the plan.
 

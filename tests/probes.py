@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from scaleup.models import ImageClassifier
 from scaleup.models.nets import parameter_checksum
 
 
@@ -68,3 +69,12 @@ class FailOnRank(L.Callback):
             and not (self.first_attempt_only and restarted)
         ):
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+
+
+class GlobalCountLoss(ImageClassifier):
+    """The seeds' pitfall: per-sample losses summed and divided by the global batch size. Right on 1 device,
+    scaled down by the number of devices under DDP (whose gradient averaging already divides by it)."""
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        global_batch = self.trainer.world_size * self.trainer.accumulate_grad_batches * target.numel()
+        return torch.nn.functional.cross_entropy(logits, target, reduction="sum") / global_batch

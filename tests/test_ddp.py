@@ -1,11 +1,13 @@
 """1 vs N devices on CPU with 2 real processes (gloo): same weights, exact metrics, per-rank seeds, LR plan."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import QUICK, assert_same_weights, check, read_json, run, weights
+from conftest import QUICK, ROOT, assert_same_weights, check, clean_env, read_json, run, weights
 from scaleup.distributed.plan import LRSchedule
 
 pytestmark = pytest.mark.slow
@@ -122,3 +124,33 @@ def test_ddp_checkpoint_evaluates_on_one_device(runs, tmp_path):
     assert one_device["test/samples"] == two_devices["test/samples"] == TEST
     assert one_device["test/acc"] == two_devices["test/acc"]
     assert math.isclose(one_device["test/loss"], two_devices["test/loss"], rel_tol=1e-5)
+
+
+def test_equivalence_check_passes_the_template_and_catches_a_global_count_loss():
+    env = clean_env()
+    ok = subprocess.run(
+        [sys.executable, "-m", "scaleup.check_equivalence", "model.net.norm=group"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "equivalent" in ok.stdout
+    broken = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scaleup.check_equivalence",
+            "model.net.norm=group",
+            "model._target_=probes.GlobalCountLoss",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert "NOT EQUIVALENT" in broken.stdout

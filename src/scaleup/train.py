@@ -37,18 +37,17 @@ warnings.filterwarnings("ignore", message="You're resuming from a checkpoint tha
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, the shell's convention for "terminated"
 
 
-def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> Path | None:
-    """`last` is this run directory's own last.ckpt (a fresh start when there is none yet, so the same
-    command can start a job and resume it after a restart); anything else must be an existing checkpoint."""
-    if ckpt_path is None:
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Path | None:
+    """`last` is this run directory's newest checkpoint: checkpoints/last.ckpt, or the hpc_ckpt_N.ckpt that
+    Lightning saves on SLURM's pre-emption signal if that is newer. With none yet it starts from scratch, so
+    one command both starts a job and resumes it after a restart. Anything else must be a checkpoint file."""
+    if ckpt_path != "last":
+        return None if ckpt_path is None else Path(ckpt_path)
+    candidates = [p for p in [run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt")] if p.is_file()]
+    if not candidates:
+        log.info(f"ckpt_path=last: no checkpoint in {run_dir} yet, starting from scratch")
         return None
-    if ckpt_path == "last":
-        path = checkpoint_dir / "last.ckpt"
-        if not path.is_file():
-            log.info(f"ckpt_path=last: no {path} yet, starting from scratch")
-            return None
-        return path
-    return Path(ckpt_path)
+    return max(candidates, key=lambda p: p.stat().st_mtime_ns)
 
 
 def check_resume(path: Path, config: dict[str, Any], plan: Plan) -> None:
@@ -124,7 +123,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         strategy=strategy_name,
     )
     check_config(config, plan)
-    ckpt_path = None if cfg.dry_run else resolve_ckpt_path(cfg.ckpt_path, checkpoint_dir)
+    ckpt_path = None if cfg.dry_run else resolve_ckpt_path(cfg.ckpt_path, run_dir)
     if ckpt_path is not None:
         check_resume(ckpt_path, config, plan)
     if rank_zero_only.rank == 0:

@@ -85,12 +85,17 @@ class ImageClassifier(L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
+    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean over this device's batch. DDP averages gradients over devices, which then equals the mean over
+        the global batch because every device gets the same batch size (see GlobalBatchSampler). A loss divided
+        by a global count instead would be scaled down by the number of devices: `python -m
+        scaleup.check_equivalence` catches that."""
+        return F.cross_entropy(logits, target, label_smoothing=self.hparams.label_smoothing)
+
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
         x, y = batch
         logits = self(x)
-        # Mean over this device's batch: DDP then averages the gradients over devices, which equals the mean
-        # over the global batch because every device gets the same batch size (see GlobalBatchSampler).
-        loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
+        loss = self.loss(logits, y)
         metrics = getattr(self, f"{stage}_metrics")
         metrics.update(logits, y, loss)
         for name, metric in metrics.items():

@@ -23,6 +23,7 @@ CHECK = [
     "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false",
     "logger=none",
+    "callbacks.lr_scaling.warmup_epochs=0",
 ]
 
 

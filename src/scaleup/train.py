@@ -13,7 +13,7 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, open_dict
@@ -151,8 +151,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         MetricsFile(run_dir / "metrics.json"),
         *instantiate_each(config["callbacks"]),
     ]
-    if not config["trainer"].get("enable_progress_bar", True):  # Lightning refuses a bar it was told not to show
+    loggers = instantiate_each(config["logger"])
+    # Lightning refuses a progress bar it was told not to show, and an LR monitor with nowhere to log.
+    if not config["trainer"].get("enable_progress_bar", True):
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
+    if not loggers:
+        callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
     trainer_kwargs = {k: v for k, v in config["trainer"].items() if k not in ("strategy", "sync_batchnorm")}
     trainer_kwargs.update(accelerator=topology.accelerator, devices=topology.devices, num_nodes=topology.num_nodes)
     trainer = L.Trainer(
@@ -160,7 +164,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         strategy=strategy,
         sync_batchnorm=plan.sync_batchnorm,
         callbacks=callbacks,
-        logger=instantiate_each(config["logger"]) or False,
+        logger=loggers or False,
         plugins=[AtomicCheckpointIO()],
         default_root_dir=run_dir,
     )

@@ -78,3 +78,14 @@ class GlobalCountLoss(ImageClassifier):
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         global_batch = self.trainer.world_size * self.trainer.accumulate_grad_batches * target.numel()
         return torch.nn.functional.cross_entropy(logits, target, reduction="sum") / global_batch
+
+
+class MemoryHog(L.Callback):
+    """Holds 1 GB on one rank only: the asymmetry TrainingDiagnostics should report."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == self.rank:
+            self.hoard = torch.ones(2**28)  # 1 GiB of float32, written so it is resident

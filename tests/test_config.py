@@ -51,7 +51,13 @@ def test_loggers_and_callbacks_instantiate(logger):
     cfg = composed(f"logger={logger}")
     assert len(instantiate_each(cfg["logger"])) == (0 if logger == "none" else 1)
     names = [type(cb).__name__ for cb in instantiate_each(cfg["callbacks"])]
-    assert names == ["ModelCheckpoint", "ModelCheckpoint", "LearningRateMonitor", "RichProgressBar"]
+    assert names == [
+        "ModelCheckpoint",
+        "ModelCheckpoint",
+        "LearningRateMonitor",
+        "TrainingDiagnostics",
+        "RichProgressBar",
+    ]
 
 
 def test_unknown_group_option_is_one_clear_message(tmp_path):

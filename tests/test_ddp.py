@@ -154,3 +154,22 @@ def test_equivalence_check_passes_the_template_and_catches_a_global_count_loss()
     )
     assert broken.returncode == 1, broken.stdout + broken.stderr
     assert "NOT EQUIVALENT" in broken.stdout
+
+
+def test_uneven_memory_across_ranks_is_reported(tmp_path):
+    result = check(
+        run(
+            [
+                *QUICK,
+                "trainer.max_epochs=1",
+                "trainer.devices=2",
+                "+callbacks.hog._target_=probes.MemoryHog",
+                "+callbacks.hog.rank=1",
+                f"hydra.run.dir={tmp_path}",
+            ]
+        )
+    )
+    warning = next(line for line in (result.stdout + result.stderr).splitlines() if "peak memory differs" in line)
+    rank0, rank1 = (float(part.split(" GB")[0].split()[-1]) for part in warning.split(", ")[:2])
+    assert rank1 - rank0 > 0.9  # the 1 GiB held on rank 1
+    assert "peak memory differs" in (tmp_path / "train.log").read_text()

@@ -23,6 +23,7 @@ def test_default_run_reaches_target_and_writes_every_file(trained_run):
     assert metrics["test/acc"] >= 0.95
     assert metrics["val/samples"] == 180 and metrics["test/samples"] == 360
     assert {"train/loss", "train/acc", "val/loss", "val/acc", "val/acc5", "test/loss", "test/acc"} <= metrics.keys()
+    assert 0 <= metrics["perf/data_wait"] < 1 and metrics["perf/samples_per_s"] > 0 and metrics["perf/peak_mem_gb"] > 0
     plan = read_json(trained_run / "plan.json")
     assert plan["dataset_sizes"] == {"train": 1257, "val": 180, "test": 360}
     assert (plan["world_size"], plan["global_batch_size"], plan["seed"]) == (1, 64, 42)

@@ -71,6 +71,41 @@ def test_mid_epoch_checkpoint_resumes_exactly(straight, tmp_path):
     )
 
 
+def save_every(steps_dir, n):
+    return [
+        "+callbacks.steps._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"+callbacks.steps.dirpath={steps_dir}",
+        f"+callbacks.steps.every_n_train_steps={n}",
+        "+callbacks.steps.save_top_k=-1",
+        "+callbacks.steps.filename='at-{step}'",
+    ]
+
+
+def test_resume_twice_at_epoch_ends_trains_no_extra_epoch(straight, tmp_path):
+    """Resume from the last batch of epoch 0, save at the last batch of epoch 1, resume again. Without
+    EpochProgressRepair, Lightning 2.6 trains epoch 1 a second time here (40 steps instead of 32)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    check(
+        run(
+            [
+                *SMALL,
+                *save_every(first, 8),
+                "+callbacks.stop._target_=probes.StopAfterEpochs",
+                "+callbacks.stop.epochs=1",
+                f"hydra.run.dir={first}",
+            ]
+        )
+    )
+    shutil.copy(first / "at-step=8.ckpt", tmp_path / "step8.ckpt")
+    check(run([*SMALL, *save_every(second, 16), f"ckpt_path={tmp_path / 'step8.ckpt'}", f"hydra.run.dir={second}"]))
+    shutil.copy(second / "at-step=16.ckpt", tmp_path / "step16.ckpt")
+    check(run([*SMALL, f"ckpt_path={tmp_path / 'step16.ckpt'}", f"hydra.run.dir={tmp_path / 'third'}"]))
+    assert load_checkpoint(tmp_path / "third/checkpoints/last.ckpt")["global_step"] == 32
+    assert_same_weights(
+        weights(straight / "1/checkpoints/last.ckpt"), weights(tmp_path / "third/checkpoints/last.ckpt"), 0, 0
+    )
+
+
 def test_resume_on_another_device_count_keeps_the_plan(tmp_path):
     check(run([*SMALL, "trainer.devices=2", f"hydra.run.dir={tmp_path}", *STOP_AFTER_2]))
     result = check(run([*SMALL, "trainer.devices=1", "ckpt_path=last", f"hydra.run.dir={tmp_path}"]))

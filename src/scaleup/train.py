@@ -20,7 +20,12 @@ from omegaconf import DictConfig, open_dict
 
 from scaleup.callbacks import ConfigInCheckpoint, LRScaling, MetricsFile, PreemptionCheckpoint
 from scaleup.config import build_model, instantiate_each, log_rows, to_plain, write_yaml
-from scaleup.distributed.checkpoint import AtomicCheckpointIO, load_checkpoint, remove_interrupted_writes
+from scaleup.distributed.checkpoint import (
+    AtomicCheckpointIO,
+    EpochProgressRepair,
+    load_checkpoint,
+    remove_interrupted_writes,
+)
 from scaleup.distributed.checks import TrainLoaderCheck, check_config, pitfall_warnings
 from scaleup.distributed.launch import build_strategy, fresh_store_after_torchrun_restart, shut_down_process_group
 from scaleup.distributed.plan import Plan, build_plan, check_launcher, resolve_topology
@@ -148,6 +153,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         TrainLoaderCheck(),
         ConfigInCheckpoint(config, plan.to_dict()),
         PreemptionCheckpoint(checkpoint_dir),
+        EpochProgressRepair(),
         MetricsFile(run_dir / "metrics.json"),
         *instantiate_each(config["callbacks"]),
     ]

@@ -1,0 +1,83 @@
+"""Start-up pitfall checks and the DDP options, on the functions that decide them."""
+
+from datetime import timedelta
+
+import pytest
+from lightning.pytorch.strategies import DDPStrategy
+
+from scaleup.distributed.checks import check_config, pitfall_warnings
+from scaleup.distributed.launch import build_strategy
+from scaleup.distributed.plan import Topology, build_plan
+from scaleup.errors import UserError
+
+DDP_OPTIONS = {
+    "timeout_minutes": 90,
+    "bucket_cap_mb": 100,
+    "gradient_as_bucket_view": True,
+    "static_graph": True,
+    "find_unused_parameters": False,
+}
+
+
+def plan(accelerator="gpu", devices=4, global_batch=64, rule="linear", base_batch=64, precision="32-true", **kw):
+    return build_plan(
+        topology=Topology(accelerator, devices, 1),
+        trainer_cfg={"max_epochs": 2, "precision": precision, "sync_batchnorm": kw.get("sync_batchnorm", "auto")},
+        data_cfg={"global_batch_size": global_batch},
+        lr_cfg={"base_batch_size": base_batch, "rule": rule, "warmup_epochs": kw.get("warmup_epochs", 0)},
+        base_lr=0.1,
+        seed=0,
+        dataset_sizes={"train": 1000, "val": 100, "test": 100},
+        has_batchnorm=True,
+        strategy="ddp",
+    )
+
+
+def warnings_for(p, **kw):
+    return " | ".join(pitfall_warnings(p, **{"has_batchnorm": True, "num_workers": 4, "data_in_memory": False, **kw}))
+
+
+def test_no_warning_for_the_recipe():
+    assert warnings_for(plan()) == ""
+
+
+def test_unscaled_lr_with_another_batch_warns():
+    assert "rule=none: the LR 0.1 tuned for a batch of 64 is used unchanged with a global batch of 256" in (
+        warnings_for(plan(global_batch=256, rule="none"))
+    )
+
+
+def test_unsynced_batchnorm_on_small_per_device_batches_warns():
+    assert "BatchNorm runs unsynced on 4 processes with 16 samples per device" in warnings_for(
+        plan(sync_batchnorm=False)
+    )
+    assert warnings_for(plan(sync_batchnorm=False, global_batch=256)) == ""  # 64 per device is plenty
+
+
+def test_no_loader_workers_on_multi_gpu_warns_unless_in_memory():
+    assert "data.num_workers=0 on a multi-GPU run" in warnings_for(plan(), num_workers=0)
+    assert warnings_for(plan(), num_workers=0, data_in_memory=True) == ""
+
+
+def test_warmup_longer_than_the_run_warns():
+    assert "the warmup (45 steps) is longer than the run (30 steps)" in warnings_for(plan(warmup_epochs=3))
+
+
+def test_config_mistakes_are_refused():
+    with pytest.raises(UserError, match=r"remove data\.shuffle"):
+        check_config({"data": {"shuffle": True}}, plan())
+    with pytest.raises(UserError, match="16-mixed needs a GPU"):
+        check_config({"data": {}}, plan(accelerator="cpu", devices=1, precision="16-mixed"))
+
+
+def test_ddp_options_reach_the_strategy():
+    strategy, name = build_strategy("auto", DDP_OPTIONS, world_size=8, multirun=False)
+    assert name == "ddp" and isinstance(strategy, DDPStrategy)
+    assert strategy._timeout == timedelta(minutes=90) and strategy._start_method == "popen"
+    assert strategy._ddp_kwargs == {k: v for k, v in DDP_OPTIONS.items() if k != "timeout_minutes"}
+
+
+def test_sweeps_spawn_and_single_process_stays_plain():
+    strategy, name = build_strategy("ddp", DDP_OPTIONS, world_size=2, multirun=True)
+    assert name == "ddp_spawn" and strategy._start_method == "spawn"
+    assert build_strategy("auto", DDP_OPTIONS, world_size=1, multirun=False) == ("auto", "auto")

@@ -1,5 +1,6 @@
 """Safe loading, prefix repair and atomic writes, on real files."""
 
+import os
 import pathlib
 import random
 import subprocess
@@ -87,6 +88,9 @@ def test_atomic_save_replaces_whole_file_and_leaves_no_temp(tmp_path):
     atomic_torch_save({"step": 2}, path)
     assert load_checkpoint(path) == {"step": 2}
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # permissions like torch.save's, not mkstemp's 0600
 
 
 WRITER = """

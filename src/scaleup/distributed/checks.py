@@ -41,6 +41,11 @@ def pitfall_warnings(plan: Plan, *, has_batchnorm: bool, num_workers: int, data_
             f"callbacks.lr_scaling.rule=none: the LR {plan.base_lr:g} tuned for a batch of {plan.base_batch_size} "
             f"is used unchanged with a global batch of {plan.global_batch_size}; use rule=linear or sqrt"
         )
+    if plan.warmup_steps > plan.total_steps:
+        warnings.append(
+            f"the warmup ({plan.warmup_steps} steps) is longer than the run ({plan.total_steps} steps): the LR never "
+            "reaches its peak; lower callbacks.lr_scaling.warmup_epochs or warmup_steps"
+        )
     if (
         has_batchnorm
         and plan.world_size > 1

@@ -28,7 +28,7 @@ from scaleup.distributed.checkpoint import (
 )
 from scaleup.distributed.checks import TrainLoaderCheck, check_config, pitfall_warnings
 from scaleup.distributed.launch import build_strategy, fresh_store_after_torchrun_restart, shut_down_process_group
-from scaleup.distributed.plan import Plan, build_plan, check_launcher, resolve_topology
+from scaleup.distributed.plan import Plan, Topology, build_plan, check_launcher, resolve_topology
 from scaleup.distributed.seeding import PerRankSeed
 from scaleup.errors import UserError
 from scaleup.models.nets import has_batchnorm
@@ -98,7 +98,6 @@ def check_resume(path: Path, config: dict[str, Any], plan: Plan) -> None:
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Plan the run, print and save the plan, then fit, test on the best checkpoint and summarise."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    checkpoint_dir = run_dir / "checkpoints"
     topology = resolve_topology(cfg.trainer, dry_run=cfg.dry_run)
     if not cfg.dry_run:
         check_launcher(topology)
@@ -132,24 +131,42 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if ckpt_path is not None:
         check_resume(ckpt_path, config, plan)
     if rank_zero_only.rank == 0:
-        log_rows("plan" + (" (dry run: nothing is started)" if cfg.dry_run else ""), plan.rows())
-        for warning in pitfall_warnings(
-            plan,
-            has_batchnorm=has_batchnorm(model),
-            num_workers=config["data"].get("num_workers", 0),
-            data_in_memory=getattr(datamodule, "in_memory", False),
-        ):
-            log.warning(warning)
-        (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
-        write_yaml(config, run_dir / "config.yaml")
+        announce(plan, config, run_dir, model, datamodule, dry_run=cfg.dry_run)
     if cfg.dry_run:
         return plan.to_dict()
 
+    trainer = build_trainer(config, plan, topology, strategy, run_dir)
+    return fit_and_test(trainer, model, datamodule, ckpt_path, run_dir)
+
+
+def announce(
+    plan: Plan,
+    config: dict[str, Any],
+    run_dir: Path,
+    model: L.LightningModule,
+    datamodule: L.LightningDataModule,
+    dry_run: bool,
+) -> None:
+    """Rank 0: print the plan and the pitfall warnings, write plan.json and config.yaml."""
+    log_rows("plan" + (" (dry run: nothing is started)" if dry_run else ""), plan.rows())
+    for warning in pitfall_warnings(
+        plan,
+        has_batchnorm=has_batchnorm(model),
+        num_workers=config["data"].get("num_workers", 0),
+        data_in_memory=getattr(datamodule, "in_memory", False),
+    ):
+        log.warning(warning)
+    (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+    write_yaml(config, run_dir / "config.yaml")
+
+
+def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> L.Trainer:
+    checkpoint_dir = run_dir / "checkpoints"
     lr_cfg = config["callbacks"]["lr_scaling"]
     callbacks = [
         # First: the LR must be set before LearningRateMonitor reads it.
         LRScaling(plan.schedule(tuple(lr_cfg.get("milestones") or ()), lr_cfg.get("gamma", 0.1))),
-        PerRankSeed(cfg.seed),
+        PerRankSeed(plan.seed),
         TrainLoaderCheck(),
         ConfigInCheckpoint(config, plan.to_dict()),
         PreemptionCheckpoint(checkpoint_dir),
@@ -176,6 +193,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     )
     if trainer.is_global_zero:
         remove_interrupted_writes(checkpoint_dir)
+    return trainer
+
+
+def fit_and_test(
+    trainer: L.Trainer,
+    model: L.LightningModule,
+    datamodule: L.LightningDataModule,
+    ckpt_path: Path | None,
+    run_dir: Path,
+) -> dict[str, Any]:
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     except SIGTERMException:
@@ -185,7 +212,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     best = next((cb.best_model_path for cb in trainer.checkpoint_callbacks if cb.monitor), "")
     trainer.test(model, datamodule=datamodule, ckpt_path=best or None, verbose=False)
     shut_down_process_group()
-
     if not trainer.is_global_zero:
         return {}
     # Read back what rank 0 wrote: with ddp_spawn, training and testing ran in child processes.

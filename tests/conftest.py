@@ -66,6 +66,13 @@ def run(
     )
 
 
+def start(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a command from the repo root in the background, stdout and stderr merged."""
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result

@@ -126,34 +126,17 @@ def test_ddp_checkpoint_evaluates_on_one_device(runs, tmp_path):
     assert math.isclose(one_device["test/loss"], two_devices["test/loss"], rel_tol=1e-5)
 
 
+def check_equivalence(*overrides: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "scaleup.check_equivalence", "model.net.norm=group", *overrides]
+    return subprocess.run(command, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+
+
 def test_equivalence_check_passes_the_template_and_catches_a_global_count_loss():
-    env = clean_env()
-    ok = subprocess.run(
-        [sys.executable, "-m", "scaleup.check_equivalence", "model.net.norm=group"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "equivalent" in ok.stdout
-    broken = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scaleup.check_equivalence",
-            "model.net.norm=group",
-            "model._target_=probes.GlobalCountLoss",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert broken.returncode == 1, broken.stdout + broken.stderr
-    assert "NOT EQUIVALENT" in broken.stdout
+    ok = check_equivalence()
+    assert ok.returncode == 0 and "equivalent" in ok.stdout, ok.stdout + ok.stderr
+    broken = check_equivalence("model._target_=probes.GlobalCountLoss")
+    assert broken.returncode == 1 and "NOT EQUIVALENT" in broken.stdout, broken.stdout + broken.stderr
+    print(ok.stdout.splitlines()[0], "|", broken.stdout.splitlines()[0])
 
 
 def test_uneven_memory_across_ranks_is_reported(tmp_path):

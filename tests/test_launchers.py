@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import QUICK, ROOT, check, clean_env, merged, read_json, run
+from conftest import QUICK, ROOT, check, clean_env, merged, read_json, run, start
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,7 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
         f"+callbacks.probe.out_dir={run_dir / 'probe'}",
     ]
     nodes = [
-        subprocess.Popen(
+        start(
             [
                 sys.executable,
                 "-m",
@@ -90,12 +90,7 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
                 f"--master_port={port}",
                 "train.py",
                 *merged(args),
-            ],
-            cwd=ROOT,
-            env=clean_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            ]
         )
         for node in (0, 1)
     ]
@@ -142,17 +137,7 @@ def slurm_env(rank: int, ntasks: int = 2, port: int = 0) -> dict[str, str]:
 def test_slurm_srun_environment(tmp_path):
     port = free_port()
     args = [*ONE_EPOCH, "trainer.devices=2", f"paths.log_dir={tmp_path}", probe_dir_arg(tmp_path)]
-    tasks = [
-        subprocess.Popen(
-            [sys.executable, "train.py", *merged(args)],
-            cwd=ROOT,
-            env=slurm_env(rank, port=port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
+    tasks = [start([sys.executable, "train.py", *merged(args)], env=slurm_env(rank, port=port)) for rank in (0, 1)]
     outputs = [task.communicate(timeout=300)[0] for task in tasks]
     assert [task.returncode for task in tasks] == [0, 0], outputs
     run_dir = only_run_dir(tmp_path)

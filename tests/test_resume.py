@@ -4,13 +4,12 @@ import json
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import QUICK, ROOT, assert_same_weights, check, clean_env, merged, read_json, run, weights
+from conftest import QUICK, assert_same_weights, check, merged, read_json, run, start, weights
 from scaleup.distributed.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -116,15 +115,8 @@ def test_resume_on_another_device_count_keeps_the_plan(tmp_path):
     assert read_json(tmp_path / "plan.json")["global_batch_size"] == 64
 
 
-def start(args):
-    return subprocess.Popen(
-        [sys.executable, "train.py", *merged(args)],
-        cwd=ROOT,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def start_training(args):
+    return start([sys.executable, "train.py", *merged(args)])
 
 
 def wait_for(path, proc, timeout=120):
@@ -145,7 +137,7 @@ def wait_for_save(path, previous_mtime, proc, timeout=120):
 
 def test_sigterm_saves_stops_cleanly_and_resumes_exactly(straight, tmp_path):
     last = tmp_path / "checkpoints/last.ckpt"
-    proc = start([*SMALL, f"hydra.run.dir={tmp_path}"])
+    proc = start_training([*SMALL, f"hydra.run.dir={tmp_path}"])
     wait_for(last, proc)  # first epoch done: now in the middle of training
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
@@ -169,7 +161,7 @@ def test_kill_9_never_leaves_a_broken_last_checkpoint(tmp_path):
     report = []
     for trial in range(10):
         saved_before = last.stat().st_mtime_ns if last.exists() else None
-        proc = start(args)
+        proc = start_training(args)
         wait_for_save(last, saved_before, proc)  # training (and saving every step) is under way again
         time.sleep(rng.uniform(0.0, 1.0))
         proc.kill()

@@ -38,8 +38,9 @@ def run_stamp() -> str:
     Each process resolves Hydra's config on its own, so `${now:...}` can differ by a second between ranks
     and split one run into several directories. Instead:
     - SLURM: the job id (a requeued job gets the same directory back, so `ckpt_path=last` resumes it);
-    - torchrun with a rendezvous id (`--rdzv-id`, or --standalone's generated one): that id;
-    - torchrun on one node: the start time of the torchrun agent, the parent of all local workers;
+    - torchrun on one node: the start time of the torchrun agent, the parent of all local workers (the same
+      after `--max-restarts` restarts them);
+    - torchrun on several nodes: the rendezvous id (`--rdzv-id`), or else an error asking for hydra.run.dir;
     - otherwise (a plain `python train.py`; Lightning passes its run dir to the processes it starts): now.
     """
     if "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ:

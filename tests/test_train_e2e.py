@@ -61,6 +61,24 @@ def test_eval_reproduces_the_training_runs_test_numbers(trained_run, tmp_path):
         assert evaluated[name] == trained[name], name
 
 
+def test_eval_on_two_processes_gives_the_same_numbers(trained_run, tmp_path):
+    check(
+        run(
+            [
+                f"ckpt_path={best_checkpoint(trained_run)}",
+                "trainer.devices=2",
+                "trainer.accelerator=cpu",
+                "trainer.enable_progress_bar=false",
+                f"hydra.run.dir={tmp_path}",
+            ],
+            script="eval.py",
+        )
+    )
+    trained, evaluated = read_json(trained_run / "metrics.json"), read_json(tmp_path / "metrics.json")
+    assert evaluated["test/samples"] == 360 and evaluated["test/acc"] == trained["test/acc"]
+    assert evaluated["test/loss"] == pytest.approx(trained["test/loss"], rel=1e-5)
+
+
 def test_export_round_trip_strict_load_same_predictions(trained_run, tmp_path):
     out = tmp_path / "net.pt"
     ckpt = best_checkpoint(trained_run)

@@ -1,11 +1,16 @@
 """Start-up pitfall checks and the DDP options, on the functions that decide them."""
 
+import logging
 from datetime import timedelta
 
+import lightning as L
 import pytest
+import torch
 from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
 
-from scaleup.distributed.checks import check_config, pitfall_warnings
+from scaleup.config import build_model
+from scaleup.distributed.checks import TrainLoaderCheck, check_config, pitfall_warnings
 from scaleup.distributed.launch import build_strategy
 from scaleup.distributed.plan import Topology, build_plan
 from scaleup.errors import UserError
@@ -81,3 +86,41 @@ def test_sweeps_spawn_and_single_process_stays_plain():
     strategy, name = build_strategy("ddp", DDP_OPTIONS, world_size=2, multirun=True)
     assert name == "ddp_spawn" and strategy._start_method == "spawn"
     assert build_strategy("auto", DDP_OPTIONS, world_size=1, multirun=False) == ("auto", "auto")
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([(torch.zeros(1, 8, 8), 0)] * 4)
+
+
+@pytest.mark.parametrize(
+    ("loader", "message"),
+    [
+        (
+            DataLoader(
+                TensorDataset(torch.zeros(8, 1, 8, 8), torch.zeros(8, dtype=torch.long)), batch_size=4, shuffle=True
+            ),
+            "uses RandomSampler, not GlobalBatchSampler",
+        ),
+        (DataLoader(Stream(), batch_size=2), "is an IterableDataset: no sampler can shard it"),
+    ],
+)
+def test_custom_train_loaders_that_break_invariance_are_reported(loader, message, caplog):
+    model = build_model(
+        {
+            "_target_": "scaleup.models.ImageClassifier",
+            "net": {"_target_": "scaleup.models.DigitsCNN", "num_classes": 10},
+            "optimizer": {"_target_": "torch.optim.SGD", "lr": 0.1},
+        }
+    )
+    trainer = L.Trainer(
+        max_steps=1,
+        callbacks=[TrainLoaderCheck()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with caplog.at_level(logging.WARNING, logger="scaleup.distributed.checks"):
+        trainer.fit(model, train_dataloaders=loader)
+    assert message in caplog.text

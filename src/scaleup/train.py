@@ -110,6 +110,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         cfg.model.net.num_classes = cfg.model.net.get("num_classes") or datamodule.num_classes
     config = to_plain(cfg)
     model = build_model(config["model"])
+    batchnorm = has_batchnorm(model)
 
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     strategy, strategy_name = build_strategy(
@@ -123,7 +124,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         base_lr=config["model"]["optimizer"]["lr"],
         seed=cfg.seed,
         dataset_sizes=datamodule.split_sizes(),
-        has_batchnorm=has_batchnorm(model),
+        has_batchnorm=batchnorm,
         strategy=strategy_name,
     )
     check_config(config, plan)
@@ -131,7 +132,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if ckpt_path is not None:
         check_resume(ckpt_path, config, plan)
     if rank_zero_only.rank == 0:
-        announce(plan, config, run_dir, model, datamodule, dry_run=cfg.dry_run)
+        announce(plan, config, run_dir, datamodule, has_batchnorm=batchnorm, dry_run=cfg.dry_run)
     if cfg.dry_run:
         return plan.to_dict()
 
@@ -143,15 +144,15 @@ def announce(
     plan: Plan,
     config: dict[str, Any],
     run_dir: Path,
-    model: L.LightningModule,
     datamodule: L.LightningDataModule,
+    has_batchnorm: bool,
     dry_run: bool,
 ) -> None:
     """Rank 0: print the plan and the pitfall warnings, write plan.json and config.yaml."""
     log_rows("plan" + (" (dry run: nothing is started)" if dry_run else ""), plan.rows())
     for warning in pitfall_warnings(
         plan,
-        has_batchnorm=has_batchnorm(model),
+        has_batchnorm=has_batchnorm,
         num_workers=config["data"].get("num_workers", 0),
         data_in_memory=getattr(datamodule, "in_memory", False),
     ):

@@ -33,6 +33,7 @@ class TrainingDiagnostics(L.Callback):
     """
 
     def __init__(self) -> None:
+        self._batch_start = 0.0
         self._batch_end: float | None = None
         self._wait = self._busy = 0.0
         self._samples = 0

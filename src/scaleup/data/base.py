@@ -97,9 +97,10 @@ class ClassificationDataModule(L.LightningDataModule):
 
     def _eval_loader(self, split: str) -> DataLoader:
         batch, rank = self._batch_and_rank()
-        world_size = batch.world_size
         # No padding: DistributedSampler would repeat samples to even out ranks and bias the metrics.
-        sampler = UnrepeatedDistributedSampler(self.splits[split], num_replicas=world_size, rank=rank, shuffle=False)
+        sampler = UnrepeatedDistributedSampler(
+            self.splits[split], num_replicas=batch.world_size, rank=rank, shuffle=False
+        )
         return self._loader(split, sampler, batch.per_device)
 
     def val_dataloader(self) -> DataLoader:

@@ -40,7 +40,9 @@ class CIFAR10DataModule(ClassificationDataModule):
             self._open(train, download=self.download)
 
     def build_splits(self) -> dict[str, Dataset]:
-        augment = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)])
+        augment = T.Compose(
+            [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)]
+        )
         plain = T.Compose([T.ToTensor(), T.Normalize(MEAN, STD)])
         train_aug, train_plain = self._open(True, augment), self._open(True, plain)
         lengths = split_lengths(len(train_aug), self.val_size, 0)

@@ -22,4 +22,4 @@ class DigitsDataModule(ClassificationDataModule):
         y = torch.tensor(labels, dtype=torch.long)
         lengths = split_lengths(len(y), self.val_size, self.test_size)
         parts = random_split_indices(len(y), lengths, self.split_seed)
-        return {name: TensorDataset(x[idx], y[idx]) for name, idx in zip(("train", "val", "test"), parts)}
+        return {name: TensorDataset(x[idx], y[idx]) for name, idx in zip(("train", "val", "test"), parts, strict=True)}

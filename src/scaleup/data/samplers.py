@@ -3,10 +3,10 @@
 from collections.abc import Iterator, Sized
 
 import torch
-from torch.utils.data import DistributedSampler
 
 # Lightning's own unpadded sampler: every sample exactly once, ranks may differ by one sample.
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import DistributedSampler
 
 __all__ = ["GlobalBatchSampler", "UnrepeatedDistributedSampler"]
 

@@ -10,14 +10,14 @@ import time
 import pytest
 import torch
 
-from scaleup.distributed.checkpoint import (
+from scaleup.engine.checkpoint import (
     atomic_torch_save,
     load_checkpoint,
     load_weights,
     remove_interrupted_writes,
     strip_wrapper_prefixes,
 )
-from scaleup.errors import UserError
+from scaleup.engine.errors import UserError
 from scaleup.models.nets import DigitsCNN
 
 
@@ -95,7 +95,7 @@ def test_atomic_save_replaces_whole_file_and_leaves_no_temp(tmp_path):
 
 WRITER = """
 import sys, torch
-from scaleup.distributed.checkpoint import atomic_torch_save
+from scaleup.engine.checkpoint import atomic_torch_save
 path, version = sys.argv[1], 0
 while True:
     version += 1

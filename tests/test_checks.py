@@ -9,11 +9,11 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-from scaleup.config import build_model
-from scaleup.distributed.checks import TrainLoaderCheck, check_config, pitfall_warnings
-from scaleup.distributed.launch import build_strategy
-from scaleup.distributed.plan import Topology, build_plan
-from scaleup.errors import UserError
+from scaleup.engine.checks import TrainLoaderCheck, check_config, pitfall_warnings
+from scaleup.engine.config import build_model
+from scaleup.engine.errors import UserError
+from scaleup.engine.launch import build_strategy
+from scaleup.engine.plan import Topology, build_plan
 
 DDP_OPTIONS = {
     "timeout_minutes": 90,
@@ -121,6 +121,6 @@ def test_custom_train_loaders_that_break_invariance_are_reported(loader, message
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    with caplog.at_level(logging.WARNING, logger="scaleup.distributed.checks"):
+    with caplog.at_level(logging.WARNING, logger="scaleup.engine.checks"):
         trainer.fit(model, train_dataloaders=loader)
     assert message in caplog.text

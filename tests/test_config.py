@@ -7,8 +7,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import ROOT, run
-from scaleup.config import build_model, instantiate_each
-from scaleup.distributed.launch import register_resolvers
+from scaleup.engine.config import build_model, instantiate_each
+from scaleup.engine.launch import register_resolvers
 
 CONFIGS = ROOT / "configs"
 PATHS = ["paths.root_dir=/tmp/scaleup-root", "paths.output_dir=/tmp/scaleup-out"]

@@ -5,8 +5,8 @@ import torch
 from PIL import Image
 
 from scaleup.data import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule, SyntheticDataModule
-from scaleup.data.base import random_split_indices
-from scaleup.errors import UserError
+from scaleup.engine.datamodule import random_split_indices
+from scaleup.engine.errors import UserError
 
 
 def test_digits_splits_are_fixed_and_disjoint():

@@ -8,7 +8,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import QUICK, ROOT, assert_same_weights, check, clean_env, read_json, run, weights
-from scaleup.distributed.plan import LRSchedule
+from scaleup.engine.callbacks.lr_scaling import LRSchedule
 
 pytestmark = pytest.mark.slow
 

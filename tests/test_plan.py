@@ -5,8 +5,9 @@ import math
 import pytest
 
 from conftest import check, read_json, run
-from scaleup.distributed.plan import LRSchedule, Topology, build_plan, resolve_batch, scaled_lr, total_steps
-from scaleup.errors import UserError
+from scaleup.engine.callbacks.lr_scaling import LRSchedule, scaled_lr
+from scaleup.engine.errors import UserError
+from scaleup.engine.plan import Topology, build_plan, resolve_batch, total_steps
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import QUICK, assert_same_weights, check, merged, read_json, run, start, weights
-from scaleup.distributed.checkpoint import load_checkpoint
+from scaleup.engine.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from scaleup.data.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler
+from scaleup.engine.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler
 
 
 def flat(lists) -> list[int]:

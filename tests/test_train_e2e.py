@@ -7,8 +7,8 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import check, read_json, run
-from scaleup.config import build_model
-from scaleup.distributed.checkpoint import load_checkpoint
+from scaleup.engine.checkpoint import load_checkpoint
+from scaleup.engine.config import build_model
 
 pytestmark = pytest.mark.slow
 

@@ -12,12 +12,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from scaleup.callbacks import MetricsFile
-from scaleup.config import build_model, log_rows, to_plain
-from scaleup.distributed.checkpoint import load_checkpoint, load_weights
-from scaleup.distributed.launch import shut_down_process_group
-from scaleup.distributed.plan import check_launcher, resolve_topology
-from scaleup.errors import UserError
+from scaleup.engine.callbacks import MetricsFile
+from scaleup.engine.checkpoint import load_checkpoint, load_weights
+from scaleup.engine.config import build_model, log_rows, to_plain
+from scaleup.engine.errors import UserError
+from scaleup.engine.launch import check_launcher, shut_down_process_group
+from scaleup.engine.plan import resolve_topology
 
 log = logging.getLogger("scaleup")
 
@@ -27,7 +27,7 @@ def stored_run(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
     if "scaleup" not in checkpoint or "state_dict" not in checkpoint:
         raise UserError(
             f"{path} was not written by this template's train.py (no stored config); load its state_dict "
-            "with scaleup.distributed.checkpoint.load_weights instead"
+            "with scaleup.engine.checkpoint.load_weights instead"
         )
     return checkpoint["scaleup"]
 

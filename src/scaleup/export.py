@@ -8,8 +8,8 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from scaleup.distributed.checkpoint import atomic_torch_save, load_checkpoint, load_weights
-from scaleup.errors import UserError
+from scaleup.engine.checkpoint import atomic_torch_save, load_checkpoint, load_weights
+from scaleup.engine.errors import UserError
 from scaleup.evaluate import stored_run
 
 log = logging.getLogger("scaleup")

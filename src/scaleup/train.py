@@ -18,19 +18,24 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, open_dict
 
-from scaleup.callbacks import ConfigInCheckpoint, LRScaling, MetricsFile, PreemptionCheckpoint
-from scaleup.config import build_model, instantiate_each, log_rows, to_plain, write_yaml
-from scaleup.distributed.checkpoint import (
+from scaleup.engine.callbacks import ConfigInCheckpoint, LRScaling, MetricsFile, PreemptionCheckpoint
+from scaleup.engine.checkpoint import (
     AtomicCheckpointIO,
     EpochProgressRepair,
     load_checkpoint,
     remove_interrupted_writes,
 )
-from scaleup.distributed.checks import TrainLoaderCheck, check_config, pitfall_warnings
-from scaleup.distributed.launch import build_strategy, fresh_store_after_torchrun_restart, shut_down_process_group
-from scaleup.distributed.plan import Plan, Topology, build_plan, check_launcher, resolve_topology
-from scaleup.distributed.seeding import PerRankSeed
-from scaleup.errors import UserError
+from scaleup.engine.checks import TrainLoaderCheck, check_config, pitfall_warnings
+from scaleup.engine.config import build_model, instantiate_each, log_rows, to_plain, write_yaml
+from scaleup.engine.errors import UserError
+from scaleup.engine.launch import (
+    build_strategy,
+    check_launcher,
+    fresh_store_after_torchrun_restart,
+    shut_down_process_group,
+)
+from scaleup.engine.plan import Plan, Topology, build_plan, resolve_topology
+from scaleup.engine.seeding import PerRankSeed
 from scaleup.models.nets import has_batchnorm
 
 log = logging.getLogger("scaleup")

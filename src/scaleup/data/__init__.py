@@ -1,15 +1,6 @@
-from scaleup.data.base import ClassificationDataModule
 from scaleup.data.cifar10 import CIFAR10DataModule
 from scaleup.data.digits import DigitsDataModule
 from scaleup.data.imagefolder import ImageFolderDataModule
-from scaleup.data.samplers import GlobalBatchSampler
 from scaleup.data.synthetic import SyntheticDataModule
 
-__all__ = [
-    "CIFAR10DataModule",
-    "ClassificationDataModule",
-    "DigitsDataModule",
-    "GlobalBatchSampler",
-    "ImageFolderDataModule",
-    "SyntheticDataModule",
-]
+__all__ = ["CIFAR10DataModule", "DigitsDataModule", "ImageFolderDataModule", "SyntheticDataModule"]

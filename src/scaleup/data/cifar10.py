@@ -6,13 +6,13 @@ from torch.utils.data import Dataset, Subset
 from torchvision import transforms as T
 from torchvision.datasets import CIFAR10
 
-from scaleup.data.base import ClassificationDataModule, random_split_indices, split_lengths
-from scaleup.errors import UserError
+from scaleup.engine.datamodule import GlobalBatchDataModule, random_split_indices, split_lengths
+from scaleup.engine.errors import UserError
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
-class CIFAR10DataModule(ClassificationDataModule):
+class CIFAR10DataModule(GlobalBatchDataModule):
     num_classes = 10
 
     def __init__(

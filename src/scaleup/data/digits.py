@@ -4,10 +4,10 @@ import torch
 from sklearn.datasets import load_digits
 from torch.utils.data import Dataset, TensorDataset
 
-from scaleup.data.base import ClassificationDataModule, random_split_indices, split_lengths
+from scaleup.engine.datamodule import GlobalBatchDataModule, random_split_indices, split_lengths
 
 
-class DigitsDataModule(ClassificationDataModule):
+class DigitsDataModule(GlobalBatchDataModule):
     num_classes = 10
     in_memory = True
 

@@ -6,13 +6,13 @@ from torch.utils.data import Dataset
 from torchvision import transforms as T
 from torchvision.datasets import ImageFolder
 
-from scaleup.data.base import ClassificationDataModule
-from scaleup.errors import UserError
+from scaleup.engine.datamodule import GlobalBatchDataModule
+from scaleup.engine.errors import UserError
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-class ImageFolderDataModule(ClassificationDataModule):
+class ImageFolderDataModule(GlobalBatchDataModule):
     """`test` is `root/test` when it exists, else `root/val` (as for ImageNet, whose test labels are private)."""
 
     def __init__(self, root: str, image_size: int = 224, **loader_kwargs) -> None:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from scaleup.data.base import ClassificationDataModule
+from scaleup.engine.datamodule import GlobalBatchDataModule
 
 
 class SyntheticImages(Dataset):
@@ -37,7 +37,7 @@ class SyntheticImages(Dataset):
         return pattern + self.noise * torch.randn(self.image_shape, generator=generator), label
 
 
-class SyntheticDataModule(ClassificationDataModule):
+class SyntheticDataModule(GlobalBatchDataModule):
     def __init__(
         self,
         train_size: int = 4096,

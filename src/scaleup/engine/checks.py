@@ -8,8 +8,8 @@ from typing import Any
 import lightning as L
 from torch.utils.data import IterableDataset
 
-from scaleup.distributed.plan import Plan
-from scaleup.errors import UserError
+from scaleup.engine.errors import UserError
+from scaleup.engine.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class TrainLoaderCheck(L.Callback):
     """Warns when a custom DataModule's train loader breaks world-size invariance or rank sharding."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from scaleup.data.samplers import GlobalBatchSampler
+        from scaleup.engine.samplers import GlobalBatchSampler
 
         loader = trainer.train_dataloader
         if loader is None or not trainer.is_global_zero:

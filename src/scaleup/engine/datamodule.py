@@ -8,12 +8,12 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from scaleup.data.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler
-from scaleup.distributed.plan import BatchPlan, resolve_batch
-from scaleup.errors import UserError
+from scaleup.engine.errors import UserError
+from scaleup.engine.plan import BatchPlan, resolve_batch
+from scaleup.engine.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler
 
 
-class ClassificationDataModule(L.LightningDataModule):
+class GlobalBatchDataModule(L.LightningDataModule):
     """Subclasses implement `build_splits()` (and `prepare_data()` if files must be fetched).
 
     Batch sizes are global-first: exactly one of `global_batch_size` and `per_device_batch_size` is set, and

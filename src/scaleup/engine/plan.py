@@ -7,13 +7,13 @@ the per-device batch for the topology. Moving to more devices then changes the s
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from scaleup.errors import UserError
+from scaleup.engine.callbacks.lr_scaling import DECAYS, LRSchedule, scaled_lr
+from scaleup.engine.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -95,48 +95,6 @@ def resolve_batch(
             f"that is a multiple of {shards} (e.g. {max(1, round(global_batch_size / shards)) * shards})"
         )
     return BatchPlan(global_batch_size // shards, accumulation, world_size)
-
-
-SCALING_RULES = ("linear", "sqrt", "none")
-DECAYS = ("cosine", "step", "none")
-
-
-def scaled_lr(base_lr: float, global_batch: int, base_batch: int, rule: str) -> float:
-    """Peak LR for a global batch: Goyal et al. 2017 (linear), Krizhevsky 2014 / Hoffer et al. 2017 (sqrt)."""
-    ratio = global_batch / base_batch
-    if rule == "linear":
-        return base_lr * ratio
-    if rule == "sqrt":
-        return base_lr * math.sqrt(ratio)
-    if rule == "none":
-        return base_lr
-    raise UserError(f"callbacks.lr_scaling.rule={rule} is not one of {', '.join(SCALING_RULES)}")
-
-
-@dataclass(frozen=True)
-class LRSchedule:
-    """LR as a pure function of the optimizer step: resume needs nothing but the global step."""
-
-    base_lr: float
-    peak_lr: float
-    warmup_steps: int
-    total_steps: int
-    decay: str = "cosine"
-    milestones: tuple[int, ...] = ()  # optimizer steps, for decay="step"
-    gamma: float = 0.1
-
-    def lr_at(self, step: int) -> float:
-        if step < self.warmup_steps:
-            # Linear ramp from the unscaled base LR: the first steps of a big-batch run see the LR that
-            # the base recipe was tuned for (Goyal et al. 2017, "gradual warmup").
-            return self.base_lr + (self.peak_lr - self.base_lr) * step / self.warmup_steps
-        if self.decay == "cosine":
-            span = max(1, self.total_steps - self.warmup_steps)
-            progress = min(1.0, (step - self.warmup_steps) / span)
-            return self.peak_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
-        if self.decay == "step":
-            return self.peak_lr * self.gamma ** sum(step >= m for m in self.milestones)
-        return self.peak_lr
 
 
 @dataclass(frozen=True)
@@ -298,33 +256,3 @@ def resolve_sync_batchnorm(setting: Any, topology: Topology, has_batchnorm: bool
             "use trainer.sync_batchnorm=auto, or model.net.norm=group for batch-independent normalisation"
         )
     return bool(setting)
-
-
-def external_world_size() -> tuple[str, int] | None:
-    """(launcher, world size) when torchrun or SLURM started this process, else None."""
-    if os.environ.get("TORCHELASTIC_RUN_ID") is not None and "WORLD_SIZE" in os.environ:
-        return "torchrun", int(os.environ["WORLD_SIZE"])
-    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
-        return "SLURM", int(os.environ["SLURM_NTASKS"])
-    return None
-
-
-def check_launcher(topology: Topology) -> None:
-    """torchrun and srun fix the number of processes; it must match trainer.devices x trainer.num_nodes."""
-    launched = external_world_size()
-    if launched and launched[1] != topology.world_size:
-        launcher, size = launched
-        raise UserError(
-            f"{launcher} started {size} process(es) but trainer.devices x trainer.num_nodes = "
-            f"{topology.devices} x {topology.num_nodes} = {topology.world_size}; make them equal "
-            f"(e.g. trainer.devices={size // topology.num_nodes} trainer.num_nodes={topology.num_nodes})"
-        )
-    if launched and launched[0] == "SLURM":
-        per_node, nodes = os.environ.get("SLURM_NTASKS_PER_NODE"), os.environ.get("SLURM_NNODES")
-        if per_node and per_node.isdigit() and int(per_node) != topology.devices:
-            raise UserError(
-                f"SLURM runs --ntasks-per-node={per_node} but trainer.devices={topology.devices}: one task per "
-                f"device, so pass trainer.devices={per_node}"
-            )
-        if nodes and int(nodes) != topology.num_nodes:
-            raise UserError(f"SLURM runs --nodes={nodes} but trainer.num_nodes={topology.num_nodes}; make them equal")

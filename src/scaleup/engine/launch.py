@@ -9,6 +9,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from scaleup.engine.errors import UserError
+from scaleup.engine.plan import Topology
+
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 
 
@@ -131,3 +134,33 @@ def build_strategy(strategy: Any, ddp_options: dict[str, Any], world_size: int, 
     timeout = timedelta(minutes=float(options.pop("timeout_minutes")))
     start_method = "spawn" if name == "ddp_spawn" else "popen"
     return DDPStrategy(start_method=start_method, timeout=timeout, **options), name
+
+
+def external_world_size() -> tuple[str, int] | None:
+    """(launcher, world size) when torchrun or SLURM started this process, else None."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None and "WORLD_SIZE" in os.environ:
+        return "torchrun", int(os.environ["WORLD_SIZE"])
+    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return "SLURM", int(os.environ["SLURM_NTASKS"])
+    return None
+
+
+def check_launcher(topology: Topology) -> None:
+    """torchrun and srun fix the number of processes; it must match trainer.devices x trainer.num_nodes."""
+    launched = external_world_size()
+    if launched and launched[1] != topology.world_size:
+        launcher, size = launched
+        raise UserError(
+            f"{launcher} started {size} process(es) but trainer.devices x trainer.num_nodes = "
+            f"{topology.devices} x {topology.num_nodes} = {topology.world_size}; make them equal "
+            f"(e.g. trainer.devices={size // topology.num_nodes} trainer.num_nodes={topology.num_nodes})"
+        )
+    if launched and launched[0] == "SLURM":
+        per_node, nodes = os.environ.get("SLURM_NTASKS_PER_NODE"), os.environ.get("SLURM_NNODES")
+        if per_node and per_node.isdigit() and int(per_node) != topology.devices:
+            raise UserError(
+                f"SLURM runs --ntasks-per-node={per_node} but trainer.devices={topology.devices}: one task per "
+                f"device, so pass trainer.devices={per_node}"
+            )
+        if nodes and int(nodes) != topology.num_nodes:
+            raise UserError(f"SLURM runs --nodes={nodes} but trainer.num_nodes={topology.num_nodes}; make them equal")

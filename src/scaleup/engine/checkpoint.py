@@ -15,7 +15,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from scaleup.errors import UserError
+from scaleup.engine.errors import UserError
 
 # Prefixes other code adds to parameter names: DDP's wrapper and torch.compile's OptimizedModule.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")

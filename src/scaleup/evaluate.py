@@ -44,13 +44,13 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     # Same per-device batch as training by default: same batches, so the same float sums, to the last bit.
     data_cfg.update(global_batch_size=None, per_device_batch_size=cfg.batch_size or plan["per_device_batch_size"])
     datamodule = instantiate(data_cfg)
-    model = build_model({**config["model"], "compile": cfg.compile})
-    load_weights(model, checkpoint["state_dict"])
-    del checkpoint
-
     precision = cfg.trainer.precision or plan["precision"]
     if topology.accelerator == "cpu" and str(precision).startswith("16"):
         precision = "bf16-mixed"  # fp16 autocast needs a GPU; bf16 keeps the reduced-precision behaviour
+    model = build_model({**config["model"], "compile": cfg.compile}, precision=precision)
+    load_weights(model, checkpoint["state_dict"])  # float64 weights into a float64 model: nothing rounded
+    del checkpoint
+
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     metrics_path = run_dir / "metrics.json"
     trainer = L.Trainer(

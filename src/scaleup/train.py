@@ -114,7 +114,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     with open_dict(cfg):
         cfg.model.net.num_classes = cfg.model.net.get("num_classes") or datamodule.num_classes
     config = to_plain(cfg)
-    model = build_model(config["model"])
+    model = build_model(config["model"], precision=config["trainer"]["precision"])
     batchnorm = has_batchnorm(model)
 
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN

@@ -18,10 +18,20 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
 
 
-def build_model(model_cfg: dict[str, Any]) -> L.LightningModule:
-    """The LightningModule from `model` config; nested `net`/`optimizer` stay dicts (it builds them itself)."""
+def is_float64(precision: Any) -> bool:
+    """Whether a `trainer.precision` value means float64 weights (Lightning accepts these spellings)."""
+    return str(precision) in ("64", "64-true", "double")
+
+
+def build_model(model_cfg: dict[str, Any], precision: Any = "32-true") -> L.LightningModule:
+    """The LightningModule from `model` config; nested `net`/`optimizer` stay dicts (it builds them itself).
+
+    Built in float64 for `64-true`: Lightning loads a checkpoint's weights into the module before its precision
+    plugin casts the module to float64, so a float32 module would round every resumed or evaluated weight.
+    """
     kwargs = dict(model_cfg)
-    return get_class(kwargs.pop("_target_"))(**kwargs)
+    model = get_class(kwargs.pop("_target_"))(**kwargs)
+    return model.double() if is_float64(precision) else model
 
 
 def instantiate_each(group: dict[str, Any] | None) -> list[Any]:

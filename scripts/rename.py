@@ -1,0 +1,256 @@
+"""Turn this clone into a project of your own name: `python scripts/rename.py NAME`.
+
+Moves the package folder src/<current name>/ to src/NAME/ and replaces the current name as a whole word in every
+tracked text file: imports, `_target_` strings in configs, pyproject, README, tests, notebooks, benchmarks, scripts.
+The UPPER and Capitalised spellings follow (OLD_SEED -> NAME_SEED, OldThing -> NameThing); a longer word that only
+contains the name (e.g. "oldness") is left alone. Two files keep the old name on purpose: LICENSE keeps the original
+copyright line (the MIT licence asks every copy to carry it) and gains one for NAME; CHANGELOG.md keeps its history
+and gains a "Renamed" entry.
+
+It runs only on a git work tree without uncommitted changes, so `git diff` shows the whole rename and
+`git reset --hard` undoes it. The current name is read from the tree (the one package under src/), so a renamed
+project can be renamed again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import keyword
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KEEP_HISTORY = ("LICENSE", "CHANGELOG.md")  # edited by their own rules, never search-and-replaced
+# Where an example name is not the project: prose, and the rename's own examples and tests.
+NOT_CODE = (*KEEP_HISTORY, "scripts/rename.py", "tests/test_rename.py")
+
+
+class RenameError(Exception):
+    """A reason not to rename; printed as one line, exit code 2, nothing changed."""
+
+
+def camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+def name_pattern(name: str) -> re.Pattern[str]:
+    """The name as a whole word in its three spellings: name, NAME, Name (also inside NameThing, name_thing)."""
+    return re.compile(
+        rf"(?<![A-Za-z0-9])(?P<lower>{re.escape(name)})(?![a-z0-9])"
+        rf"|(?<![A-Za-z0-9])(?P<upper>{re.escape(name.upper())})(?![A-Za-z0-9])"
+        rf"|(?P<camel>{re.escape(camel(name))})(?![a-z0-9])"
+    )
+
+
+def replace_name(text: str, old: str, new: str) -> tuple[str, int]:
+    """`text` with every whole-word spelling of `old` replaced by the same spelling of `new`, and the count."""
+    spelling = {"lower": new, "upper": new.upper(), "camel": camel(new)}
+    return name_pattern(old).subn(lambda match: spelling[match.lastgroup], text)
+
+
+def git(root: Path, *args: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise RenameError("git is not installed; the rename needs git to show and undo its changes") from None
+
+
+def tracked_files(root: Path) -> list[str]:
+    return git(root, "ls-files", "-z").stdout.split("\0")[:-1]
+
+
+def read_text(path: Path) -> str | None:
+    """A file's text, or None for binary files and links."""
+    if path.is_symlink() or not path.is_file():
+        return None
+    data = path.read_bytes()
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def current_name(root: Path) -> str:
+    packages = sorted(init.parent.name for init in (root / "src").glob("*/__init__.py"))
+    if len(packages) != 1:
+        raise RenameError(f"expected exactly one package under {root / 'src'}, found {packages or 'none'}")
+    return packages[0]
+
+
+def check_name(name: str, old: str, root: Path) -> None:
+    """Refuse a name that is not a lowercase Python package name, or that would collide with something."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise RenameError(
+            f"'{name}' is not a valid package name: use lowercase letters, digits and underscores, starting with a "
+            "letter (e.g. my_project)"
+        )
+    if keyword.iskeyword(name):
+        raise RenameError(f"'{name}' is a Python keyword and cannot be imported; choose another name")
+    if name == old:
+        raise RenameError(f"the project is already named '{name}'")
+    if name in sys.stdlib_module_names:
+        raise RenameError(f"'{name}' would shadow Python's standard library module '{name}'; choose another name")
+    if importlib.util.find_spec(name) is not None:
+        raise RenameError(
+            f"'{name}' is already an installed module ({importlib.util.find_spec(name).origin or 'namespace'}); "
+            "the two would shadow each other; choose another name"
+        )
+    top_level = {Path(path).parts[0] for path in tracked_files(root)}
+    if clash := sorted(entry for entry in top_level if Path(entry).stem == name):
+        raise RenameError(f"'{name}' is already used at the project root ({clash[0]}); choose another name")
+    # Once renamed, every whole-word occurrence of the name is taken to mean the project (a second rename replaces
+    # them all), so the name must not already mean something else in the code and configs: "net" would break
+    # `model.net`.
+    for path in tracked_files(root):
+        text = "" if path in NOT_CODE or path.endswith(".md") else read_text(root / path) or ""
+        for line_number, line in enumerate([path, *text.splitlines()]):
+            if name_pattern(name).search(line):
+                where = path if line_number == 0 else f"{path}:{line_number}"
+                raise RenameError(
+                    f"'{name}' already appears as a word in the project ({where}: {line.strip()[:60]}); choose a name "
+                    "that does not, so that every occurrence of it means the project"
+                )
+
+
+def check_clean(root: Path) -> None:
+    status = git(root, "status", "--porcelain", "--", ".")
+    if status.returncode != 0:
+        raise RenameError(
+            f"{root} is not a git work tree; run `git init && git add -A && git commit -m 'Start from the template'` "
+            "first, so the rename can be reviewed with `git diff` and undone"
+        )
+    if status.stdout.strip():
+        raise RenameError(
+            "the work tree has uncommitted changes (see `git status`); commit them first, so the rename can be "
+            "reviewed with `git diff` and undone with `git reset --hard` without losing them"
+        )
+
+
+def move_paths(root: Path, old: str, new: str) -> list[str]:
+    """`git mv` every path component that is the old name (src/old -> src/new), outermost first."""
+    moves = []
+    while True:
+        for path in tracked_files(root):
+            parts = Path(path).parts
+            hit = next((i for i, part in enumerate(parts) if replace_name(part, old, new)[1]), None)
+            if hit is not None:
+                source = Path(*parts[: hit + 1])
+                target = source.with_name(replace_name(parts[hit], old, new)[0])
+                if (root / target).exists():
+                    raise RenameError(f"cannot move {source} to {target}: {target} exists")
+                moved = git(root, "mv", str(source), str(target))
+                if moved.returncode != 0:
+                    raise RenameError(f"git mv {source} {target} failed: {moved.stderr.strip()}")
+                moves.append(f"moved   {source} -> {target}")
+                break
+        else:
+            return moves
+
+
+def add_license_line(text: str, new: str) -> str:
+    """Keep the original copyright line (the licence requires it) and put the new project's line above it."""
+    line = f"Copyright (c) {datetime.date.today().year} The {new} authors"
+    if line in text:
+        return text
+    return re.sub(r"^(?=Copyright)", line + "\n", text, count=1, flags=re.MULTILINE)
+
+
+def add_changelog_entry(text: str, old: str, new: str) -> str:
+    """Record the rename under Unreleased / Changed; the released history keeps the name it was released under."""
+    entry = f"- Renamed the project from `{old}` to `{new}` (`python scripts/rename.py {new}`).\n"
+    unreleased = re.search(r"^## \[Unreleased\].*\n", text, flags=re.MULTILINE)
+    if unreleased is None:  # no Unreleased section: start one above the first release
+        first = re.search(r"^## ", text, flags=re.MULTILINE)
+        at = first.start() if first else len(text)
+        return text[:at] + f"## [Unreleased]\n\n### Changed\n{entry}\n" + text[at:]
+    section_end = re.compile(r"^## ", flags=re.MULTILINE).search(text, unreleased.end())
+    end = section_end.start() if section_end else len(text)
+    changed = re.compile(r"^### Changed\n", flags=re.MULTILINE).search(text, unreleased.end(), end)
+    if changed:
+        return text[: changed.end()] + entry + text[changed.end() :]
+    return text[: unreleased.end()] + f"\n### Changed\n{entry}" + text[unreleased.end() :]
+
+
+def rewrite_files(root: Path, old: str, new: str) -> list[str]:
+    changes = []
+    for path in tracked_files(root):
+        file = root / path
+        text = read_text(file)
+        if text is None:
+            continue
+        if path == "LICENSE":
+            updated, count = add_license_line(text, new), 1
+        elif path == "CHANGELOG.md":
+            updated, count = add_changelog_entry(text, old, new), 1
+        else:
+            updated, count = replace_name(text, old, new)
+        if updated != text:
+            file.write_text(updated, encoding="utf-8")
+            what = "kept the old name, added a line" if path in KEEP_HISTORY else f"{count} replacement(s)"
+            changes.append(f"edited  {path} ({what})")
+    return changes
+
+
+def leftovers(root: Path, old: str) -> list[str]:
+    """Spellings the rules do not cover (e.g. 'OldName' for old_name): reported for a look by hand."""
+    found = []
+    for path in tracked_files(root):
+        text = "" if path in KEEP_HISTORY else read_text(root / path) or ""
+        found += [
+            f"{path}:{number}: {line.strip()[:80]}"
+            for number, line in enumerate(text.splitlines(), 1)
+            if old.replace("_", "") in line.lower().replace("_", "")
+        ]
+    return found
+
+
+def rename(root: Path, new: str) -> list[str]:
+    """Check, then rename the project at `root` to `new`; returns what changed, one line each."""
+    old = current_name(root)
+    check_name(new, old, root)
+    check_clean(root)
+    changes = move_paths(root, old, new) + rewrite_files(root, old, new)
+    stale = root / "src" / f"{old}.egg-info"  # build metadata of the old name; pip writes the new one
+    if stale.is_dir():
+        shutil.rmtree(stale)
+        changes.append(f"removed src/{old}.egg-info (regenerated by pip install)")
+    return changes
+
+
+def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("name", help="the new package name, e.g. my_project")
+    args = parser.parse_args(argv)
+    try:
+        old = current_name(root)
+        changes = rename(root, args.name)
+    except RenameError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    new = args.name
+    print(f"renamed {old} -> {new}:", *(f"  {change}" for change in changes), sep="\n")
+    if stale := leftovers(root, old):
+        print("left as they are (check by hand):", *(f"  {line}" for line in stale), sep="\n")
+    uninstall = [f"  pip uninstall -y {old}                 # the old name is installed here"]
+    print(
+        "next steps:",
+        *(uninstall if importlib.util.find_spec(old) else []),
+        '  python -m pip install -e ".[test]"',
+        '  pytest -m "not slow"',
+        "  ruff check --fix . && ruff format .   # import order and line wrapping may change with the name",
+        f'  git add -A && git commit -m "Rename {old} to {new}"',
+        "(before committing, `git diff --staged` and `git diff` show every change; `git reset --hard` undoes it)",
+        sep="\n",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -97,14 +97,14 @@ def check_name(name: str, old: str, root: Path) -> None:
         raise RenameError(f"the project is already named '{name}'")
     if name in sys.stdlib_module_names:
         raise RenameError(f"'{name}' would shadow Python's standard library module '{name}'; choose another name")
-    if importlib.util.find_spec(name) is not None:
-        raise RenameError(
-            f"'{name}' is already an installed module ({importlib.util.find_spec(name).origin or 'namespace'}); "
-            "the two would shadow each other; choose another name"
-        )
     top_level = {Path(path).parts[0] for path in tracked_files(root)}
     if clash := sorted(entry for entry in top_level if Path(entry).stem == name):
         raise RenameError(f"'{name}' is already used at the project root ({clash[0]}); choose another name")
+    if (installed := importlib.util.find_spec(name)) is not None:
+        raise RenameError(
+            f"'{name}' is already an installed module ({installed.origin or 'a namespace package'}); "
+            "the two would shadow each other; choose another name"
+        )
     # Once renamed, every whole-word occurrence of the name is taken to mean the project (a second rename replaces
     # them all), so the name must not already mean something else in the code and configs: "net" would break
     # `model.net`.

@@ -1,0 +1,232 @@
+"""scripts/rename.py: the spellings it replaces, what it refuses, and a renamed clone that installs, tests, trains."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, check, clean_env
+
+spec = importlib.util.spec_from_file_location("rename", ROOT / "scripts" / "rename.py")
+rename = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rename)
+
+NAME = rename.current_name(ROOT)  # this project's name today (it changes when the project is renamed)
+GIT_USER = ["-c", "user.name=test", "-c", "user.email=test@example.com"]
+
+# A small project named "oldpkg" with every kind of place a name sits in.
+PROJECT = {
+    "src/oldpkg/__init__.py": '"""oldpkg: a project."""\n',
+    "src/oldpkg/models.py": (
+        "import logging\n"
+        "import os\n\n"
+        'SEED = os.environ.get("OLDPKG_SEED")\n'
+        'log = logging.getLogger("oldpkg.models")\n\n\n'
+        "class OldpkgNet: ...\n\n\n"
+        "class OldpkgnessCheck: ...  # oldpkgs, myoldpkg, oldpkg2: other words\n"
+    ),
+    "configs/model.yaml": "_target_: oldpkg.models.OldpkgNet\n",
+    "pyproject.toml": '[project]\nname = "oldpkg"\n[project.optional-dependencies]\ndev = ["oldpkg[test]"]\n',
+    "README.md": "# oldpkg\n\nWhat oldpkg does: `python -m oldpkg.train`.\n",
+    "train.py": "from oldpkg.models import OldpkgNet\n",
+    "LICENSE": "MIT License\n\nCopyright (c) 2026 The oldpkg authors\n\nPermission is hereby granted.\n",
+    "CHANGELOG.md": "# Changelog\n\n## [Unreleased]\n\n### Added\n- A thing in oldpkg.\n\n## [0.1.0]\n- First.\n",
+}
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *GIT_USER, *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+def write_project(root: Path, files: dict[str, str], commit: bool = True) -> Path:
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    if commit:
+        git(root, "init", "-q")
+        git(root, "add", "-A")
+        git(root, "commit", "-q", "-m", "start")
+    return root
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """One committed copy of PROJECT, shared by the refusal tests (a refusal must leave it untouched)."""
+    return write_project(tmp_path_factory.mktemp("project"), PROJECT)
+
+
+def test_renames_package_imports_targets_and_every_spelling(tmp_path, capsys):
+    root = write_project(tmp_path, PROJECT)
+    assert rename.main(["new_pkg"], root=root) == 0
+    out = capsys.readouterr().out
+
+    assert not (root / "src/oldpkg").exists()
+    assert (root / "src/new_pkg/models.py").read_text() == (
+        "import logging\n"
+        "import os\n\n"
+        'SEED = os.environ.get("NEW_PKG_SEED")\n'
+        'log = logging.getLogger("new_pkg.models")\n\n\n'
+        "class NewPkgNet: ...\n\n\n"
+        "class OldpkgnessCheck: ...  # oldpkgs, myoldpkg, oldpkg2: other words\n"
+    )
+    assert (root / "src/new_pkg/__init__.py").read_text() == '"""new_pkg: a project."""\n'
+    assert (root / "configs/model.yaml").read_text() == "_target_: new_pkg.models.NewPkgNet\n"
+    assert (root / "pyproject.toml").read_text() == PROJECT["pyproject.toml"].replace("oldpkg", "new_pkg")
+    assert (root / "README.md").read_text() == "# new_pkg\n\nWhat new_pkg does: `python -m new_pkg.train`.\n"
+    assert (root / "train.py").read_text() == "from new_pkg.models import NewPkgNet\n"
+    # The original copyright line stays (the licence requires it); the history keeps the names it was written with.
+    assert "Copyright (c) 2026 The oldpkg authors" in (root / "LICENSE").read_text()
+    assert re.search(r"^Copyright \(c\) \d{4} The new_pkg authors\nCopyright \(c\) 2026 The oldpkg authors$",
+                     (root / "LICENSE").read_text(), re.MULTILINE)  # fmt: skip
+    assert (root / "CHANGELOG.md").read_text() == (
+        "# Changelog\n\n## [Unreleased]\n\n"
+        "### Changed\n- Renamed the project from `oldpkg` to `new_pkg` (`python scripts/rename.py new_pkg`).\n\n"
+        "### Added\n- A thing in oldpkg.\n\n## [0.1.0]\n- First.\n"
+    )
+    # Staged as a move, so `git diff --staged` shows it as one.
+    assert "RM src/oldpkg/models.py -> src/new_pkg/models.py" in git(root, "status", "--porcelain")
+
+    assert "moved   src/oldpkg -> src/new_pkg" in out
+    assert "edited  configs/model.yaml (2 replacement(s))" in out
+    assert "edited  src/new_pkg/models.py (3 replacement(s))" in out
+    # Words that only contain the old name are left, and listed for a look by hand.
+    assert "left as they are (check by hand):\n  src/new_pkg/models.py:11: class OldpkgnessCheck" in out
+    assert 'python -m pip install -e ".[test]"' in out
+    assert 'git add -A && git commit -m "Rename oldpkg to new_pkg"' in out
+
+
+def test_changelog_entry_joins_an_existing_changed_list_or_starts_the_section():
+    with_changed = "## [Unreleased]\n\n### Changed\n- X.\n\n## [0.1.0]\n- Y.\n"
+    assert rename.add_changelog_entry(with_changed, "a", "b") == (
+        "## [Unreleased]\n\n### Changed\n- Renamed the project from `a` to `b` (`python scripts/rename.py b`).\n"
+        "- X.\n\n## [0.1.0]\n- Y.\n"
+    )
+    released_only = "# Changelog\n\n## [0.1.0]\n- Y.\n"
+    assert rename.add_changelog_entry(released_only, "a", "b") == (
+        "# Changelog\n\n## [Unreleased]\n\n### Changed\n"
+        "- Renamed the project from `a` to `b` (`python scripts/rename.py b`).\n\n## [0.1.0]\n- Y.\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("My-Net", "'My-Net' is not a valid package name: use lowercase letters, digits and underscores"),
+        ("MyNet", "'MyNet' is not a valid package name"),
+        ("1net", "'1net' is not a valid package name"),
+        ("class", "'class' is a Python keyword and cannot be imported"),
+        ("oldpkg", "the project is already named 'oldpkg'"),
+        ("json", "'json' would shadow Python's standard library module 'json'"),
+        ("torch", "'torch' is already an installed module"),
+        ("train", "'train' is already used at the project root (train.py)"),
+        ("models", "'models' already appears as a word in the project (configs/model.yaml:1: _target_: oldpkg.models"),
+        ("logging", "'logging' would shadow Python's standard library module"),
+        ("target", "'target' already appears as a word in the project (configs/model.yaml:1: _target_: oldpkg"),
+    ],
+)
+def test_refuses_names_that_are_invalid_or_collide(project, capsys, name, message):
+    assert rename.main([name], root=project) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert git(project, "status", "--porcelain") == ""
+    assert (project / "src/oldpkg/models.py").read_text() == PROJECT["src/oldpkg/models.py"]
+
+
+@pytest.mark.parametrize("change", ["untracked", "modified", "staged"])
+def test_refuses_a_tree_with_uncommitted_changes(tmp_path, capsys, change):
+    root = write_project(tmp_path, PROJECT)
+    if change == "untracked":
+        (root / "notes.txt").write_text("oldpkg notes\n")
+    else:
+        (root / "README.md").write_text("# oldpkg\n\nmy edits\n")
+    if change == "staged":
+        git(root, "add", "README.md")
+    before = git(root, "status", "--porcelain")
+
+    assert rename.main(["new_pkg"], root=root) == 2
+    assert capsys.readouterr().err == (
+        "error: the work tree has uncommitted changes (see `git status`); commit them first, so the rename can be "
+        "reviewed with `git diff` and undone with `git reset --hard` without losing them\n"
+    )
+    assert git(root, "status", "--porcelain") == before
+    assert (root / "src/oldpkg/models.py").is_file() and not (root / "src/new_pkg").exists()
+
+
+def test_refuses_a_tree_outside_git(tmp_path, capsys):
+    root = write_project(tmp_path, PROJECT, commit=False)
+    assert rename.main(["new_pkg"], root=root) == 2
+    assert capsys.readouterr().err.startswith(f"error: {root} is not a git work tree; run `git init && git add -A")
+    assert (root / "src/oldpkg/models.py").read_text() == PROJECT["src/oldpkg/models.py"]
+
+
+def test_every_spelling_of_the_name_in_this_project_is_one_the_rename_replaces():
+    """A spelling the rules miss (e.g. 'ScaleUp' for scaleup) would survive a rename: catch it when it is written."""
+    missed = []
+    for path in rename.tracked_files(ROOT):
+        text = rename.read_text(ROOT / path)
+        if path in rename.KEEP_HISTORY or text is None:
+            continue
+        renamed, _ = rename.replace_name(text, NAME, "x")
+        missed += [f"{path}: {line.strip()}" for line in renamed.splitlines() if NAME in line.lower()]
+    assert not missed, "\n".join(missed)
+
+
+def run_in(cwd: Path, *command: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return check(
+        subprocess.run([str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    )
+
+
+@pytest.mark.slow
+def test_renamed_clone_installs_passes_its_fast_tests_and_trains(tmp_path):
+    """A clone of this tree (as it is on disk), renamed to mynet, is a working project of that name."""
+    clone = tmp_path / "clone"
+    listed = run_in(ROOT, "git", "ls-files", "--cached", "--others", "--exclude-standard", "-z").stdout
+    for path in listed.split("\0")[:-1]:
+        if (ROOT / path).is_file():
+            (clone / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / path, clone / path)
+    write_project(clone, {})
+    env = clean_env()
+    del env["PYTHONPATH"]  # this repository's tests/ must not shadow the clone's
+
+    renamed = run_in(clone, sys.executable, "scripts/rename.py", "mynet")
+    assert f"moved   src/{NAME} -> src/mynet" in renamed.stdout
+    assert "left as they are" not in renamed.stdout
+    left = [
+        path
+        for path in rename.tracked_files(clone)
+        if NAME in path.lower() or NAME in (rename.read_text(clone / path) or "").lower()
+    ]
+    assert left == ["CHANGELOG.md", "LICENSE"]  # the original copyright line and the history, on purpose
+
+    # A venv that sees the installed packages, with the clone installed into it under its new name.
+    venv = tmp_path / "venv"
+    run_in(tmp_path, sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv)
+    python = venv / "bin" / "python"
+    run_in(tmp_path, python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", clone, env=env)
+    where = run_in(tmp_path, python, "-c", "import mynet; print(mynet.__file__)", env=env)
+    assert where.stdout.strip() == str(clone / "src" / "mynet" / "__init__.py")
+
+    tests = run_in(clone, python, "-m", "pytest", "-m", "not slow", "-q", "-x", "-p", "no:cacheprovider", env=env)
+    assert re.search(r"\d+ passed", tests.stdout)
+
+    run_dir = tmp_path / "run"
+    run_in(
+        clone,
+        python,
+        "train.py",
+        "trainer.max_epochs=1",
+        "trainer.enable_progress_bar=false",
+        f"hydra.run.dir={run_dir}",
+        env=env,
+    )
+    assert json.loads((run_dir / "metrics.json").read_text())["test/samples"] == 360
+    assert "_target_: mynet.models." in (run_dir / "config.yaml").read_text()

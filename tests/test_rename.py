@@ -167,7 +167,7 @@ def test_refuses_a_tree_outside_git(tmp_path, capsys):
 
 
 def test_every_spelling_of_the_name_in_this_project_is_one_the_rename_replaces():
-    """A spelling the rules miss (e.g. 'ScaleUp' for scaleup) would survive a rename: catch it when it is written."""
+    """A spelling the rules miss (a second capital inside the name, the name glued to a word) would survive a rename."""
     missed = []
     for path in rename.tracked_files(ROOT):
         text = rename.read_text(ROOT / path)

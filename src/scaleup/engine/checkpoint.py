@@ -1,4 +1,8 @@
-"""Checkpoints that load anywhere and never execute code: safe loading, prefix repair, atomic writes."""
+"""Checkpoints that load anywhere and never execute code: safe loading, prefix repair, atomic writes.
+
+Local paths are written atomically here; URLs (s3://, gs://, memory://, ...) go through fsspec, as Lightning's own
+checkpoint IO does. Both are read with `weights_only=True`.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
@@ -21,17 +26,26 @@ from scaleup.engine.errors import UserError
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
+def is_url(path: str | Path) -> bool:
+    """A location with a protocol (s3://, gs://, memory://, file://): read and written through fsspec."""
+    return "://" in str(path)
+
+
+def exists(path: str | Path) -> bool:
+    return get_filesystem(path).isfile(str(path)) if is_url(path) else Path(path).is_file()
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """`torch.load` with `weights_only=True` on CPU, with one clear message for each way it can fail.
 
     `weights_only=True` refuses pickles that would import or call anything beyond tensors and plain
     containers, so a crafted file cannot run code here.
     """
-    path = Path(path)
-    if not path.is_file():
+    if not exists(path):
         raise UserError(f"checkpoint {path} does not exist (checkpoints are in <run dir>/checkpoints/)")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        with get_filesystem(path).open(str(path), "rb") if is_url(path) else open(path, "rb") as f:
+            checkpoint = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         if "Unsupported global" in str(err):  # a class or function the file wants imported
             raise UserError(
@@ -130,11 +144,71 @@ class EpochProgressRepair(Callback):
                 counts["ready"] = counts["started"] = counts["completed"] + 1
 
 
+def rescale_batch_progress(checkpoint: dict[str, Any], accumulation: int) -> None:
+    """Restate the fit loop's batch counters in micro-batches of `accumulation` per optimizer step.
+
+    Lightning counts an epoch's progress in loader batches (micro-batches): with accumulation a, s optimizer steps
+    are s x a batches, and the next optimizer step comes when the count is a multiple of a. The checkpoint says
+    which accumulation wrote it (its stored plan). Every counter moves by the same amount, so their relations
+    (which tell Lightning where in the batch the checkpoint was taken) hold. A checkpoint taken between the
+    micro-batches of a step (SIGTERM with accumulation) goes back to that step's start: it does not hold the
+    partial gradients, and the sampler, which counts whole optimizer steps, replays the step from its first sample.
+    """
+    previous = checkpoint.get("scaleup", {}).get("plan", {}).get("accumulate_grad_batches")
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if not previous or not progress:
+        return
+    shift = progress["current"]["ready"] // previous * accumulation - progress["current"]["ready"]
+    for counts in (progress["current"], progress["total"]):
+        for key in ("ready", "started", "processed", "completed"):
+            counts[key] += shift
+
+
+class BatchProgressRescale(Callback):
+    """Lets a run resume mid-epoch with another accumulation, which another device count with a per-device cap
+    brings: rewrites the checkpoint's micro-batch counters (`rescale_batch_progress`) before Lightning restores
+    its loops from them.
+
+    The accumulation is final only at `on_fit_start` (`data.max_per_device_batch_size=auto` settles it there),
+    after Lightning has handed over the checkpoint and before it restores the loops; strategies that restore
+    after setup (FSDP) hand it over later, when the accumulation is already final.
+    """
+
+    def __init__(self) -> None:
+        self._checkpoint: dict[str, Any] | None = None
+        self._fit_started = False
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self._checkpoint = checkpoint  # the dict Lightning restores its loops from
+        if self._fit_started:
+            self._rescale(trainer)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._fit_started = True
+        self._rescale(trainer)
+
+    def _rescale(self, trainer: Any) -> None:
+        if self._checkpoint is not None and trainer.state.fn == "fit":
+            rescale_batch_progress(self._checkpoint, trainer.accumulate_grad_batches)
+        self._checkpoint = None
+
+
+def save_checkpoint(obj: Any, path: str | Path) -> None:
+    """`atomic_torch_save` for a local path; Lightning's fsspec writer for a URL (object stores have no rename)."""
+    if is_url(path):
+        TorchCheckpointIO().save_checkpoint(obj, path)
+    else:
+        atomic_torch_save(obj, path)
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning checkpoint IO with same-directory atomic writes and `weights_only=True` reads."""
+    """Lightning checkpoint IO with same-directory atomic writes and `weights_only=True` reads.
+
+    URLs keep Lightning's fsspec handling (removal too, inherited); only their reads are made safe here.
+    """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
-        atomic_torch_save(checkpoint, path)
+        save_checkpoint(checkpoint, path)
 
     def load_checkpoint(self, path: str | Path, map_location: Any = None, weights_only: bool | None = None) -> dict:
         return load_checkpoint(path)

@@ -13,11 +13,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from scaleup.engine.callbacks import MetricsFile
+from scaleup.engine.callbacks.performance import PerformanceSettings, set_tf32
 from scaleup.engine.checkpoint import load_checkpoint, load_weights
 from scaleup.engine.config import build_model, log_rows, to_plain
 from scaleup.engine.errors import UserError
 from scaleup.engine.launch import check_launcher, shut_down_process_group
-from scaleup.engine.plan import resolve_topology
+from scaleup.engine.plan import resolve_precision, resolve_topology
 
 log = logging.getLogger("scaleup")
 
@@ -44,21 +45,27 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     # Same per-device batch as training by default: same batches, so the same float sums, to the last bit.
     data_cfg.update(global_batch_size=None, per_device_batch_size=cfg.batch_size or plan["per_device_batch_size"])
     datamodule = instantiate(data_cfg)
-    precision = cfg.trainer.precision or plan["precision"]
+    # The plan stores the precision training resolved (`auto` became bf16-mixed, 16-mixed or 32-true there).
+    precision = resolve_precision(cfg.trainer.precision or plan["precision"], topology.accelerator)
     if topology.accelerator == "cpu" and str(precision).startswith("16"):
         precision = "bf16-mixed"  # fp16 autocast needs a GPU; bf16 keeps the reduced-precision behaviour
-    model = build_model({**config["model"], "compile": cfg.compile}, precision=precision)
+    model_cfg = dict(config["model"])
+    if cfg.compile or "compile" in model_cfg:  # a module setting (ImageClassifier's), here an evaluation choice
+        model_cfg["compile"] = cfg.compile
+    model = build_model(model_cfg, precision=precision)
     load_weights(model, checkpoint["state_dict"])  # float64 weights into a float64 model: nothing rounded
     del checkpoint
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     metrics_path = run_dir / "metrics.json"
+    tf32, channels_last = plan.get("tf32", False), plan.get("channels_last", False)  # as trained
+    set_tf32(tf32)
     trainer = L.Trainer(
         accelerator=topology.accelerator,
         devices=topology.devices,
         num_nodes=topology.num_nodes,
         precision=precision,
-        callbacks=[MetricsFile(metrics_path)],
+        callbacks=[MetricsFile(metrics_path), PerformanceSettings(tf32, channels_last)],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=cfg.trainer.enable_progress_bar,

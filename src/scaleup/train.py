@@ -16,17 +16,30 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
-from scaleup.engine.callbacks import ConfigInCheckpoint, LRScaling, MetricsFile, PreemptionCheckpoint
+from scaleup.engine.batch_probe import AutoBatchSize
+from scaleup.engine.callbacks import (
+    ConfigInCheckpoint,
+    LRScaling,
+    MetricsFile,
+    PreemptionCheckpoint,
+    PrivateMetricStates,
+)
+from scaleup.engine.callbacks.hparams import PlanHParams
+from scaleup.engine.callbacks.lr_scaling import base_lrs
+from scaleup.engine.callbacks.performance import PerformanceSettings, set_tf32
 from scaleup.engine.checkpoint import (
     AtomicCheckpointIO,
+    BatchProgressRescale,
     EpochProgressRepair,
     load_checkpoint,
     remove_interrupted_writes,
+    strip_wrapper_prefixes,
 )
-from scaleup.engine.checks import TrainLoaderCheck, check_config, pitfall_warnings
+from scaleup.engine.checks import MonitorCheck, TrainLoaderCheck, check_config, has_batchnorm, pitfall_warnings
 from scaleup.engine.config import build_model, instantiate_each, log_rows, to_plain, write_yaml
+from scaleup.engine.datamodule import GlobalBatchDataModule, apply_model_settings
 from scaleup.engine.errors import UserError
 from scaleup.engine.launch import (
     build_strategy,
@@ -34,9 +47,9 @@ from scaleup.engine.launch import (
     fresh_store_after_torchrun_restart,
     shut_down_process_group,
 )
+from scaleup.engine.loggers import close_loggers
 from scaleup.engine.plan import Plan, Topology, build_plan, resolve_topology
 from scaleup.engine.seeding import PerRankSeed
-from scaleup.models.nets import has_batchnorm
 
 log = logging.getLogger("scaleup")
 
@@ -60,7 +73,15 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Path | None:
     return max(candidates, key=lambda p: p.stat().st_mtime_ns)
 
 
-def check_resume(path: Path, config: dict[str, Any], plan: Plan) -> None:
+def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"net": {"width": 32}} -> {"net.width": 32}"""
+    items: dict[str, Any] = {}
+    for key, value in tree.items():
+        items.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return items
+
+
+def check_resume(path: Path, config: dict[str, Any], plan: Plan, model: L.LightningModule) -> None:
     """Open the checkpoint up front (clear errors, no traceback), refuse another network, report what changed.
 
     Runs before anything is written, so a bad resume leaves the run directory as it was.
@@ -71,17 +92,25 @@ def check_resume(path: Path, config: dict[str, Any], plan: Plan) -> None:
             f"{path} is at step {checkpoint['global_step']} (epoch {checkpoint.get('epoch')}), already at or past "
             f"this plan's {plan.total_steps} steps; raise trainer.max_epochs or trainer.max_steps to train further"
         )
+    for name, state in checkpoint.get("callbacks", {}).items():
+        if name.startswith("EarlyStopping") and state.get("stopping_reason_message"):
+            raise UserError(
+                f"{path} is from a run that early stopping ended at epoch {state['stopped_epoch']} "
+                f"({state['stopping_reason_message'].strip()}); there is nothing to resume. To train on, start a new "
+                "run, e.g. from these weights or with a larger callbacks.early_stopping.patience"
+            )
     stored = checkpoint.get("scaleup", {})
-    previous_net = stored.get("config", {}).get("model", {}).get("net")
-    net = config["model"]["net"]
-    if previous_net is not None and previous_net != net:
+    # Another network is one whose weights have other names or shapes; the config differences say why.
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    stored_shapes = {name: tuple(t.shape) for name, t in strip_wrapper_prefixes(checkpoint["state_dict"]).items()}
+    if stored_shapes != shapes:
+        before, now = flat(stored.get("config", {}).get("model", {})), flat(config["model"])
         diffs = [
-            f"{k}={previous_net.get(k)} (now {net.get(k)})"
-            for k in sorted(net.keys() | previous_net.keys())
-            if previous_net.get(k) != net.get(k)
+            f"model.{k}={before.get(k)} (now {now.get(k)})" for k in sorted(before | now) if before.get(k) != now.get(k)
         ]
+        changed = sorted(name for name in stored_shapes | shapes if stored_shapes.get(name) != shapes.get(name))
         raise UserError(
-            f"{path} was trained with another network: model.net.{', model.net.'.join(diffs)}; "
+            f"{path} was trained with another network: {', '.join(diffs) or f'weights {changed[:3]} differ'}; "
             "resume with the same model settings, or start a new run"
         )
     if rank_zero_only.rank != 0:
@@ -90,7 +119,7 @@ def check_resume(path: Path, config: dict[str, Any], plan: Plan) -> None:
     changed = [
         f"{key} {previous[key]} -> {value}"
         for key, value in plan.to_dict().items()
-        if key in previous and previous[key] != value and key != "dataset_sizes"
+        if key in previous and previous[key] != value and key not in ("dataset_sizes", "sync_batchnorm_reason")
     ]
     log.info(f"resuming from {path}" + (f"; changed since: {', '.join(changed)}" if changed else ""))
     if "global_batch_size" in previous and previous["global_batch_size"] != plan.global_batch_size:
@@ -98,6 +127,12 @@ def check_resume(path: Path, config: dict[str, Any], plan: Plan) -> None:
             f"the global batch changed ({previous['global_batch_size']} -> {plan.global_batch_size}): "
             "the resumed run optimises differently from the original one"
         )
+
+
+def early_stopping_config(callbacks_cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """The EarlyStopping entry of the callbacks config (`callbacks=[default,early_stopping]`), if any."""
+    entries = [c for c in callbacks_cfg.values() if isinstance(c, dict) and "_target_" in c]
+    return next((c for c in entries if str(c["_target_"]).rsplit(".", 1)[-1] == "EarlyStopping"), None)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -111,9 +146,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # Same seed on every rank before the model is built: identical initial weights everywhere.
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data)
-    with open_dict(cfg):
-        cfg.model.net.num_classes = cfg.model.net.get("num_classes") or datamodule.num_classes
+    if not isinstance(datamodule, GlobalBatchDataModule):
+        raise UserError(
+            f"data._target_={cfg.data._target_} is not a scaleup.engine.datamodule.GlobalBatchDataModule: subclass "
+            "it (implement build_splits()), so the plan knows the split sizes and every device count sees the same "
+            "global batches"
+        )
     config = to_plain(cfg)
+    apply_model_settings(config["model"], datamodule.model_settings())
     model = build_model(config["model"], precision=config["trainer"]["precision"])
     batchnorm = has_batchnorm(model)
 
@@ -126,21 +166,23 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         trainer_cfg=config["trainer"],
         data_cfg=config["data"],
         lr_cfg=config["callbacks"]["lr_scaling"],
-        base_lr=config["model"]["optimizer"]["lr"],
+        base_lrs=base_lrs(model),
         seed=cfg.seed,
         dataset_sizes=datamodule.split_sizes(),
         has_batchnorm=batchnorm,
         strategy=strategy_name,
+        early_stopping=early_stopping_config(config["callbacks"]),
     )
     check_config(config, plan)
     ckpt_path = None if cfg.dry_run else resolve_ckpt_path(cfg.ckpt_path, run_dir)
     if ckpt_path is not None:
-        check_resume(ckpt_path, config, plan)
+        check_resume(ckpt_path, config, plan, model)
     if rank_zero_only.rank == 0:
         announce(plan, config, run_dir, datamodule, has_batchnorm=batchnorm, dry_run=cfg.dry_run)
     if cfg.dry_run:
         return plan.to_dict()
 
+    set_tf32(plan.tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
     trainer = build_trainer(config, plan, topology, strategy, run_dir)
     return fit_and_test(trainer, model, datamodule, ckpt_path, run_dir)
 
@@ -173,11 +215,18 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
         # First: the LR must be set before LearningRateMonitor reads it.
         LRScaling(plan.schedule(tuple(lr_cfg.get("milestones") or ()), lr_cfg.get("gamma", 0.1))),
         PerRankSeed(plan.seed),
+        # Settles the micro-batch at the start of fit, before BatchProgressRescale reads the accumulation.
+        *([AutoBatchSize(plan, run_dir / "plan.json")] if plan.max_per_device_batch_size == "auto" else []),
+        PrivateMetricStates(),
+        MonitorCheck(config["monitor"]["metric"], config["monitor"]["mode"]),
         TrainLoaderCheck(),
         ConfigInCheckpoint(config, plan.to_dict()),
         PreemptionCheckpoint(checkpoint_dir),
         EpochProgressRepair(),
+        BatchProgressRescale(),
         MetricsFile(run_dir / "metrics.json"),
+        PlanHParams(plan.to_dict(), run_dir / "metrics.json"),  # after MetricsFile: reads the names it wrote
+        PerformanceSettings(plan.tf32, plan.channels_last),
         *instantiate_each(config["callbacks"]),
     ]
     loggers = instantiate_each(config["logger"])
@@ -186,12 +235,15 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     if not loggers:
         callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
-    trainer_kwargs = {k: v for k, v in config["trainer"].items() if k not in ("strategy", "sync_batchnorm")}
+    planned = ("strategy", "sync_batchnorm", "precision", "tf32", "channels_last", "accumulate_grad_batches")
+    trainer_kwargs = {k: v for k, v in config["trainer"].items() if k not in planned}
     trainer_kwargs.update(accelerator=topology.accelerator, devices=topology.devices, num_nodes=topology.num_nodes)
     trainer = L.Trainer(
         **trainer_kwargs,
         strategy=strategy,
         sync_batchnorm=plan.sync_batchnorm,
+        precision=plan.precision,
+        accumulate_grad_batches=plan.accumulate_grad_batches,
         callbacks=callbacks,
         logger=loggers or False,
         plugins=[AtomicCheckpointIO()],
@@ -215,20 +267,30 @@ def fit_and_test(
         if trainer.is_global_zero:
             log.warning(f"resume with: python train.py ckpt_path=last hydra.run.dir={run_dir} (plus your overrides)")
         sys.exit(EXIT_PREEMPTED)
-    best = next((cb.best_model_path for cb in trainer.checkpoint_callbacks if cb.monitor), "")
+    stopper = trainer.early_stopping_callback
+    if stopper is not None and stopper.stopping_reason_message and trainer.is_global_zero:
+        log.info(
+            f"early stopping ended the run at step {trainer.global_step} of the {trainer.estimated_stepping_batches} "
+            f"planned (epoch {stopper.stopped_epoch}): {stopper.stopping_reason_message.strip()}"
+        )
+    monitored = next((cb for cb in trainer.checkpoint_callbacks if cb.monitor), None)  # callbacks.best_checkpoint
+    best = monitored.best_model_path if monitored else ""
     trainer.test(model, datamodule=datamodule, ckpt_path=best or None, verbose=False)
+    close_loggers(trainer)
     shut_down_process_group()
     if not trainer.is_global_zero:
         return {}
     # Read back what rank 0 wrote: with ddp_spawn, training and testing ran in child processes.
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    summarise(run_dir, metrics, best)
+    summarise(run_dir, metrics, best, monitored.monitor if monitored else "")
     return metrics
 
 
-def summarise(run_dir: Path, metrics: dict[str, float], best: str) -> None:
+def summarise(run_dir: Path, metrics: dict[str, float], best: str, monitor: str) -> None:
     shown = [(name, f"{value:.4f}" if isinstance(value, float) else str(value)) for name, value in metrics.items()]
     shown = [row for row in shown if row[0].split("/")[0] in ("val", "test") or row[0] == "train/loss"]
     log_rows(f"done: {run_dir}", sorted(shown))
     if best:
-        log.info(f"tested the best checkpoint {best}\nevaluate it again with: python eval.py ckpt_path={best}")
+        log.info(
+            f"tested the best checkpoint by {monitor}: {best}\nevaluate it again with: python eval.py ckpt_path={best}"
+        )

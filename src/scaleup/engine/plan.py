@@ -7,13 +7,21 @@ the per-device batch for the topology. Moving to more devices then changes the s
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
-from scaleup.engine.callbacks.lr_scaling import DECAYS, LRSchedule, scaled_lr
+from scaleup.engine.callbacks.lr_scaling import DECAYS, LRSchedule, lr_factor
 from scaleup.engine.errors import UserError
+
+# Fewer samples than this per BatchNorm statistic make the statistics noisy enough to cost accuracy; from here up
+# they are reliable unsynced. Goyal et al. 2017 trained ResNet-50 at a global batch of 8k with BN over 32 images
+# per GPU, unsynced, matching the small-batch baseline; Wu & He 2018 (Group Normalization, fig. 1) show BN's error
+# rising as the per-device batch drops below 32. SyncBN adds a collective to every BN layer, so `auto` syncs only
+# below this, and the pitfall warning uses the same line.
+SMALL_BN_BATCH = 32
 
 
 @dataclass(frozen=True)
@@ -73,9 +81,17 @@ class BatchPlan:
 
 
 def resolve_batch(
-    global_batch_size: int | None, per_device_batch_size: int | None, world_size: int, accumulation: int
+    global_batch_size: int | None,
+    per_device_batch_size: int | None,
+    world_size: int,
+    accumulation: int | None,
+    max_per_device: int | None = None,
 ) -> BatchPlan:
-    """per-device = global / (world_size x accumulation); an error naming the numbers if it does not divide."""
+    """per-device = global / (world_size x accumulation); an error naming the numbers if it does not divide.
+
+    `accumulation` None means not set: 1, or with a per-device cap the smallest that keeps each device at or below
+    it (`accumulation_for_cap`).
+    """
     if (global_batch_size is None) == (per_device_batch_size is None):
         raise UserError(
             "set exactly one of data.global_batch_size (the recipe: same results on any device count) or "
@@ -83,6 +99,11 @@ def resolve_batch(
             f"got global={global_batch_size}, per_device={per_device_batch_size}. "
             "To switch, pass e.g. data.global_batch_size=null data.per_device_batch_size=64"
         )
+    if max_per_device is not None:
+        accumulation = accumulation_for_cap(
+            global_batch_size, per_device_batch_size, world_size, accumulation, max_per_device
+        )
+    accumulation = accumulation or 1
     if per_device_batch_size is not None:
         if per_device_batch_size < 1:
             raise UserError(f"data.per_device_batch_size={per_device_batch_size} must be at least 1")
@@ -97,6 +118,44 @@ def resolve_batch(
     return BatchPlan(global_batch_size // shards, accumulation, world_size)
 
 
+def accumulation_for_cap(
+    global_batch_size: int | None,
+    per_device_batch_size: int | None,
+    world_size: int,
+    accumulation: int | None,
+    cap: int,
+) -> int:
+    """The smallest accumulation that splits the global batch exactly into per-device batches of at most `cap`.
+
+    One GPU with a cap of 32 runs an 8-GPU recipe of global batch 256 as 8 accumulation steps of 32: the same
+    samples per optimizer step, so the same optimisation, in the memory of 32. A cap above the per-device share
+    is no contradiction: it only bites on fewer devices, which is what lets one command run on any count.
+    """
+    if per_device_batch_size is not None:
+        raise UserError(
+            f"data.max_per_device_batch_size={cap} caps the per-device share of a fixed global batch, but "
+            f"data.per_device_batch_size={per_device_batch_size} fixes the per-device batch itself; set "
+            "data.global_batch_size instead (and data.per_device_batch_size=null), or drop the cap"
+        )
+    if cap < 1:
+        raise UserError(f"data.max_per_device_batch_size={cap} must be at least 1 (or null for no cap, or auto)")
+    if global_batch_size < 1 or global_batch_size % world_size:
+        raise UserError(
+            f"data.global_batch_size={global_batch_size} does not split evenly over {world_size} device(s), so no "
+            f"accumulation gives equal per-device batches; choose a multiple of {world_size}"
+        )
+    share = global_batch_size // world_size
+    derived = next(steps for steps in range(1, share + 1) if share % steps == 0 and share // steps <= cap)
+    if accumulation is not None and accumulation != derived:
+        raise UserError(
+            f"trainer.accumulate_grad_batches={accumulation} contradicts data.max_per_device_batch_size={cap}: a "
+            f"global batch of {global_batch_size} on {world_size} device(s) needs accumulation {derived} to keep "
+            f"each device at or below {cap} ({share // derived} per device). Remove trainer.accumulate_grad_batches "
+            "(the cap derives it) or the cap"
+        )
+    return derived
+
+
 @dataclass(frozen=True)
 class Plan:
     world_size: int
@@ -107,24 +166,43 @@ class Plan:
     accumulate_grad_batches: int
     global_batch_size: int
     batch_mode: str  # "global" (recipe fixed) or "per_device" (global grows with devices)
-    base_lr: float
+    base_lrs: dict[str, float]  # each param group's LR from configure_optimizers, valid at base_batch_size
+    base_lr: float | None  # the one base LR all groups share (None when they differ)
     base_batch_size: int
     scaling_rule: str
-    lr: float
+    lr_factor: float  # peak LR / base LR, the same for every group
+    lr: float | None  # the scaled peak of base_lr
     warmup_steps: int
     decay: str
     steps_per_epoch: int
     total_steps: int
     sync_batchnorm: bool
-    precision: str
+    precision: str  # resolved: `auto` is already bf16-mixed, 16-mixed or 32-true here
+    tf32: bool  # TF32 tensor cores for float32 matmuls and convolutions (GPUs only)
+    channels_last: bool  # NHWC memory layout for the network's 4-d weights
     strategy: str
     seed: int
     dataset_sizes: dict[str, int] = field(default_factory=dict)
+    # The per-device cap as configured: None, a number, or "auto" (settled at the start of fit: batch_probe.py).
+    max_per_device_batch_size: int | str | None = None
+    has_batchnorm: bool = False
+    bn_batch_size: int | None = None  # samples per BN statistic; None without BN, or with auto before the probe
+    base_bn_batch_size: int | None = None  # the BN batch the recipe was tuned at
+    sync_batchnorm_reason: str = ""
+    early_stopping: str | None = None  # e.g. "val/acc (max, patience 5)": the run may end before total_steps
+
+    def with_per_device_batch(self, per_device: int) -> Plan:
+        """This plan with its global batch split into micro-batches of `per_device` (what the auto cap settles)."""
+        return replace(
+            self,
+            per_device_batch_size=per_device,
+            accumulate_grad_batches=self.global_batch_size // (self.world_size * per_device),
+            bn_batch_size=bn_batch(per_device, self.world_size, self.sync_batchnorm, self.has_batchnorm),
+        )
 
     def schedule(self, milestones_epochs: tuple[float, ...] = (), gamma: float = 0.1) -> LRSchedule:
         return LRSchedule(
-            base_lr=self.base_lr,
-            peak_lr=self.lr,
+            peak=self.lr_factor,
             warmup_steps=self.warmup_steps,
             total_steps=self.total_steps,
             decay=self.decay,
@@ -142,21 +220,60 @@ class Plan:
                 "world size",
                 f"{self.world_size} = {self.num_nodes} node(s) x {self.devices} {self.accelerator}",
             ),
-            ("per-device batch", str(self.per_device_batch_size)),
-            ("accumulation", str(self.accumulate_grad_batches)),
+            ("per-device batch", self._per_device_row()),
+            ("accumulation", self._accumulation_row()),
             ("global batch", f"{self.global_batch_size} ({self.batch_mode} mode)"),
-            (
-                "learning rate",
-                f"{self.base_lr:g} @ {self.base_batch_size} -> {self.lr:g} @ {self.global_batch_size} "
-                f"({self.scaling_rule})",
-            ),
+            ("learning rate", self._lr_row()),
             ("warmup / total steps", f"{self.warmup_steps} / {self.total_steps} ({self.decay} decay)"),
             ("steps per epoch", str(self.steps_per_epoch)),
-            ("SyncBatchNorm", "on" if self.sync_batchnorm else "off"),
+            ("BatchNorm batch", self._bn_row()),
+            ("SyncBatchNorm", f"{'on' if self.sync_batchnorm else 'off'} ({self.sync_batchnorm_reason})"),
             ("precision / strategy", f"{self.precision} / {self.strategy}"),
+            ("TF32 / channels_last", f"{'on' if self.tf32 else 'off'} / {'on' if self.channels_last else 'off'}"),
+            *([("early stopping", self._early_stopping_row())] if self.early_stopping else []),
             ("seed", str(self.seed)),
             ("data", sizes),
         ]
+
+    def _per_device_row(self) -> str:
+        cap = self.max_per_device_batch_size
+        if cap == "auto":
+            share = self.global_batch_size // self.world_size
+            return f"auto: the largest exact split of {share} that fits, probed on every device at start"
+        return str(self.per_device_batch_size) + (f" (cap {cap})" if cap is not None else "")
+
+    def _accumulation_row(self) -> str:
+        if self.max_per_device_batch_size == "auto":
+            return "derived from the probe (global batch / (world size x per-device))"
+        derived = " (derived from the per-device cap)" if self.max_per_device_batch_size is not None else ""
+        return f"{self.accumulate_grad_batches}{derived}"
+
+    def _bn_row(self) -> str:
+        if not self.has_batchnorm:
+            return "- (no BatchNorm layers)"
+        tuned = f"; tuned at {self.base_bn_batch_size}"
+        if self.bn_batch_size is None:
+            synced = f" x {self.world_size} devices (SyncBN)" if self.sync_batchnorm else ""
+            return f"the probed micro-batch{synced}{tuned}"
+        if self.sync_batchnorm:
+            return f"{self.bn_batch_size} = {self.world_size} devices x {self.per_device_batch_size} (SyncBN){tuned}"
+        return f"{self.bn_batch_size} (the per-device micro-batch){tuned}"
+
+    def _early_stopping_row(self) -> str:
+        return (
+            f"{self.early_stopping}: may end the run before step {self.total_steps}; "
+            f"the LR schedule still spans all {self.total_steps}"
+        )
+
+    def _lr_row(self) -> str:
+        if self.base_lr is not None:
+            return (
+                f"{self.base_lr:g} @ {self.base_batch_size} -> {self.lr:g} @ {self.global_batch_size} "
+                f"({self.scaling_rule})"
+            )
+        groups = ", ".join(f"{name} {lr:g} -> {lr * self.lr_factor:g}" for name, lr in self.base_lrs.items())
+        scaling = f"x{self.lr_factor:g} @ {self.global_batch_size} over {self.base_batch_size} ({self.scaling_rule})"
+        return f"{scaling}: {groups}"
 
 
 def total_steps(steps_per_epoch: int, max_epochs: int | None, max_steps: int | None) -> int:
@@ -178,20 +295,27 @@ def build_plan(
     trainer_cfg: dict[str, Any],
     data_cfg: dict[str, Any],
     lr_cfg: dict[str, Any],
-    base_lr: float,
+    base_lrs: Mapping[str, float],
     seed: int,
     dataset_sizes: dict[str, int],
     has_batchnorm: bool,
     strategy: str,
+    early_stopping: Mapping[str, Any] | None = None,
 ) -> Plan:
-    accumulation = int(trainer_cfg.get("accumulate_grad_batches", 1))
-    if accumulation < 1:
+    accumulation = trainer_cfg.get("accumulate_grad_batches")
+    if accumulation is not None and int(accumulation) < 1:
         raise UserError(f"trainer.accumulate_grad_batches={accumulation} must be at least 1")
+    cap = data_cfg.get("max_per_device_batch_size")
+    if cap == "auto":
+        check_auto_cap(data_cfg.get("per_device_batch_size"), accumulation, strategy)
+    elif cap is not None and not isinstance(cap, int):
+        raise UserError(f"data.max_per_device_batch_size={cap} must be a number, auto, or null (no cap)")
     batch = resolve_batch(
         data_cfg.get("global_batch_size"),
         data_cfg.get("per_device_batch_size"),
         topology.world_size,
-        accumulation,
+        None if accumulation is None else int(accumulation),
+        None if cap == "auto" else cap,
     )
     train_size = dataset_sizes["train"]
     steps_per_epoch = train_size // batch.global_
@@ -209,7 +333,9 @@ def build_plan(
 
     rule = str(lr_cfg.get("rule", "linear"))
     base_batch = int(lr_cfg.get("base_batch_size", batch.global_))
-    peak = scaled_lr(base_lr, batch.global_, base_batch, rule)
+    factor = lr_factor(batch.global_, base_batch, rule)
+    distinct_lrs = set(base_lrs.values())
+    shared_lr = distinct_lrs.pop() if len(distinct_lrs) == 1 else None
     decay = str(lr_cfg.get("decay", "none"))
     if decay not in DECAYS:
         raise UserError(f"callbacks.lr_scaling.decay={decay} is not one of {', '.join(DECAYS)}")
@@ -220,6 +346,13 @@ def build_plan(
             f"(got {warmup_epochs} epochs and {warmup_steps} steps)"
         )
     warmup = int(warmup_steps) if warmup_steps else round(float(warmup_epochs or 0) * steps_per_epoch)
+    # With an auto cap the micro-batch is known only after the probe; SyncBN is decided before it (Lightning
+    # converts the layers during setup) on the largest micro-batch the probe can pick.
+    sync, sync_reason = resolve_sync_batchnorm(
+        trainer_cfg.get("sync_batchnorm", "auto"), topology, has_batchnorm, batch.per_device
+    )
+    if cap == "auto" and has_batchnorm:
+        sync_reason += f", at most {batch.per_device} per device before the probe"
 
     return Plan(
         world_size=topology.world_size,
@@ -227,32 +360,103 @@ def build_plan(
         devices=topology.devices,
         accelerator=topology.accelerator,
         per_device_batch_size=batch.per_device,
-        accumulate_grad_batches=accumulation,
+        accumulate_grad_batches=batch.accumulation,
         global_batch_size=batch.global_,
         batch_mode="global" if data_cfg.get("global_batch_size") is not None else "per_device",
-        base_lr=float(base_lr),
+        base_lrs=dict(base_lrs),
+        base_lr=shared_lr,
         base_batch_size=base_batch,
         scaling_rule=rule,
-        lr=peak,
+        lr_factor=factor,
+        lr=None if shared_lr is None else shared_lr * factor,
         warmup_steps=warmup,
         decay=decay,
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps(steps_per_epoch, trainer_cfg.get("max_epochs"), trainer_cfg.get("max_steps")),
-        sync_batchnorm=resolve_sync_batchnorm(trainer_cfg.get("sync_batchnorm", "auto"), topology, has_batchnorm),
-        precision=str(trainer_cfg.get("precision", "32-true")),
+        sync_batchnorm=sync,
+        precision=resolve_precision(trainer_cfg.get("precision", "auto"), topology.accelerator),
+        tf32=bool(trainer_cfg.get("tf32", True)) and topology.accelerator == "gpu",
+        channels_last=bool(trainer_cfg.get("channels_last", False)),
         strategy=strategy,
         seed=int(seed),
         dataset_sizes=dict(dataset_sizes),
+        max_per_device_batch_size=cap,
+        has_batchnorm=has_batchnorm,
+        bn_batch_size=None if cap == "auto" else bn_batch(batch.per_device, topology.world_size, sync, has_batchnorm),
+        base_bn_batch_size=int(lr_cfg.get("base_bn_batch_size") or base_batch),
+        sync_batchnorm_reason=sync_reason,
+        early_stopping=describe_early_stopping(early_stopping),
     )
 
 
-def resolve_sync_batchnorm(setting: Any, topology: Topology, has_batchnorm: bool) -> bool:
-    """SyncBN wherever it can run (GPU, more than one process); torch refuses it on CPU."""
+def check_auto_cap(per_device_batch_size: int | None, accumulation: int | None, strategy: str) -> None:
+    """`max_per_device_batch_size=auto` derives the accumulation from a fixed global batch, on full replicas."""
+    conflict = None
+    if per_device_batch_size is not None:
+        conflict = f"data.per_device_batch_size={per_device_batch_size} fixes the per-device batch itself"
+    elif accumulation is not None:
+        conflict = f"trainer.accumulate_grad_batches={accumulation} fixes the accumulation it would derive"
+    elif "FSDP" in strategy:
+        conflict = "trainer=fsdp shards the model, and the probe measures one whole replica per device"
+    if conflict:
+        raise UserError(
+            f"data.max_per_device_batch_size=auto finds the largest per-device share of a fixed global batch that "
+            f"fits, but {conflict}; drop one of the two (or give the cap as a number)"
+        )
+
+
+def bn_batch(per_device: int, world_size: int, sync_batchnorm: bool, has_batchnorm: bool) -> int | None:
+    """Samples each BatchNorm statistic sees: the per-device micro-batch, or all devices' with SyncBN.
+
+    Never the optimizer step's batch when there is accumulation: BN normalises each forward pass on its own
+    (with SyncBN too; Lightning issue #17446).
+    """
+    if not has_batchnorm:
+        return None
+    return per_device * world_size if sync_batchnorm else per_device
+
+
+def describe_early_stopping(cfg: Mapping[str, Any] | None) -> str | None:
+    if not cfg:
+        return None
+    return f"{cfg.get('monitor')} ({cfg.get('mode', 'min')}, patience {cfg.get('patience', 3)})"
+
+
+def resolve_sync_batchnorm(setting: Any, topology: Topology, has_batchnorm: bool, per_device: int) -> tuple[bool, str]:
+    """Whether to sync BatchNorm across devices, and why.
+
+    `auto` syncs when it can run (GPU, more than one process; torch refuses it on CPU) and the per-device
+    micro-batch is below SMALL_BN_BATCH: then BN sees devices x micro-batch samples instead of too few. From
+    SMALL_BN_BATCH up, per-device statistics are good enough, and skipping SyncBN saves a collective per BN layer.
+    """
     if setting in ("auto", None):
-        return has_batchnorm and topology.accelerator == "gpu" and topology.world_size > 1
+        if not has_batchnorm:
+            return False, "no BatchNorm layers"
+        if topology.world_size == 1:
+            return False, "auto: one process, nothing to sync"
+        if topology.accelerator != "gpu":
+            return False, "auto: torch's SyncBatchNorm runs on GPUs only"
+        if per_device < SMALL_BN_BATCH:
+            return True, f"auto: {per_device} samples per device < {SMALL_BN_BATCH}"
+        return False, f"auto: {per_device} samples per device >= {SMALL_BN_BATCH} are enough per statistic"
     if setting and topology.accelerator == "cpu" and topology.world_size > 1:
         raise UserError(
             "trainer.sync_batchnorm=true cannot run on CPU (torch's SyncBatchNorm needs GPUs); "
             "use trainer.sync_batchnorm=auto, or model.net.norm=group for batch-independent normalisation"
         )
-    return bool(setting)
+    return bool(setting), "set by trainer.sync_batchnorm"
+
+
+def resolve_precision(setting: Any, accelerator: str) -> str:
+    """`auto`: bf16-mixed on GPUs with native bf16 (Ampere and newer), 16-mixed on older GPUs, 32-true on CPU.
+
+    CPU stays in float32 so that runs there stay comparable bit for bit (and float64 stays an explicit choice:
+    `64-true`). A dry run without a GPU plans for current GPUs: bf16-mixed. Any other value passes through.
+    """
+    if str(setting) != "auto":
+        return str(setting)
+    if accelerator == "cpu":
+        return "32-true"
+    if not torch.cuda.is_available():
+        return "bf16-mixed"
+    return "bf16-mixed" if torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"

@@ -73,8 +73,29 @@ def test_imagefolder_on_generated_pngs(image_tree):
 
 
 def test_imagefolder_missing_directory(tmp_path):
+    dm = ImageFolderDataModule(root=str(tmp_path / "nowhere"), global_batch_size=4)  # nothing opened yet
+    assert dm.num_classes is None and dm.known_split_sizes() is None
     with pytest.raises(UserError, match=r"no train/ directory under data.root="):
-        ImageFolderDataModule(root=str(tmp_path / "nowhere"), global_batch_size=4)
+        dm.setup()
+
+
+def test_stated_sizes_need_no_files(tmp_path):
+    """What a dry run plans with: CIFAR-10's sizes from the data set's definition, the others from their config."""
+    cifar = CIFAR10DataModule(root=str(tmp_path / "nowhere"), val_size=5000, global_batch_size=8)
+    assert cifar.known_split_sizes() == {"train": 45000, "val": 5000, "test": 10000}
+    assert not (tmp_path / "nowhere").exists()
+    assert DigitsDataModule(val_size=0.1, test_size=0.2).known_split_sizes() == {"train": 1258, "val": 180, "test": 359}
+    synthetic = SyntheticDataModule(train_size=100, val_size=10, test_size=20, global_batch_size=8)
+    assert synthetic.known_split_sizes() == synthetic.split_sizes() == {"train": 100, "val": 10, "test": 20}
+
+
+def test_stated_sizes_that_disagree_with_the_files_are_refused():
+    class Misstated(DigitsDataModule):
+        def known_split_sizes(self):
+            return {"train": 1000, "val": 180, "test": 360}
+
+    with pytest.raises(UserError, match=r"Misstated.known_split_sizes\(\) says .* but the data holds .*'train': 1257"):
+        Misstated(global_batch_size=8).split_sizes()
 
 
 def test_imagefolder_class_mismatch(image_tree):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import sys
@@ -33,14 +34,15 @@ from scaleup.engine.checkpoint import (
     AtomicCheckpointIO,
     BatchProgressRescale,
     EpochProgressRepair,
+    is_url,
     load_checkpoint,
     remove_interrupted_writes,
     strip_wrapper_prefixes,
 )
 from scaleup.engine.checks import MonitorCheck, TrainLoaderCheck, check_config, has_batchnorm, pitfall_warnings
 from scaleup.engine.config import build_model, instantiate_each, log_rows, to_plain, write_yaml
-from scaleup.engine.datamodule import GlobalBatchDataModule, apply_model_settings
-from scaleup.engine.errors import UserError
+from scaleup.engine.datamodule import GlobalBatchDataModule, apply_model_settings, sizes_for_plan
+from scaleup.engine.errors import UserError, config_errors
 from scaleup.engine.launch import (
     build_strategy,
     check_launcher,
@@ -60,12 +62,13 @@ warnings.filterwarnings("ignore", message="You're resuming from a checkpoint tha
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, the shell's convention for "terminated"
 
 
-def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Path | None:
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Path | str | None:
     """`last` is this run directory's newest checkpoint: checkpoints/last.ckpt, or the hpc_ckpt_N.ckpt that
     Lightning saves on SLURM's pre-emption signal if that is newer. With none yet it starts from scratch, so
-    one command both starts a job and resumes it after a restart. Anything else must be a checkpoint file."""
+    one command both starts a job and resumes it after a restart. Anything else must be a checkpoint file (or
+    a URL such as s3://bucket/run/last.ckpt, read through fsspec)."""
     if ckpt_path != "last":
-        return None if ckpt_path is None else Path(ckpt_path)
+        return ckpt_path if ckpt_path is None or is_url(ckpt_path) else Path(ckpt_path)
     candidates = [p for p in [run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt")] if p.is_file()]
     if not candidates:
         log.info(f"ckpt_path=last: no checkpoint in {run_dir} yet, starting from scratch")
@@ -143,32 +146,46 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         check_launcher(topology)
         fresh_store_after_torchrun_restart()
 
-    # Same seed on every rank before the model is built: identical initial weights everywhere.
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = instantiate(cfg.data)
+    with config_errors("data"):
+        datamodule = instantiate(cfg.data)
     if not isinstance(datamodule, GlobalBatchDataModule):
         raise UserError(
             f"data._target_={cfg.data._target_} is not a scaleup.engine.datamodule.GlobalBatchDataModule: subclass "
             "it (implement build_splits()), so the plan knows the split sizes and every device count sees the same "
             "global batches"
         )
+    # Download and set up the data before anything depends on it: the plan needs the split sizes, the model what
+    # only the data knows (the number of classes). A dry run takes only what the data module states.
+    dataset_sizes = sizes_for_plan(datamodule, run_dir=run_dir, dry_run=cfg.dry_run)
     config = to_plain(cfg)
-    apply_model_settings(config["model"], datamodule.model_settings())
-    model = build_model(config["model"], precision=config["trainer"]["precision"])
+    settings = datamodule.model_settings()
+    apply_model_settings(config["model"], settings)
+    model_cfg = config["model"]
+    if unknown := [key for key, value in settings.items() if value is None]:  # a dry run without the data
+        log.info(f"model.{', model.'.join(unknown)} unknown until the data is there: the dry run builds the net with 2")
+        model_cfg = copy.deepcopy(model_cfg)
+        apply_model_settings(model_cfg, dict.fromkeys(unknown, 2))
+    # Same seed on every rank before the model is built: identical initial weights everywhere.
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    with config_errors("model"):
+        model = build_model(model_cfg, precision=config["trainer"]["precision"])
     batchnorm = has_batchnorm(model)
 
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
-    strategy, strategy_name = build_strategy(
-        config["trainer"]["strategy"], config["ddp"], topology.world_size, multirun
-    )
+    with config_errors("trainer.strategy"):
+        strategy, strategy_name = build_strategy(
+            config["trainer"]["strategy"], config["ddp"], topology.world_size, multirun
+        )
+    with config_errors("model.optimizer"):  # e.g. a negative learning rate, refused by the optimizer
+        lrs = base_lrs(model)
     plan = build_plan(
         topology=topology,
         trainer_cfg=config["trainer"],
         data_cfg=config["data"],
         lr_cfg=config["callbacks"]["lr_scaling"],
-        base_lrs=base_lrs(model),
+        base_lrs=lrs,
         seed=cfg.seed,
-        dataset_sizes=datamodule.split_sizes(),
+        dataset_sizes=dataset_sizes,
         has_batchnorm=batchnorm,
         strategy=strategy_name,
         early_stopping=early_stopping_config(config["callbacks"]),
@@ -227,9 +244,11 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
         MetricsFile(run_dir / "metrics.json"),
         PlanHParams(plan.to_dict(), run_dir / "metrics.json"),  # after MetricsFile: reads the names it wrote
         PerformanceSettings(plan.tf32, plan.channels_last),
-        *instantiate_each(config["callbacks"]),
     ]
-    loggers = instantiate_each(config["logger"])
+    with config_errors("callbacks"):
+        callbacks += instantiate_each(config["callbacks"])
+    with config_errors("logger"):
+        loggers = instantiate_each(config["logger"])
     # Lightning refuses a progress bar it was told not to show, and an LR monitor with nowhere to log.
     if not config["trainer"].get("enable_progress_bar", True):
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
@@ -238,17 +257,18 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
     planned = ("strategy", "sync_batchnorm", "precision", "tf32", "channels_last", "accumulate_grad_batches")
     trainer_kwargs = {k: v for k, v in config["trainer"].items() if k not in planned}
     trainer_kwargs.update(accelerator=topology.accelerator, devices=topology.devices, num_nodes=topology.num_nodes)
-    trainer = L.Trainer(
-        **trainer_kwargs,
-        strategy=strategy,
-        sync_batchnorm=plan.sync_batchnorm,
-        precision=plan.precision,
-        accumulate_grad_batches=plan.accumulate_grad_batches,
-        callbacks=callbacks,
-        logger=loggers or False,
-        plugins=[AtomicCheckpointIO()],
-        default_root_dir=run_dir,
-    )
+    with config_errors("trainer"):
+        trainer = L.Trainer(
+            **trainer_kwargs,
+            strategy=strategy,
+            sync_batchnorm=plan.sync_batchnorm,
+            precision=plan.precision,
+            accumulate_grad_batches=plan.accumulate_grad_batches,
+            callbacks=callbacks,
+            logger=loggers or False,
+            plugins=[AtomicCheckpointIO()],
+            default_root_dir=run_dir,
+        )
     if trainer.is_global_zero:
         remove_interrupted_writes(checkpoint_dir)
     return trainer

@@ -6,14 +6,16 @@ from torch.utils.data import Dataset, Subset
 from torchvision import transforms as T
 from torchvision.datasets import CIFAR10
 
-from scaleup.engine.datamodule import GlobalBatchDataModule, random_split_indices, split_lengths
+from scaleup.data.classification import ClassificationDataModule
+from scaleup.engine.datamodule import random_split_indices, split_lengths
 from scaleup.engine.errors import UserError
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
-class CIFAR10DataModule(GlobalBatchDataModule):
+class CIFAR10DataModule(ClassificationDataModule):
     num_classes = 10
+    TRAIN_SIZE, TEST_SIZE = 50_000, 10_000  # the data set's own splits: a dry run plans without the files
 
     def __init__(
         self, root: str, download: bool = True, val_size: float = 5000, split_seed: int = 0, **loader_kwargs
@@ -34,6 +36,10 @@ class CIFAR10DataModule(GlobalBatchDataModule):
                 f"could not download CIFAR-10 into {self.root}: {err}. This machine seems offline: download "
                 f"it elsewhere and copy cifar-10-batches-py/ into {self.root}, or set data.root=DIR"
             ) from None
+
+    def known_split_sizes(self) -> dict[str, int]:
+        train, val, _ = split_lengths(self.TRAIN_SIZE, self.val_size, 0)
+        return {"train": train, "val": val, "test": self.TEST_SIZE}
 
     def prepare_data(self) -> None:
         for train in (True, False):

@@ -4,16 +4,22 @@ import torch
 from sklearn.datasets import load_digits
 from torch.utils.data import Dataset, TensorDataset
 
-from scaleup.engine.datamodule import GlobalBatchDataModule, random_split_indices, split_lengths
+from scaleup.data.classification import ClassificationDataModule
+from scaleup.engine.datamodule import random_split_indices, split_lengths
+
+SIZE = 1797  # samples in scikit-learn's digits
 
 
-class DigitsDataModule(GlobalBatchDataModule):
+class DigitsDataModule(ClassificationDataModule):
     num_classes = 10
     in_memory = True
 
     def __init__(self, val_size: float = 180, test_size: float = 360, split_seed: int = 0, **loader_kwargs) -> None:
         super().__init__(**loader_kwargs)
         self.val_size, self.test_size, self.split_seed = val_size, test_size, split_seed
+
+    def known_split_sizes(self) -> dict[str, int]:
+        return dict(zip(("train", "val", "test"), split_lengths(SIZE, self.val_size, self.test_size), strict=True))
 
     def build_splits(self) -> dict[str, Dataset]:
         images, labels = load_digits(return_X_y=True)

@@ -5,21 +5,33 @@ from pathlib import Path
 from torch.utils.data import Dataset
 from torchvision import transforms as T
 from torchvision.datasets import ImageFolder
+from torchvision.datasets.utils import download_and_extract_archive
 
-from scaleup.engine.datamodule import GlobalBatchDataModule
+from scaleup.data.classification import ClassificationDataModule
 from scaleup.engine.errors import UserError
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-class ImageFolderDataModule(GlobalBatchDataModule):
-    """`test` is `root/test` when it exists, else `root/val` (as for ImageNet, whose test labels are private)."""
+class ImageFolderDataModule(ClassificationDataModule):
+    """`test` is `root/test` when it exists, else `root/val` (as for ImageNet, whose test labels are private).
 
-    def __init__(self, root: str, image_size: int = 224, **loader_kwargs) -> None:
+    With `url`, `prepare_data()` fetches that archive (.tar.gz, .tgz, .zip, ...) when `root/train` is missing and
+    unpacks it beside `root`: the archive holds one folder named like `root`, as most data set archives do
+    (`imagenette2-160.tgz` holds `imagenette2-160/train/...`). Its sizes are known only from the files, so a dry
+    run without them plans with the steps unknown.
+    """
+
+    def __init__(
+        self, root: str, image_size: int = 224, url: str | None = None, md5: str | None = None, **loader_kwargs
+    ) -> None:
         super().__init__(**loader_kwargs)
-        self.root, self.image_size = Path(root), image_size
-        self.classes = self._classes("train")
-        self.num_classes = len(self.classes)
+        self.root, self.image_size, self.url, self.md5 = Path(root), image_size, url, md5
+
+    @property
+    def num_classes(self) -> int | None:
+        """The class folders under `root/train`; None until the data is there."""
+        return len(self._classes("train")) if (self.root / "train").is_dir() else None
 
     def _dir(self, split: str) -> Path:
         path = self.root / split
@@ -35,6 +47,26 @@ class ImageFolderDataModule(GlobalBatchDataModule):
             raise UserError(f"{self._dir(split)} holds no class directories")
         return classes
 
+    def prepare_data(self) -> None:
+        if self.url is None or (self.root / "train").is_dir():
+            return
+        try:
+            download_and_extract_archive(self.url, self.root.parent, md5=self.md5, remove_finished=True)
+        except RuntimeError as err:  # torchvision: "File not found or corrupted." (md5 mismatch)
+            raise UserError(
+                f"data.url={self.url} did not download intact ({err}); check data.url and data.md5"
+            ) from None
+        except OSError as err:  # no network: URLError, connection refused, DNS failure
+            raise UserError(
+                f"could not download data.url={self.url}: {err}. Without network, unpack the archive by hand so "
+                f"that {self.root}/train/ exists"
+            ) from None
+        if not (self.root / "train").is_dir():
+            raise UserError(
+                f"data.url={self.url} unpacked into {self.root.parent} without a {self.root.name}/train/ folder: set "
+                "data.root to <the folder that holds train/ and val/>"
+            )
+
     def build_splits(self) -> dict[str, Dataset]:
         size = self.image_size
         normalize = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
@@ -42,8 +74,9 @@ class ImageFolderDataModule(GlobalBatchDataModule):
         # Resize to size/0.875 then centre-crop: 256 -> 224 for ImageNet.
         eval_tf = T.Compose([T.Resize(round(size / 0.875)), T.CenterCrop(size), T.ToTensor(), normalize])
         test_split = "test" if (self.root / "test").is_dir() else "val"
+        classes = self._classes("train")
         for split in ("val", test_split):
-            if self._classes(split) != self.classes:
+            if self._classes(split) != classes:
                 raise UserError(f"{self.root}/{split} and {self.root}/train have different class directories")
         return {
             "train": ImageFolder(self._dir("train"), train_tf),

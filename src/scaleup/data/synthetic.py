@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from scaleup.engine.datamodule import GlobalBatchDataModule
+from scaleup.data.classification import ClassificationDataModule
 
 
 class SyntheticImages(Dataset):
@@ -37,7 +37,7 @@ class SyntheticImages(Dataset):
         return pattern + self.noise * torch.randn(self.image_shape, generator=generator), label
 
 
-class SyntheticDataModule(GlobalBatchDataModule):
+class SyntheticDataModule(ClassificationDataModule):
     def __init__(
         self,
         train_size: int = 4096,
@@ -53,6 +53,9 @@ class SyntheticDataModule(GlobalBatchDataModule):
         self.num_classes = num_classes
         self.sizes = {"train": train_size, "val": val_size, "test": test_size}
         self.image_shape, self.noise, self.data_seed = tuple(image_shape), noise, data_seed
+
+    def known_split_sizes(self) -> dict[str, int]:
+        return dict(self.sizes)
 
     def build_splits(self) -> dict[str, Dataset]:
         splits, offset = {}, 0

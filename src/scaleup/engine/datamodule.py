@@ -2,25 +2,48 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from filelock import FileLock
 from torch.utils.data import DataLoader, Dataset
 
 from scaleup.engine.errors import UserError
 from scaleup.engine.plan import BatchPlan, resolve_batch
 from scaleup.engine.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler
 
+log = logging.getLogger(__name__)
+
 
 class GlobalBatchDataModule(L.LightningDataModule):
-    """Subclasses implement `build_splits()` (and `prepare_data()` if files must be fetched).
+    """The DataModule the jobs accept: a subclass says what the data is, this class how it is fed to N devices.
 
-    Batch sizes are global-first: exactly one of `global_batch_size` and `per_device_batch_size` is set, and
-    the per-device size is derived from the Trainer's world size and accumulation when loaders are built.
+    A subclass implements:
+    - `__init__(self, <your settings>, **loader_kwargs)`, passing `loader_kwargs` on to this class
+      (`global_batch_size`, `per_device_batch_size`, `num_workers`, ..., `seed`: the data config sets them, and
+      `eval.py` replaces the batch sizes with the training run's per-device batch);
+    - `build_splits()`: `{"train": ..., "val": ..., "test": ...}` map-style datasets, the same on every rank
+      (split with a fixed seed, as `random_split_indices` does, never with the global random state);
+    - optionally `prepare_data()`: downloads, run before `build_splits()` by each process in turn (the first one
+      fetches, the others must find the files and do nothing: torchvision's `download=True` behaves so);
+    - optionally `known_split_sizes()`: the split sizes without opening a file, so that a dry run plans without
+      the data (a module that cannot say returns None, and its dry-run plan shows the steps as unknown);
+    - optionally `model_settings()`: what only the data knows and the model needs (number of classes, vocabulary
+      size), filled into the model config where it says `null`;
+    - optionally `in_memory = True` when the whole set lives in memory (no warning about loader workers).
+
+    This class gives the plan its split sizes (`split_sizes()`), and gives the Trainer the loaders: the training
+    sampler that makes the global batches of an epoch depend only on (seed, epoch, global batch), whatever the
+    device count, and unpadded evaluation shards that count every sample once. Batch sizes are global-first:
+    exactly one of `global_batch_size` and `per_device_batch_size` is set, and the per-device size is derived
+    from the Trainer's world size and accumulation when loaders are built.
     """
 
-    num_classes: int
     #: True when the whole data set lives in memory, so loader workers would only add start-up time.
     in_memory: bool = False
 
@@ -28,6 +51,7 @@ class GlobalBatchDataModule(L.LightningDataModule):
         self,
         global_batch_size: int | None = None,
         per_device_batch_size: int | None = None,
+        max_per_device_batch_size: int | str | None = None,
         num_workers: int = 4,
         pin_memory: bool | str = "auto",
         persistent_workers: bool = True,
@@ -37,6 +61,8 @@ class GlobalBatchDataModule(L.LightningDataModule):
         super().__init__()
         self.global_batch_size = global_batch_size
         self.per_device_batch_size = per_device_batch_size
+        # Read by the plan, which derives the accumulation from it; the loaders follow the Trainer's accumulation.
+        self.max_per_device_batch_size = max_per_device_batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.persistent_workers = persistent_workers
@@ -52,9 +78,29 @@ class GlobalBatchDataModule(L.LightningDataModule):
         if self.splits is None:
             self.splits = self.build_splits()
 
+    def model_settings(self) -> dict[str, Any]:
+        """Settings only the data knows, for the model: dotted keys under `model`, e.g. `{"net.num_classes": 10}`.
+
+        The training job writes each one into the model config where that key is `null`; a value the user set
+        stays, and a model config without the key is left alone.
+        """
+        return {}
+
+    def known_split_sizes(self) -> dict[str, int] | None:
+        """The split sizes stated without opening any file, or None when only the files can tell."""
+        return None
+
     def split_sizes(self) -> dict[str, int]:
+        """The sizes of the splits `setup()` builds (after `prepare_data()`: the files must be there)."""
         self.setup()
-        return {name: len(ds) for name, ds in self.splits.items()}
+        sizes = {name: len(ds) for name, ds in self.splits.items()}
+        known = self.known_split_sizes()
+        if known is not None and known != sizes:
+            raise UserError(
+                f"{type(self).__name__}.known_split_sizes() says {known} but the data holds {sizes}: a dry run "
+                "would plan the wrong steps. Check the files under the data root, or correct known_split_sizes()"
+            )
+        return sizes
 
     def _loader(self, split: str, sampler: Any, batch_size: int) -> DataLoader:
         pin = self.pin_memory
@@ -108,6 +154,41 @@ class GlobalBatchDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._eval_loader("test")
+
+
+def apply_model_settings(model_cfg: dict[str, Any], settings: dict[str, Any]) -> None:
+    """Write each of a DataModule's `model_settings()` into the plain model config, where its key holds None."""
+    for key, value in settings.items():
+        *parents, leaf = key.split(".")
+        node: Any = model_cfg
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node and node[leaf] is None:
+            node[leaf] = value
+
+
+def sizes_for_plan(datamodule: GlobalBatchDataModule, *, run_dir: Path, dry_run: bool) -> dict[str, int]:
+    """The split sizes the plan is made from: prepare the data (download), set it up, count.
+
+    Every process does this before any process group exists. Under Lightning's own launcher the first process
+    does it before it starts the others, which then find the files; torchrun and srun start all processes at
+    once, so they take turns under a lock file per node and run directory: the first downloads, the others
+    find the files. A dry run prepares nothing and needs no data: it takes the sizes the module states, else
+    counts data already in place, else returns {} (the plan then shows the steps as unknown).
+    """
+    if dry_run:
+        known = datamodule.known_split_sizes()
+        if known is not None:
+            return known
+        try:
+            return datamodule.split_sizes()
+        except UserError as err:
+            log.info(f"split sizes unknown until the data is there ({err})")
+            return {}
+    run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    with FileLock(Path(tempfile.gettempdir()) / f"scaleup-prepare-data-{run_id}.lock"):
+        datamodule.prepare_data()
+    return datamodule.split_sizes()
 
 
 def split_lengths(total: int, val_size: float, test_size: float) -> tuple[int, int, int]:

@@ -1,9 +1,26 @@
-"""User mistakes end in one clear message and a non-zero exit, never a traceback."""
+"""User mistakes end in one clear message and a non-zero exit, never a traceback.
 
+Two kinds of error count as the user's:
+- a `UserError` that the code raises on purpose, naming the fix;
+- an error that says the user's input is wrong wherever it is raised: a config value left `???` or a broken
+  interpolation (omegaconf), a path that cannot be read or written (an OSError naming a file), and, while
+  objects are built from a config section (`config_errors`), the ValueError or TypeError a constructor raises
+  for a bad value or an unknown argument.
+Anything else is a bug and keeps its traceback. `HYDRA_FULL_ERROR=1` shows the traceback behind a user error too.
+"""
+
+from __future__ import annotations
+
+import contextlib
 import functools
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from hydra.errors import InstantiationException
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 
 class UserError(Exception):
@@ -13,27 +30,71 @@ class UserError(Exception):
 EXIT_USER_ERROR = 2
 
 
-def user_error_in(err: BaseException | None) -> UserError | None:
-    """The UserError behind `err`, also when a library re-raised it (Hydra's instantiate wraps errors)."""
+def _chain(err: BaseException | None, *, implicit: bool) -> Iterator[BaseException]:
+    """`err` and the errors it was raised from (`__cause__`; with `implicit`, also `__context__`)."""
     while err is not None:
-        if isinstance(err, UserError):
-            return err
-        err = err.__cause__ or err.__context__
+        yield err
+        err = err.__cause__ or (err.__context__ if implicit else None)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def as_user_error(err: BaseException) -> UserError | None:
+    """The user mistake behind `err`, or None when `err` is a bug.
+
+    A UserError counts also when a library re-raised it (Hydra's instantiate wraps errors); the others only
+    along explicit `raise ... from` links, so that an error raised while handling a file error stays a bug.
+    """
+    for link in _chain(err, implicit=True):
+        if isinstance(link, UserError):
+            return link
+    for link in _chain(err, implicit=False):
+        if isinstance(link, MissingMandatoryValue):
+            key = link.full_key or link.key
+            return UserError(f"{key} has no value (it is ??? in the config): pass {key}=<value>")
+        if isinstance(link, OmegaConfBaseException):
+            where = f" (at {link.full_key})" if link.full_key else ""
+            return UserError(f"the config does not resolve{where}: {_first_line(link)}")
+        if isinstance(link, OSError) and link.filename is not None:
+            return UserError(
+                f"{link.filename}: {link.strerror or _first_line(link)}; check that path in your overrides "
+                "(a directory to write into must be creatable, a file to read must exist and be readable)"
+            )
     return None
 
 
+@contextlib.contextmanager
+def config_errors(section: str) -> Iterator[None]:
+    """Errors raised while building objects from the config section `section` are mistakes in that section.
+
+    A ValueError or TypeError from a constructor or factory (a value out of range, an unknown argument), also
+    when Hydra's instantiate wraps it, and Lightning's MisconfigurationException become `section: <message>`.
+    """
+    try:
+        yield
+    except Exception as err:
+        if as_user_error(err) is not None:
+            raise
+        cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ is not None else err
+        if isinstance(cause, ValueError | TypeError | MisconfigurationException):
+            raise UserError(f"{section}: {_first_line(cause)}") from err
+        raise
+
+
 def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a `UserError` raised by a job into `error: <message>` on stderr and exit code 2."""
+    """Turn a user mistake raised by a job into `error: <message>` on stderr and exit code 2."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except Exception as err:
-            cause = user_error_in(err)
-            if cause is None:
+            user_error = as_user_error(err)
+            if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            print(f"error: {cause}", file=sys.stderr, flush=True)
+            print(f"error: {user_error}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
 
     return wrapper

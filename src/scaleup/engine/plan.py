@@ -172,10 +172,11 @@ class Plan:
     scaling_rule: str
     lr_factor: float  # peak LR / base LR, the same for every group
     lr: float | None  # the scaled peak of base_lr
-    warmup_steps: int
+    # The step counts are None in a dry run whose data module cannot state its split sizes without the files.
+    warmup_steps: int | None
     decay: str
-    steps_per_epoch: int
-    total_steps: int
+    steps_per_epoch: int | None  # optimizer steps, as Lightning takes them (debug flags included)
+    total_steps: int | None
     sync_batchnorm: bool
     precision: str  # resolved: `auto` is already bf16-mixed, 16-mixed or 32-true here
     tf32: bool  # TF32 tensor cores for float32 matmuls and convolutions (GPUs only)
@@ -190,6 +191,7 @@ class Plan:
     base_bn_batch_size: int | None = None  # the BN batch the recipe was tuned at
     sync_batchnorm_reason: str = ""
     early_stopping: str | None = None  # e.g. "val/acc (max, patience 5)": the run may end before total_steps
+    epoch_limit: str = ""  # the Lightning debug flag that shortens each epoch, e.g. "trainer.overfit_batches=3"
 
     def with_per_device_batch(self, per_device: int) -> Plan:
         """This plan with its global batch split into micro-batches of `per_device` (what the auto cap settles)."""
@@ -224,15 +226,15 @@ class Plan:
             ("accumulation", self._accumulation_row()),
             ("global batch", f"{self.global_batch_size} ({self.batch_mode} mode)"),
             ("learning rate", self._lr_row()),
-            ("warmup / total steps", f"{self.warmup_steps} / {self.total_steps} ({self.decay} decay)"),
-            ("steps per epoch", str(self.steps_per_epoch)),
+            ("warmup / total steps", f"{known(self.warmup_steps)} / {known(self.total_steps)} ({self.decay} decay)"),
+            ("steps per epoch", known(self.steps_per_epoch) + (f" ({self.epoch_limit})" if self.epoch_limit else "")),
             ("BatchNorm batch", self._bn_row()),
             ("SyncBatchNorm", f"{'on' if self.sync_batchnorm else 'off'} ({self.sync_batchnorm_reason})"),
             ("precision / strategy", f"{self.precision} / {self.strategy}"),
             ("TF32 / channels_last", f"{'on' if self.tf32 else 'off'} / {'on' if self.channels_last else 'off'}"),
             *([("early stopping", self._early_stopping_row())] if self.early_stopping else []),
             ("seed", str(self.seed)),
-            ("data", sizes),
+            ("data", sizes or "unknown until the data is there (the data module cannot state its sizes)"),
         ]
 
     def _per_device_row(self) -> str:
@@ -289,6 +291,55 @@ def total_steps(steps_per_epoch: int, max_epochs: int | None, max_steps: int | N
     return int(steps)
 
 
+def known(value: Any) -> str:
+    return "unknown" if value is None else str(value)
+
+
+def batch_limit(batches: int, limit: float | None) -> int:
+    """Lightning's reading of a `limit_*_batches`-style value: an int (or a whole float above 1) caps the count,
+    a float in [0, 1] is a share of it, rounded down."""
+    if limit is None:
+        return batches
+    if isinstance(limit, float) and limit <= 1.0:
+        return int(batches * limit)
+    return min(batches, int(limit))
+
+
+def epoch_steps(train_size: int | None, batch: BatchPlan, trainer_cfg: Mapping[str, Any]) -> tuple[int | None, str]:
+    """Optimizer steps per epoch as Lightning takes them, and the debug flag that shortens the epoch ("" if none).
+
+    A full epoch is the global batches the training set fills (the sampler skips the tail). Lightning's debug
+    flags cut it short, counting each rank's loader batches (micro-batches): `limit_train_batches` and
+    `fast_dev_run` keep a number or a share of them, `overfit_batches` likewise but of the sequential loader
+    Lightning swaps in, which keeps the tail. An epoch that ends inside an accumulation still steps: rounded up.
+    """
+    if train_size is None:
+        return None, ""
+    batches = train_size // batch.global_ * batch.accumulation
+    fast_dev_run = int(trainer_cfg.get("fast_dev_run") or 0)  # True is 1 batch
+    if trainer_cfg.get("overfit_batches"):
+        flag = "overfit_batches"
+        batches = math.ceil(math.ceil(train_size / batch.world_size) / batch.per_device)
+    else:
+        flag = "fast_dev_run" if fast_dev_run else "limit_train_batches"
+    limit = fast_dev_run if flag == "fast_dev_run" else trainer_cfg.get(flag)
+    limited = batch_limit(batches, limit)
+    if limited == 0 and limit:
+        raise UserError(f"trainer.{flag}={limit} keeps less than one of the {batches} batches per epoch; raise it")
+    shortened = limited != batches or flag == "overfit_batches"
+    return math.ceil(limited / batch.accumulation), f"trainer.{flag}={limit}" if shortened else ""
+
+
+def run_steps(steps_per_epoch: int | None, trainer_cfg: Mapping[str, Any]) -> int | None:
+    """Optimizer steps of the whole run; `fast_dev_run=n` makes Lightning run one epoch of at most n steps."""
+    if steps_per_epoch is None:
+        return None
+    fast_dev_run = int(trainer_cfg.get("fast_dev_run") or 0)
+    if fast_dev_run:
+        return total_steps(steps_per_epoch, 1, fast_dev_run)
+    return total_steps(steps_per_epoch, trainer_cfg.get("max_epochs"), trainer_cfg.get("max_steps"))
+
+
 def build_plan(
     *,
     topology: Topology,
@@ -317,9 +368,8 @@ def build_plan(
         None if accumulation is None else int(accumulation),
         None if cap == "auto" else cap,
     )
-    train_size = dataset_sizes["train"]
-    steps_per_epoch = train_size // batch.global_
-    if steps_per_epoch == 0:
+    train_size = dataset_sizes.get("train")  # None: a dry run before the data is there
+    if train_size is not None and train_size < batch.global_:
         raise UserError(
             f"the global batch ({batch.global_}) is larger than the training set ({train_size} samples); "
             "lower data.global_batch_size"
@@ -330,6 +380,7 @@ def build_plan(
                 f"the {split} split has {dataset_sizes[split]} samples, fewer than the {topology.world_size} "
                 "processes: every process needs at least one sample to evaluate"
             )
+    steps_per_epoch, epoch_limit = epoch_steps(train_size, batch, trainer_cfg)
 
     rule = str(lr_cfg.get("rule", "linear"))
     base_batch = int(lr_cfg.get("base_batch_size", batch.global_))
@@ -345,14 +396,17 @@ def build_plan(
             "set callbacks.lr_scaling.warmup_epochs or callbacks.lr_scaling.warmup_steps, not both "
             f"(got {warmup_epochs} epochs and {warmup_steps} steps)"
         )
-    warmup = int(warmup_steps) if warmup_steps else round(float(warmup_epochs or 0) * steps_per_epoch)
+    if warmup_steps or not warmup_epochs:
+        warmup = int(warmup_steps or 0)
+    else:
+        warmup = None if steps_per_epoch is None else round(float(warmup_epochs) * steps_per_epoch)
     # With an auto cap the micro-batch is known only after the probe; SyncBN is decided before it (Lightning
     # converts the layers during setup) on the largest micro-batch the probe can pick.
     sync, sync_reason = resolve_sync_batchnorm(
         trainer_cfg.get("sync_batchnorm", "auto"), topology, has_batchnorm, batch.per_device
     )
     if cap == "auto" and has_batchnorm:
-        sync_reason += f", at most {batch.per_device} per device before the probe"
+        sync_reason += " (decided before the probe, on its largest split)"
 
     return Plan(
         world_size=topology.world_size,
@@ -372,7 +426,7 @@ def build_plan(
         warmup_steps=warmup,
         decay=decay,
         steps_per_epoch=steps_per_epoch,
-        total_steps=total_steps(steps_per_epoch, trainer_cfg.get("max_epochs"), trainer_cfg.get("max_steps")),
+        total_steps=run_steps(steps_per_epoch, trainer_cfg),
         sync_batchnorm=sync,
         precision=resolve_precision(trainer_cfg.get("precision", "auto"), topology.accelerator),
         tf32=bool(trainer_cfg.get("tf32", True)) and topology.accelerator == "gpu",
@@ -380,6 +434,7 @@ def build_plan(
         strategy=strategy,
         seed=int(seed),
         dataset_sizes=dict(dataset_sizes),
+        epoch_limit=epoch_limit,
         max_per_device_batch_size=cap,
         has_batchnorm=has_batchnorm,
         bn_batch_size=None if cap == "auto" else bn_batch(batch.per_device, topology.world_size, sync, has_batchnorm),

@@ -30,7 +30,7 @@ def plan(accelerator="gpu", devices=4, global_batch=64, rule="linear", base_batc
         trainer_cfg={"max_epochs": 2, "precision": precision, "sync_batchnorm": kw.get("sync_batchnorm", "auto")},
         data_cfg={"global_batch_size": global_batch},
         lr_cfg={"base_batch_size": base_batch, "rule": rule, "warmup_epochs": kw.get("warmup_epochs", 0)},
-        base_lr=0.1,
+        base_lrs={"SGD/decay": 0.1},
         seed=0,
         dataset_sizes={"train": 1000, "val": 100, "test": 100},
         has_batchnorm=True,

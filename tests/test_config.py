@@ -4,10 +4,12 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import ROOT, run
 from scaleup.engine.config import build_model, instantiate_each
+from scaleup.engine.datamodule import apply_model_settings
 from scaleup.engine.launch import register_resolvers
 
 CONFIGS = ROOT / "configs"
@@ -39,7 +41,9 @@ def test_every_group_option_composes(override):
 @pytest.mark.parametrize("model", options("model"))
 @pytest.mark.parametrize("optimizer", options("model/optimizer"))
 def test_every_model_builds_with_every_optimizer(model, optimizer):
-    cfg = composed(f"model={model}", f"model/optimizer={optimizer}", "model.net.num_classes=10")
+    data = "char_text" if model == "char_transformer" else "digits"
+    cfg = composed(f"model={model}", f"model/optimizer={optimizer}", f"data={data}")
+    apply_model_settings(cfg["model"], instantiate(cfg["data"]).model_settings())  # as train.py does
     module = build_model(cfg["model"])
     opt = module.configure_optimizers()
     assert [g["name"] for g in opt.param_groups] == ["decay", "no_decay"]

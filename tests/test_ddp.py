@@ -109,10 +109,10 @@ def test_lr_curve_logged_per_step_matches_the_plan(runs):
     that a resumed run logs the same curve)."""
     for name in TOPOLOGIES:
         plan = read_json(runs / name / "plan.json")
-        schedule = LRSchedule(plan["base_lr"], plan["lr"], plan["warmup_steps"], plan["total_steps"], plan["decay"])
+        schedule = LRSchedule(plan["lr_factor"], plan["warmup_steps"], plan["total_steps"], plan["decay"])
         logged = logged_lr(runs / name)
         assert sorted(logged) == list(range(plan["total_steps"]))
-        assert logged == pytest.approx({step: schedule.lr_at(step) for step in logged}, rel=1e-6)
+        assert logged == pytest.approx({step: plan["base_lr"] * schedule.factor_at(step) for step in logged}, rel=1e-6)
 
 
 def test_ddp_checkpoint_evaluates_on_one_device(runs, tmp_path):

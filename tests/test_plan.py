@@ -5,7 +5,7 @@ import math
 import pytest
 
 from conftest import check, read_json, run
-from scaleup.engine.callbacks.lr_scaling import LRSchedule, scaled_lr
+from scaleup.engine.callbacks.lr_scaling import LRSchedule, lr_factor
 from scaleup.engine.errors import UserError
 from scaleup.engine.plan import Topology, build_plan, resolve_batch, total_steps
 
@@ -33,28 +33,28 @@ def test_exactly_one_batch_size(global_, per_device):
         resolve_batch(global_, per_device, 2, 1)
 
 
-@pytest.mark.parametrize(("rule", "peak"), [("linear", 0.4), ("sqrt", 0.2), ("none", 0.1)])
-def test_scaling_rules(rule, peak):
-    assert scaled_lr(0.1, 1024, 256, rule) == pytest.approx(peak)
+@pytest.mark.parametrize(("rule", "factor"), [("linear", 4.0), ("sqrt", 2.0), ("none", 1.0)])
+def test_scaling_rules(rule, factor):
+    assert lr_factor(1024, 256, rule) == pytest.approx(factor)
 
 
 def test_goyal_warmup_and_step_decay():
     """0.1 at 256 -> 3.2 at 8192, reached after 5 epochs of linear warmup from 0.1, then /10 at epoch 30."""
     spe = 1_281_167 // 8192
-    schedule = LRSchedule(0.1, scaled_lr(0.1, 8192, 256, "linear"), 5 * spe, 90 * spe, "step", (30 * spe,), 0.1)
-    assert schedule.peak_lr == pytest.approx(3.2)
-    assert schedule.lr_at(0) == pytest.approx(0.1)
-    assert schedule.lr_at(5 * spe // 2) == pytest.approx(0.1 + 3.1 * (5 * spe // 2) / (5 * spe))
-    assert schedule.lr_at(5 * spe) == pytest.approx(3.2)
-    assert schedule.lr_at(30 * spe - 1) == pytest.approx(3.2)
-    assert schedule.lr_at(30 * spe) == pytest.approx(0.32)
+    schedule = LRSchedule(lr_factor(8192, 256, "linear"), 5 * spe, 90 * spe, "step", (30 * spe,), 0.1)
+    lr = {step: 0.1 * schedule.factor_at(step) for step in (0, 5 * spe // 2, 5 * spe, 30 * spe - 1, 30 * spe)}
+    assert lr[0] == pytest.approx(0.1)
+    assert lr[5 * spe // 2] == pytest.approx(0.1 + 3.1 * (5 * spe // 2) / (5 * spe))
+    assert lr[5 * spe] == pytest.approx(3.2)
+    assert lr[30 * spe - 1] == pytest.approx(3.2)
+    assert lr[30 * spe] == pytest.approx(0.32)
 
 
 def test_cosine_decay_ends_at_zero():
-    schedule = LRSchedule(0.1, 0.4, 10, 110, "cosine")
-    assert schedule.lr_at(10) == pytest.approx(0.4)
-    assert schedule.lr_at(60) == pytest.approx(0.2)
-    assert schedule.lr_at(110) == pytest.approx(0.0, abs=1e-12)
+    schedule = LRSchedule(4.0, 10, 110, "cosine")
+    assert schedule.factor_at(10) == pytest.approx(4.0)
+    assert schedule.factor_at(60) == pytest.approx(2.0)
+    assert schedule.factor_at(110) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_total_steps_follows_lightning_rules():
@@ -70,7 +70,7 @@ def plan_for(**overrides):
         trainer_cfg={"accumulate_grad_batches": 2, "max_epochs": 3},
         data_cfg={"global_batch_size": 512},
         lr_cfg={"base_batch_size": 256, "rule": "linear", "warmup_epochs": 1, "decay": "cosine"},
-        base_lr=0.1,
+        base_lrs={"SGD/decay": 0.1},
         seed=1,
         dataset_sizes={"train": 10_000, "val": 100, "test": 100},
         has_batchnorm=True,

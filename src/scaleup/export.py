@@ -1,35 +1,63 @@
-"""The export job behind `python export.py`: the bare network's weights as a plain state_dict."""
+"""The export job behind `python export.py`: one network's weights as a plain state_dict."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 from scaleup.engine.checkpoint import atomic_torch_save, load_checkpoint, load_weights
+from scaleup.engine.config import build_model
 from scaleup.engine.errors import UserError
 from scaleup.evaluate import stored_run
 
 log = logging.getLogger("scaleup")
 
-NET_PREFIX = "net."  # the LightningModule holds the network as `self.net`
+
+def submodule(model: nn.Module, path: str) -> nn.Module:
+    """`model.<path>` for a dotted attribute path, or a UserError naming the module's children."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        children = ", ".join(name for name, _ in model.named_children())
+        raise UserError(
+            f"{type(model).__name__} has no submodule {path!r}; its children are {children}: pass module=<one of them>"
+        ) from None
+
+
+def config_at(model_cfg: dict[str, Any], path: str) -> dict[str, Any] | None:
+    """The model config's entry at `path` when it builds that submodule (has a `_target_`), else None."""
+    node: Any = model_cfg
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) and "_target_" in node else None
 
 
 def export(cfg: DictConfig) -> Path:
+    """Rebuild the LightningModule from the checkpoint's config, load every weight strictly, and save the state_dict
+    of `model.<cfg.module>` alone: keys without the module's prefix, loadable into the bare network."""
     output = Path(cfg.output_path)
     if output.exists() and not cfg.overwrite:
         raise UserError(f"{output} already exists; choose another output_path or pass overwrite=true")
     checkpoint = load_checkpoint(cfg.ckpt_path)
-    net_cfg = stored_run(checkpoint, cfg.ckpt_path)["config"]["model"]["net"]
-    weights = {k[len(NET_PREFIX) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(NET_PREFIX)}
-    net = instantiate(net_cfg)
-    load_weights(net, weights)  # proves the strict load works before anything is written
+    stored = stored_run(checkpoint, cfg.ckpt_path)
+    model_cfg = stored["config"]["model"]
+    model = build_model(model_cfg, precision=stored["plan"]["precision"])  # float64 weights stay float64
+    load_weights(model, checkpoint["state_dict"])  # every key fits, or the error names those that do not
+    net = submodule(model, cfg.module)
     atomic_torch_save(net.state_dict(), output)
+    net_cfg = config_at(model_cfg, cfg.module)
+    build = (
+        f"hydra.utils.instantiate(cfg)  # cfg:\n{OmegaConf.to_yaml(net_cfg)}"
+        if net_cfg
+        else f"{type(net).__module__}.{type(net).__qualname__}(...)  # as your LightningModule builds .{cfg.module}\n"
+    )
     log.info(
-        f"wrote {output} ({len(weights)} tensors). Load it with:\n"
-        f"  net = hydra.utils.instantiate(cfg)  # cfg:\n{OmegaConf.to_yaml(net_cfg)}"
+        f"wrote {output} ({len(net.state_dict())} tensors of .{cfg.module}). Load it with:\n"
+        f"  net = {build}"
         f"  net.load_state_dict(torch.load('{output}', weights_only=True))"
     )
     return output

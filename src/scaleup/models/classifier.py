@@ -9,10 +9,10 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
+from torchmetrics.classification import MulticlassAccuracy
 
 from scaleup.engine.metrics import StageMetrics
-
-STAGES = ("train", "val", "test")
+from scaleup.models.optim import build_optimizer
 
 
 class ImageClassifier(L.LightningModule):
@@ -36,15 +36,12 @@ class ImageClassifier(L.LightningModule):
         if compile:
             # In-place compile keeps parameter names: no `_orig_mod.` in checkpoints (torch.compile(net) adds it).
             self.net.compile()
-        # Attributes, not a ModuleDict: "train" would shadow nn.Module.train.
-        self.train_metrics, self.val_metrics, self.test_metrics = (StageMetrics(net["num_classes"]) for _ in STAGES)
-
-    def setup(self, stage: str) -> None:
-        # ddp_spawn hands the module to its processes through shared memory, so on CPU every rank's metric
-        # states would be one shared tensor (each rank adding into the others' sums). Reset makes them private.
-        for stage_metrics in (self.train_metrics, self.val_metrics, self.test_metrics):
-            for _, metric in stage_metrics.items():
-                metric.reset()
+        num_classes = net["num_classes"]
+        # micro average: correct and total counts, summed over every sample of every process.
+        accuracy = {"acc": MulticlassAccuracy(num_classes, top_k=1, average="micro")}
+        if num_classes > 5:
+            accuracy["acc5"] = MulticlassAccuracy(num_classes, top_k=5, average="micro")
+        self.metrics = StageMetrics(accuracy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -60,10 +57,8 @@ class ImageClassifier(L.LightningModule):
         x, y = batch
         logits = self(x)
         loss = self.loss(logits, y)
-        metrics = getattr(self, f"{stage}_metrics")
-        metrics.update(logits, y, loss)
-        for name, metric in metrics.items():
-            self.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name == "acc")
+        self.metrics.update(stage, logits, y, batch_size=len(y), loss=loss)
+        self.metrics.log(self, stage, prog_bar=["acc"])
         return loss
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -79,12 +74,4 @@ class ImageClassifier(L.LightningModule):
         self._step(batch, "test")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        # No weight decay on norm weights and biases (1-d tensors): decaying them only hurts (Goyal et al. 2017).
-        decay = [p for p in self.parameters() if p.requires_grad and p.ndim > 1]
-        no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim <= 1]
-        groups = [
-            {"params": decay, "name": "decay"},
-            {"params": no_decay, "name": "no_decay", "weight_decay": 0.0},
-        ]
-        # The LR here is the unscaled base LR; the LRScaling callback sets the scaled, warmed-up LR every step.
-        return instantiate(dict(self.hparams.optimizer), _partial_=True)(groups)
+        return build_optimizer(self.hparams.optimizer, self)

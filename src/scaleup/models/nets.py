@@ -65,10 +65,6 @@ def resnet(name: str, num_classes: int, norm: str = "batch", small_input: bool =
     return net
 
 
-def has_batchnorm(net: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
-
-
 @torch.no_grad()
 def parameter_checksum(net: nn.Module) -> float:
     """A cheap fingerprint of all weights, to compare models across ranks or runs."""

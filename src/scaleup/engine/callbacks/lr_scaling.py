@@ -1,10 +1,11 @@
-"""Scaled learning rate with warmup and decay, set before every optimizer step."""
+"""The LR schedule as a factor on each param group's own LR: scaled for the global batch, warmed up, decayed."""
 
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.core.optimizer import _configure_optimizers
 
 from scaleup.engine.errors import UserError
 
@@ -12,60 +13,93 @@ SCALING_RULES = ("linear", "sqrt", "none")
 DECAYS = ("cosine", "step", "none")
 
 
-def scaled_lr(base_lr: float, global_batch: int, base_batch: int, rule: str) -> float:
-    """Peak LR for a global batch: Goyal et al. 2017 (linear), Krizhevsky 2014 / Hoffer et al. 2017 (sqrt)."""
+def lr_factor(global_batch: int, base_batch: int, rule: str) -> float:
+    """How much larger the peak LR is than the base LR tuned at `base_batch`: Goyal et al. 2017 (linear),
+    Krizhevsky 2014 / Hoffer et al. 2017 (sqrt)."""
     ratio = global_batch / base_batch
     if rule == "linear":
-        return base_lr * ratio
+        return ratio
     if rule == "sqrt":
-        return base_lr * math.sqrt(ratio)
+        return math.sqrt(ratio)
     if rule == "none":
-        return base_lr
+        return 1.0
     raise UserError(f"callbacks.lr_scaling.rule={rule} is not one of {', '.join(SCALING_RULES)}")
 
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """LR as a pure function of the optimizer step: resume needs nothing but the global step."""
+    """The factor on every base LR as a pure function of the optimizer step: resume needs only the global step."""
 
-    base_lr: float
-    peak_lr: float
+    peak: float  # factor at the end of warmup: lr_factor(global batch, base batch, rule)
     warmup_steps: int
     total_steps: int
     decay: str = "cosine"
     milestones: tuple[int, ...] = ()  # optimizer steps, for decay="step"
     gamma: float = 0.1
 
-    def lr_at(self, step: int) -> float:
+    def factor_at(self, step: int) -> float:
         if step < self.warmup_steps:
-            # Linear ramp from the unscaled base LR: the first steps of a big-batch run see the LR that
+            # Linear ramp from the unscaled base LR (factor 1): the first steps of a big-batch run see the LR that
             # the base recipe was tuned for (Goyal et al. 2017, "gradual warmup").
-            return self.base_lr + (self.peak_lr - self.base_lr) * step / self.warmup_steps
+            return 1.0 + (self.peak - 1.0) * step / self.warmup_steps
         if self.decay == "cosine":
             span = max(1, self.total_steps - self.warmup_steps)
             progress = min(1.0, (step - self.warmup_steps) / span)
-            return self.peak_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+            return self.peak * 0.5 * (1.0 + math.cos(math.pi * progress))
         if self.decay == "step":
-            return self.peak_lr * self.gamma ** sum(step >= m for m in self.milestones)
-        return self.peak_lr
+            return self.peak * self.gamma ** sum(step >= m for m in self.milestones)
+        return self.peak
+
+
+def base_lrs(module: L.LightningModule) -> dict[str, float]:
+    """Each param group's LR as the module's `configure_optimizers` sets it, named like LearningRateMonitor's
+    tags (`SGD/head`, or `SGD/pg1` for a group without a "name"). Refuses a returned LR scheduler.
+
+    Calls `configure_optimizers` once before the Trainer exists, so the plan can show the LRs and a scheduler is
+    refused before any process starts (Lightning's own parser reads every return format it accepts).
+    """
+    returned = module.configure_optimizers()
+    if returned is None:  # Lightning allows it: a module that steps no optimizer
+        return {}
+    optimizers, schedulers, _ = _configure_optimizers(returned)
+    if schedulers:
+        scheduler = schedulers[0]["scheduler"] if isinstance(schedulers[0], dict) else schedulers[0]
+        raise UserError(
+            f"{type(module).__name__}.configure_optimizers returns a learning-rate scheduler "
+            f"({type(scheduler).__name__}), which would fight the template's own schedule: return only the optimizer "
+            "and set callbacks.lr_scaling.rule, warmup_epochs (or warmup_steps), decay=cosine|step|none, milestones "
+            "and gamma instead"
+        )
+    return {
+        f"{type(optimizer).__name__}/{group.get('name', f'pg{index + 1}')}": float(group["lr"])
+        for optimizer in optimizers
+        for index, group in enumerate(optimizer.param_groups)
+    }
 
 
 class LRScaling(L.Callback):
-    """Sets every param group's LR to `schedule.lr_at(trainer.global_step)` before each batch.
+    """Before each batch, sets every param group's LR to its own base LR x `schedule.factor_at(global_step)`.
 
-    The LR is a pure function of the global step, not state carried in a torch scheduler: a resumed run
-    continues the warmup or decay exactly where it stopped (optimizer state restored from the checkpoint
-    cannot overwrite it), and with gradient accumulation all micro-batches of a step see the same LR.
+    The base LR of a group is the one `configure_optimizers` gave it, so ratios between groups (a backbone at
+    0.1x the head) hold through scaling, warmup and decay. It is read in `on_fit_start`, which Lightning calls
+    after `configure_optimizers` and before it restores a checkpoint's optimizer state: a resumed run's param
+    groups come back with the LR last set, never mistaken for a base LR. The factor is a pure function of the
+    global step, not state carried in a torch scheduler: a resumed run continues the warmup or decay exactly,
+    and with gradient accumulation all micro-batches of a step see the same LR.
     Keep this callback before LearningRateMonitor so the logged LR is the one used for the step.
     """
 
     def __init__(self, schedule: LRSchedule) -> None:
         self.schedule = schedule
+        self.base_lrs: list[list[float]] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.base_lrs = [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        lr = self.schedule.lr_at(trainer.global_step)
-        for optimizer in trainer.optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+        factor = self.schedule.factor_at(trainer.global_step)
+        for optimizer, base_lrs in zip(trainer.optimizers, self.base_lrs, strict=True):
+            for group, base_lr in zip(optimizer.param_groups, base_lrs, strict=True):
+                group["lr"] = base_lr * factor

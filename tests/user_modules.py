@@ -1,0 +1,68 @@
+"""A user's own code, as the contract allows it: used with `model._target_=user_modules.<Name>` in real runs."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torchmetrics.classification import MulticlassAccuracy
+
+from scaleup.engine.metrics import StageMetrics
+from scaleup.models import ImageClassifier
+
+
+class TwoGroupClassifier(ImageClassifier):
+    """The head at the configured LR, the body below it at a tenth: the ratio must hold at every step."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        head = list(self.net[-1].parameters())
+        body = [p for p in self.net.parameters() if all(p is not q for q in head)]
+        lr = self.hparams.optimizer["lr"]
+        return torch.optim.SGD([{"params": body, "lr": 0.1 * lr, "name": "body"}, {"params": head, "name": "head"}], lr)
+
+
+class SchedulerClassifier(ImageClassifier):
+    """Returns its own LR scheduler, which the template refuses."""
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = super().configure_optimizers()
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)}
+
+
+class EncoderModule(L.LightningModule):
+    """Not the template's classifier: its network is `self.encoder`, built from the `encoder` config."""
+
+    def __init__(self, encoder: Mapping[str, Any], optimizer: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.encoder = instantiate(dict(encoder))
+        self.metrics = StageMetrics({"acc": MulticlassAccuracy(encoder["num_classes"], average="micro")})
+
+    def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
+        x, y = batch
+        logits = self.encoder(x)
+        loss = F.cross_entropy(logits, y)
+        self.metrics.update(stage, logits, y, batch_size=len(y), loss=loss)
+        self.metrics.log(self, stage)
+        return loss
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._step(batch, "test")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return instantiate(dict(self.hparams.optimizer), _partial_=True)(self.parameters())
+
+
+class PlainDataModule(L.LightningDataModule):
+    """A LightningDataModule outside the contract (not a GlobalBatchDataModule)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()

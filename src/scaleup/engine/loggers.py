@@ -48,7 +48,7 @@ def mlflow_logger(run_dir: str | Path, tracking_uri: str, experiment_name: str, 
         if experiment is not None
         else []
     )
-    return MLFlowLogger(
+    return (ContinuedMLFlowLogger if existing else MLFlowLogger)(
         experiment_name=experiment_name,
         run_name=Path(run_dir).name,
         tracking_uri=tracking_uri,
@@ -56,6 +56,15 @@ def mlflow_logger(run_dir: str | Path, tracking_uri: str, experiment_name: str, 
         run_id=existing[0].info.run_id if existing else None,
         **kwargs,
     )
+
+
+class ContinuedMLFlowLogger(MLFlowLogger):
+    """An MLflow run found again after a requeue. MLflow refuses to change a param once logged, and a resumed
+    run's plan may differ (more epochs, another device count), so the params stay those of the first start; the
+    resume log names what changed, and plan.json holds the current plan."""
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
 
 
 def log_image(trainer: L.Trainer, tag: str, image: np.ndarray) -> None:

@@ -1,0 +1,77 @@
+"""The diagnostics on a real (tiny) fit: a slow loader shows up as data wait, the step count as throughput."""
+
+import time
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from scaleup.engine.callbacks import TrainingDiagnostics
+from scaleup.engine.callbacks.diagnostics import compute_dtype
+
+
+class SlowData(Dataset):
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(self.delay)
+        return torch.randn(8), torch.tensor(i % 2)
+
+
+class Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(delay: float, tmp_path) -> dict[str, float]:
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        callbacks=[TrainingDiagnostics(flops=True)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Tiny(), DataLoader(SlowData(delay), batch_size=4))
+    return {name: float(value) for name, value in trainer.callback_metrics.items()}
+
+
+def test_a_slow_loader_is_data_wait_and_flops_are_counted(tmp_path):
+    slow = fit(0.01, tmp_path)  # 40 ms of loading per batch against well under 1 ms of compute
+    assert slow["perf/data_wait"] > 0.8
+    # 8 steps of 4 samples, each step at least 40 ms apart: no more than 100 samples/s, waits included.
+    assert 0 < slow["perf/samples_per_s"] < 100
+    assert slow["perf/peak_mem_gb"] > 0
+    # Linear(8, 2): 2 * 8 * 2 FLOPs forward per sample, 3x that with the backward pass.
+    assert slow["perf/tflops_per_s"] == pytest.approx(96 * slow["perf/samples_per_s"] / 1e12)
+    assert "perf/mfu" not in slow  # no peak FLOPs known for a CPU
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [
+        ("bf16-mixed", torch.bfloat16),
+        ("16-mixed", torch.float16),
+        ("32-true", torch.float32),
+        ("64-true", torch.float64),
+    ],
+)
+def test_compute_dtype_of_each_precision(precision, dtype):
+    assert compute_dtype(precision) is dtype

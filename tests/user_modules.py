@@ -40,9 +40,12 @@ class EncoderModule(L.LightningModule):
         self.encoder = instantiate(dict(encoder))
         self.metrics = StageMetrics({"acc": MulticlassAccuracy(encoder["num_classes"], average="micro")})
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
         x, y = batch
-        logits = self.encoder(x)
+        logits = self(x)
         loss = F.cross_entropy(logits, y)
         self.metrics.update(stage, logits, y, batch_size=len(y), loss=loss)
         self.metrics.log(self, stage)

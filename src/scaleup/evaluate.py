@@ -16,7 +16,7 @@ from scaleup.engine.callbacks import MetricsFile
 from scaleup.engine.callbacks.performance import PerformanceSettings, set_tf32
 from scaleup.engine.checkpoint import load_checkpoint, load_weights
 from scaleup.engine.config import build_model, log_rows, to_plain
-from scaleup.engine.errors import UserError
+from scaleup.engine.errors import UserError, config_errors
 from scaleup.engine.launch import check_launcher, shut_down_process_group
 from scaleup.engine.plan import resolve_precision, resolve_topology
 
@@ -44,7 +44,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     data_cfg = {**config["data"], **to_plain(cfg.data)}
     # Same per-device batch as training by default: same batches, so the same float sums, to the last bit.
     data_cfg.update(global_batch_size=None, per_device_batch_size=cfg.batch_size or plan["per_device_batch_size"])
-    datamodule = instantiate(data_cfg)
+    with config_errors("data"):
+        datamodule = instantiate(data_cfg)
     # The plan stores the precision training resolved (`auto` became bf16-mixed, 16-mixed or 32-true there).
     precision = resolve_precision(cfg.trainer.precision or plan["precision"], topology.accelerator)
     if topology.accelerator == "cpu" and str(precision).startswith("16"):
@@ -60,17 +61,18 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     metrics_path = run_dir / "metrics.json"
     tf32, channels_last = plan.get("tf32", False), plan.get("channels_last", False)  # as trained
     set_tf32(tf32)
-    trainer = L.Trainer(
-        accelerator=topology.accelerator,
-        devices=topology.devices,
-        num_nodes=topology.num_nodes,
-        precision=precision,
-        callbacks=[MetricsFile(metrics_path), PerformanceSettings(tf32, channels_last)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=cfg.trainer.enable_progress_bar,
-        default_root_dir=run_dir,
-    )
+    with config_errors("trainer"):
+        trainer = L.Trainer(
+            accelerator=topology.accelerator,
+            devices=topology.devices,
+            num_nodes=topology.num_nodes,
+            precision=precision,
+            callbacks=[MetricsFile(metrics_path), PerformanceSettings(tf32, channels_last)],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=cfg.trainer.enable_progress_bar,
+            default_root_dir=run_dir,
+        )
     trainer.test(model, datamodule=datamodule, verbose=False)
     shut_down_process_group()
     if not trainer.is_global_zero:

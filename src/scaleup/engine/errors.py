@@ -16,10 +16,13 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from hydra.errors import InstantiationException
+from hydra.experimental.callback import Callback
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 
@@ -98,3 +101,21 @@ def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(EXIT_USER_ERROR)
 
     return wrapper
+
+
+class RunDirCheck(Callback):
+    """Hydra creates the run directory before the job starts, outside `exit_on_user_error`: a directory that
+    cannot be created (`hydra.run.dir=/read-only/path`) would end in Hydra's traceback. Create it here first."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        directory = config.hydra.run.dir
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            print(
+                f"error: cannot create the run directory {directory}: {err.strerror or err}; "
+                "pass hydra.run.dir=<a directory you can write> (or fix paths.log_dir)",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.exit(EXIT_USER_ERROR)

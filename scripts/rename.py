@@ -108,15 +108,18 @@ def check_name(name: str, old: str, root: Path) -> None:
     # Once renamed, every whole-word occurrence of the name is taken to mean the project (a second rename replaces
     # them all), so the name must not already mean something else in the code and configs: "net" would break
     # `model.net`.
+    word = name_pattern(name)
     for path in tracked_files(root):
         text = "" if path in NOT_CODE or path.endswith(".md") else read_text(root / path) or ""
-        for line_number, line in enumerate([path, *text.splitlines()]):
-            if name_pattern(name).search(line):
-                where = path if line_number == 0 else f"{path}:{line_number}"
-                raise RenameError(
-                    f"'{name}' already appears as a word in the project ({where}: {line.strip()[:60]}); choose a name "
-                    "that does not, so that every occurrence of it means the project"
-                )
+        places = [path] if word.search(path) else []
+        places += [
+            f"{path}:{n}: {line.strip()[:60]}" for n, line in enumerate(text.splitlines(), 1) if word.search(line)
+        ]
+        if places:
+            raise RenameError(
+                f"'{name}' already appears as a word in the project ({places[0]}); choose a name that does not, so "
+                "that every occurrence of it means the project"
+            )
 
 
 def check_clean(root: Path) -> None:

@@ -5,6 +5,7 @@ They record what each rank actually saw, so tests can check rank-level guarantee
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import lightning as L
@@ -89,3 +90,40 @@ class MemoryHog(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_rank == self.rank:
             self.hoard = torch.ones(2**28)  # 1 GiB of float32, written so it is resident
+
+
+class SimulatedMemoryLimit(L.Callback):
+    """A device that holds at most `max_batch[rank]` samples: the auto batch probe's forward pass raises
+    OutOfMemoryError above it, as CUDA would. Only the limit is simulated; the probe and training run for real."""
+
+    def __init__(self, max_batch: list[int]) -> None:
+        self.max_batch = list(max_batch)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from scaleup.engine.batch_probe import AutoBatchSize
+
+        probe = next(cb for cb in trainer.callbacks if isinstance(cb, AutoBatchSize))
+        probe.forward = limited(probe.forward, self.max_batch[trainer.global_rank])
+
+
+def limited(forward, max_batch: int):
+    """`forward(module, batch)` that runs out of memory above `max_batch` samples."""
+
+    def forward_with_limit(module, batch):
+        if len(batch[0]) > max_batch:
+            raise torch.OutOfMemoryError(f"simulated: {len(batch[0])} samples > {max_batch}")
+        return forward(module, batch)
+
+    return forward_with_limit
+
+
+class SigtermAtBatch(L.Callback):
+    """Sends this process SIGTERM after training batch `batch_idx` of epoch `epoch`, as a scheduler would:
+    a pre-emption at a chosen micro-batch, e.g. between the micro-batches of one accumulated step."""
+
+    def __init__(self, epoch: int, batch_idx: int) -> None:
+        self.epoch, self.batch_idx = epoch, batch_idx
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
+        if (trainer.current_epoch, batch_idx) == (self.epoch, self.batch_idx):
+            os.kill(os.getpid(), signal.SIGTERM)

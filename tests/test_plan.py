@@ -6,6 +6,7 @@ import pytest
 
 from conftest import check, read_json, run
 from scaleup.engine.callbacks.lr_scaling import LRSchedule, lr_factor
+from scaleup.engine.checks import batchnorm_warning
 from scaleup.engine.errors import UserError
 from scaleup.engine.plan import Topology, build_plan, resolve_batch, total_steps
 
@@ -85,7 +86,8 @@ def test_plan_numbers():
     assert (plan.world_size, plan.per_device_batch_size, plan.global_batch_size) == (8, 32, 512)
     assert plan.lr == pytest.approx(0.2)
     assert (plan.steps_per_epoch, plan.warmup_steps, plan.total_steps) == (19, 19, 57)
-    assert plan.sync_batchnorm  # GPU, 8 processes, BatchNorm in the net
+    # 32 per device is enough per BatchNorm statistic: auto does not sync
+    assert (plan.sync_batchnorm, plan.bn_batch_size, plan.base_bn_batch_size) == (False, 32, 256)
 
 
 def test_sync_batchnorm_refused_on_cpu():
@@ -121,8 +123,11 @@ def test_dry_run_goyal_plan_for_256_gpus(tmp_path):
     assert plan["world_size"] == 256 and plan["per_device_batch_size"] == 32 and plan["global_batch_size"] == 8192
     assert math.isclose(plan["lr"], 3.2) and plan["base_lr"] == 0.1 and plan["base_batch_size"] == 256
     assert plan["warmup_steps"] == 5 * spe and plan["total_steps"] == 90 * spe
-    assert plan["sync_batchnorm"] is True and plan["precision"] == "bf16-mixed"
-    assert "3.2 @ 8192" in result.stdout + result.stderr
+    assert plan["precision"] == "bf16-mixed"
+    # BN over 32 images per GPU, unsynced, as the recipe was tuned: no SyncBN, no BatchNorm warning
+    assert (plan["sync_batchnorm"], plan["bn_batch_size"], plan["base_bn_batch_size"]) == (False, 32, 32)
+    output = result.stdout + result.stderr
+    assert "3.2 @ 8192" in output and "BatchNorm statistics" not in output
     assert not (tmp_path / "checkpoints").exists()
 
 
@@ -132,3 +137,146 @@ def test_indivisible_batch_fails_before_any_process_starts(tmp_path):
     assert "data.global_batch_size=64 does not divide into 3 device(s)" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "plan.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("global_", "world", "cap", "accumulation", "per_device"),
+    [
+        (256, 1, 32, 8, 32),  # an 8-GPU recipe on 1 GPU
+        (256, 8, 32, 1, 32),  # on the 8 GPUs it was written for, the cap does not bite
+        (256, 8, 64, 1, 32),  # a cap above the share is no contradiction
+        (256, 4, 32, 2, 32),
+        (100, 1, 30, 4, 25),  # the smallest accumulation with an exact split
+        (96, 2, 20, 3, 16),
+        (64, 1, 3, 32, 2),
+    ],
+)
+def test_cap_derives_the_smallest_exact_accumulation(global_, world, cap, accumulation, per_device):
+    batch = resolve_batch(global_, None, world, None, cap)
+    assert (batch.accumulation, batch.per_device, batch.global_) == (accumulation, per_device, global_)
+
+
+def test_cap_with_the_same_accumulation_spelled_out_is_fine():
+    assert resolve_batch(256, None, 1, 8, 32).accumulation == 8
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            (256, None, 1, 4, 32),
+            r"trainer.accumulate_grad_batches=4 contradicts data.max_per_device_batch_size=32: "
+            r"a global batch of 256 on 1 device\(s\) needs accumulation 8",
+        ),
+        ((None, 16, 2, None, 32), "data.per_device_batch_size=16 fixes the per-device batch itself"),
+        ((64, None, 3, None, 8), "data.global_batch_size=64 does not split evenly over 3 device"),
+        ((64, None, 1, None, 0), "data.max_per_device_batch_size=0 must be at least 1"),
+    ],
+)
+def test_contradictory_cap_settings_name_the_conflict(args, message):
+    with pytest.raises(UserError, match=message):
+        resolve_batch(*args)
+
+
+@pytest.mark.parametrize(
+    ("data_cfg", "trainer_cfg", "strategy", "conflict"),
+    [
+        ({"global_batch_size": None, "per_device_batch_size": 32}, {}, "ddp", "data.per_device_batch_size=32"),
+        ({"global_batch_size": 512}, {"accumulate_grad_batches": 1}, "ddp", "trainer.accumulate_grad_batches=1"),
+        ({"global_batch_size": 512}, {}, "FSDPStrategy", "trainer=fsdp shards the model"),
+    ],
+)
+def test_auto_cap_refuses_what_fixes_the_split_already(data_cfg, trainer_cfg, strategy, conflict):
+    with pytest.raises(UserError, match=f"max_per_device_batch_size=auto .* but {conflict}"):
+        plan_for(
+            data_cfg={**data_cfg, "max_per_device_batch_size": "auto"},
+            trainer_cfg={"max_epochs": 1, **trainer_cfg},
+            strategy=strategy,
+        )
+
+
+def test_cap_in_the_plan_and_its_rows():
+    plan = plan_for(
+        topology=Topology("gpu", 1, 1),
+        trainer_cfg={"max_epochs": 3},
+        data_cfg={"global_batch_size": 256, "max_per_device_batch_size": 32},
+    )
+    assert (plan.per_device_batch_size, plan.accumulate_grad_batches, plan.global_batch_size) == (32, 8, 256)
+    rows = dict(plan.rows())
+    assert rows["per-device batch"] == "32 (cap 32)"
+    assert rows["accumulation"] == "8 (derived from the per-device cap)"
+    assert rows["BatchNorm batch"] == "32 (the per-device micro-batch); tuned at 256"
+    assert rows["SyncBatchNorm"] == "off (auto: one process, nothing to sync)"
+    assert plan.total_steps == 3 * (10_000 // 256)  # steps and LR follow the global batch alone
+
+
+def test_auto_cap_plans_the_global_batch_and_leaves_the_split_to_the_probe():
+    plan = plan_for(
+        trainer_cfg={"max_epochs": 3}, data_cfg={"global_batch_size": 512, "max_per_device_batch_size": "auto"}
+    )
+    rows = dict(plan.rows())
+    assert rows["per-device batch"] == "auto: the largest exact split of 64 that fits, probed on every device at start"
+    assert plan.bn_batch_size is None and plan.total_steps == 57
+    settled = plan.with_per_device_batch(16)
+    assert (settled.per_device_batch_size, settled.accumulate_grad_batches, settled.bn_batch_size) == (16, 4, 16)
+
+
+@pytest.mark.parametrize(
+    ("topology", "global_", "sync", "reason"),
+    [
+        (Topology("gpu", 8, 1), 128, True, "auto: 16 samples per device < 32"),
+        (Topology("gpu", 8, 1), 256, False, "auto: 32 samples per device >= 32 are enough per statistic"),
+        (Topology("cpu", 2, 1), 32, False, "auto: torch's SyncBatchNorm runs on GPUs only"),
+        (Topology("gpu", 1, 1), 16, False, "auto: one process, nothing to sync"),
+    ],
+)
+def test_sync_batchnorm_auto_decides_by_the_per_device_batch(topology, global_, sync, reason):
+    plan = plan_for(topology=topology, trainer_cfg={"max_epochs": 1}, data_cfg={"global_batch_size": global_})
+    assert (plan.sync_batchnorm, plan.sync_batchnorm_reason) == (sync, reason)
+    assert plan.bn_batch_size == (global_ if sync else global_ // topology.world_size)
+    assert dict(plan.rows())["SyncBatchNorm"] == f"{'on' if sync else 'off'} ({reason})"
+
+
+def test_one_gpu_with_accumulation_warns_that_batchnorm_sees_less_than_the_synced_recipe():
+    """An 8-GPU SyncBN recipe (BN over 256) on 1 GPU with a cap of 32: BN normalises each micro-batch of 32."""
+    one_gpu = plan_for(
+        topology=Topology("gpu", 1, 1),
+        trainer_cfg={"max_epochs": 1},
+        data_cfg={"global_batch_size": 256, "max_per_device_batch_size": 32},
+    )
+    assert batchnorm_warning(one_gpu) == (
+        "BatchNorm statistics come from 32 samples (the micro-batch), not the 256 of an optimizer step (accumulation "
+        "normalises each micro-batch): the recipe was tuned with 256, so results will differ from it. Options: a "
+        "larger data.max_per_device_batch_size (less accumulation), or model.net.norm=group (no batch statistics)"
+    )
+    eight_synced = plan_for(
+        topology=Topology("gpu", 8, 1),
+        trainer_cfg={"max_epochs": 1, "sync_batchnorm": True},
+        data_cfg={"global_batch_size": 256},
+    )
+    assert eight_synced.bn_batch_size == 256 and batchnorm_warning(eight_synced) is None
+    eight_unsynced = plan_for(
+        topology=Topology("gpu", 8, 1), trainer_cfg={"max_epochs": 1}, data_cfg={"global_batch_size": 256}
+    )
+    assert "Options: trainer.sync_batchnorm=true (256 per statistic)" in batchnorm_warning(eight_unsynced)
+
+
+def test_no_batchnorm_no_bn_batch():
+    plan = plan_for(has_batchnorm=False)
+    assert plan.bn_batch_size is None and batchnorm_warning(plan) is None
+    assert dict(plan.rows())["BatchNorm batch"] == "- (no BatchNorm layers)"
+
+
+def test_early_stopping_is_in_the_plan():
+    plan = plan_for(
+        early_stopping={
+            "_target_": "lightning.pytorch.callbacks.EarlyStopping",
+            "monitor": "val/acc",
+            "mode": "max",
+            "patience": 4,
+        }
+    )
+    assert dict(plan.rows())["early stopping"] == (
+        "val/acc (max, patience 4): may end the run before step 57; the LR schedule still spans all 57"
+    )
+    assert "early stopping" not in dict(plan_for().rows())

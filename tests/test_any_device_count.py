@@ -1,0 +1,198 @@
+"""One command on any device count: a per-device cap (a number or auto) derives the accumulation, and a run
+pre-empted on 2 processes resumes mid-epoch on 1, all ending with the 2-process run's float64 weights.
+
+The reference is the recipe as written for 2 devices: 2 processes x 32 samples, the cap of 32 not biting. On one
+device the same command accumulates 2 micro-batches of 32 per step.
+"""
+
+import copy
+import shutil
+import signal
+
+import lightning as L
+import pytest
+import torch
+
+from conftest import EXACT, TOLERANCE, assert_same_weights, check, in_process, read_json, run, weights
+from probes import limited
+from scaleup.engine.batch_probe import AutoBatchSize, largest_that_fits, per_device_candidates, training_loss
+from scaleup.engine.checkpoint import load_checkpoint, rescale_batch_progress
+from scaleup.engine.config import build_model
+from scaleup.engine.plan import Topology, build_plan
+
+CAP_32 = [*EXACT, "data.max_per_device_batch_size=32"]
+STEPS = 24  # 3 epochs of 8 global batches of 64
+
+
+def save_at_step(directory, step):
+    return [
+        "+callbacks.at_step._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"+callbacks.at_step.dirpath={directory}",
+        f"+callbacks.at_step.every_n_train_steps={step}",
+        "+callbacks.at_step.save_top_k=-1",
+        "+callbacks.at_step.filename='at-{step}'",
+    ]
+
+
+def test_candidates_are_the_exact_splits_largest_first():
+    assert per_device_candidates(256, 8) == [32, 16, 8, 4, 2, 1]
+    assert per_device_candidates(96, 2) == [48, 24, 16, 12, 8, 6, 4, 3, 2, 1]
+
+
+def test_the_first_candidate_that_fits_wins_and_nothing_smaller_is_tried():
+    tried = []
+    assert largest_that_fits([32, 16, 8, 4], lambda size: tried.append(size) or size <= 10) == 8
+    assert tried == [32, 16, 8]
+    assert largest_that_fits([2, 1], lambda size: False) == 0
+
+
+def test_the_probe_finds_the_limit_and_leaves_no_trace():
+    """A real forward and backward of a BatchNorm + dropout network per candidate, on a device that runs out of
+    memory above 24 samples: the model's weights, BatchNorm statistics, gradients and random stream are as
+    before."""
+    net = {"_target_": "scaleup.models.DigitsCNN", "num_classes": 10, "norm": "batch", "dropout": 0.5}
+    model = build_model(
+        {"_target_": "scaleup.models.ImageClassifier", "net": net, "optimizer": {"_target_": "torch.optim.SGD"}},
+        precision="64-true",
+    )
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision="64-true", logger=False, enable_progress_bar=False)
+    plan = build_plan(
+        topology=Topology("cpu", 1, 1),
+        trainer_cfg={"max_epochs": 1},
+        data_cfg={"global_batch_size": 64, "max_per_device_batch_size": "auto"},
+        lr_cfg={},
+        base_lrs={"SGD": 0.1},
+        seed=0,
+        dataset_sizes={"train": 64},
+        has_batchnorm=True,
+        strategy="auto",
+    )
+    probe = AutoBatchSize(plan)
+    probe.forward = limited(training_loss, 24)
+    sample = (torch.randn(1, 8, 8), 3)
+    state, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+    fitting = [size for size in per_device_candidates(64, 1) if probe._fits(trainer, model, sample, size)]
+    assert fitting == [16, 8, 4, 2, 1]
+    assert_same_weights(model.state_dict(), state, rtol=0, atol=0)  # BatchNorm running statistics included
+    assert all(p.grad is None for p in model.parameters()) and torch.equal(torch.get_rng_state(), rng)
+    assert all(m.training for m in model.modules())
+
+
+def progress(ready, started, processed, completed):
+    counts = {"ready": ready, "started": started, "processed": processed, "completed": completed}
+    return {"current": dict(counts), "total": {k: v + 80 for k, v in counts.items()}}
+
+
+def checkpoint_with(accumulation, batch_progress):
+    return {
+        "scaleup": {"plan": {"accumulate_grad_batches": accumulation}},
+        "loops": {"fit_loop": {"epoch_loop.batch_progress": batch_progress}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("before", "accumulation", "new_accumulation", "after"),
+    [
+        # saved in on_train_batch_end after step 5 of an epoch (not yet counted completed): 5 x 1 -> 5 x 2 batches
+        (progress(5, 5, 5, 4), 1, 2, progress(10, 10, 10, 9)),
+        (progress(12, 12, 12, 11), 4, 2, progress(6, 6, 6, 5)),
+        # SIGTERM after 2 of step 6's 4 micro-batches: back to the end of step 5, in either accumulation
+        (progress(22, 22, 22, 22), 4, 2, progress(10, 10, 10, 10)),
+        (progress(22, 22, 22, 22), 4, 4, progress(20, 20, 20, 20)),
+        # the end of an epoch of 8 steps
+        (progress(8, 8, 8, 8), 1, 2, progress(16, 16, 16, 16)),
+    ],
+)
+def test_batch_counters_are_restated_in_the_new_micro_batches(before, accumulation, new_accumulation, after):
+    checkpoint = checkpoint_with(accumulation, before)
+    rescale_batch_progress(checkpoint, new_accumulation)
+    assert checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"] == after
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """2 processes, cap 32 (accumulation 1), with a checkpoint at step 13: epoch 1, 5 of its 8 steps done."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    check(run([*CAP_32, "trainer.devices=2", *save_at_step(run_dir / "steps", 13), f"hydra.run.dir={run_dir}"]))
+    return run_dir
+
+
+def final_weights(run_dir):
+    return weights(run_dir / "checkpoints/last.ckpt")
+
+
+def assert_equals_reference(reference, run_dir):
+    assert load_checkpoint(run_dir / "checkpoints/last.ckpt")["global_step"] == STEPS
+    worst = assert_same_weights(final_weights(reference), final_weights(run_dir), rtol=0, atol=TOLERANCE)
+    print(f"{run_dir.name}: largest weight difference to 2 processes x 32: {worst:.1e}")
+
+
+@pytest.mark.slow
+def test_cap_runs_the_two_device_recipe_on_one_device(reference, tmp_path):
+    in_process([*CAP_32, "trainer.devices=1", f"hydra.run.dir={tmp_path}"])
+    plan, reference_plan = read_json(tmp_path / "plan.json"), read_json(reference / "plan.json")
+    assert (reference_plan["per_device_batch_size"], reference_plan["accumulate_grad_batches"]) == (32, 1)
+    assert (plan["per_device_batch_size"], plan["accumulate_grad_batches"], plan["global_batch_size"]) == (32, 2, 64)
+    assert "accumulation          2 (derived from the per-device cap)" in (tmp_path / "train.log").read_text()
+    assert_equals_reference(reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_two_process_mid_epoch_checkpoint_resumes_on_one_device(reference, tmp_path):
+    mid_epoch = tmp_path / "step13.ckpt"
+    shutil.copy(reference / "steps/at-step=13.ckpt", mid_epoch)
+    in_process(
+        [*CAP_32, "~callbacks.diagnostics", "trainer.devices=1", f"ckpt_path={mid_epoch}", f"hydra.run.dir={tmp_path}"]
+    )
+    log = (tmp_path / "train.log").read_text()
+    assert "world_size 2 -> 1" in log and "accumulate_grad_batches 1 -> 2" in log
+    assert_equals_reference(reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_auto_takes_the_largest_batch_every_device_fits(reference, tmp_path):
+    """Rank 0 fits 32, rank 1 only 10 (simulated out-of-memory above): both settle on 8, the largest exact split
+    of 32 that rank 1 holds, and accumulate 4 micro-batches per step."""
+    check(
+        run(
+            [
+                *EXACT,
+                "data.max_per_device_batch_size=auto",
+                "trainer.devices=2",
+                "+callbacks.limit._target_=probes.SimulatedMemoryLimit",
+                "+callbacks.limit.max_batch=[32,10]",
+                f"hydra.run.dir={tmp_path}",
+            ]
+        )
+    )
+    log = (tmp_path / "train.log").read_text()
+    assert "32 per device fits here, 8 on every device -> per-device batch 8, accumulation 4" in log
+    plan = read_json(tmp_path / "plan.json")  # rewritten with the settled split
+    assert (plan["max_per_device_batch_size"], plan["per_device_batch_size"], plan["accumulate_grad_batches"]) == (
+        "auto",
+        8,
+        4,
+    )
+    stored = load_checkpoint(tmp_path / "checkpoints/last.ckpt")["scaleup"]["plan"]
+    assert (stored["per_device_batch_size"], stored["accumulate_grad_batches"]) == (8, 4)
+    assert_equals_reference(reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_sigterm_between_micro_batches_resumes_with_another_accumulation(reference, tmp_path):
+    """Pre-empted with 2 of a step's 4 micro-batches done (cap 16: accumulation 4), resumed with cap 32
+    (accumulation 2): the checkpoint holds no partial gradients, so the resumed run replays that step whole."""
+    stopped = run(
+        [
+            *EXACT,
+            "data.max_per_device_batch_size=16",
+            "+callbacks.sigterm._target_=probes.SigtermAtBatch",
+            "+callbacks.sigterm.epoch=1",
+            "+callbacks.sigterm.batch_idx=21",  # micro-batches 20 and 21 of step 6 in epoch 1
+            f"hydra.run.dir={tmp_path}",
+        ]
+    )
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == 8 + 5
+    in_process([*CAP_32, "~callbacks.diagnostics", "ckpt_path=last", f"hydra.run.dir={tmp_path}"])
+    assert_equals_reference(reference, tmp_path)

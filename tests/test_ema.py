@@ -1,0 +1,110 @@
+"""EMA and EarlyStopping as configs (`callbacks=[default,early_stopping,ema]`): the averaged weights are what
+validation, testing, eval.py and export.py see, and both survive a mid-epoch resume exactly (float64)."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torch.utils.data import default_collate
+
+from conftest import EXACT, TOLERANCE, assert_same_weights, in_process, read_json
+from scaleup.engine.checkpoint import load_checkpoint, load_weights
+from scaleup.engine.config import build_model
+from scaleup.engine.errors import UserError
+
+pytestmark = pytest.mark.slow
+
+# BatchNorm on, so the average covers buffers too. min_delta=10 on val/acc: only the first validation counts as
+# an improvement, so with patience 2 the run stops after epoch 2, at step 24 of the 48 planned.
+ARGS = [
+    *EXACT,
+    "model.net.norm=batch",
+    "trainer.max_epochs=6",
+    "callbacks=[default,early_stopping,ema]",
+    "callbacks.early_stopping.patience=2",
+    "callbacks.early_stopping.min_delta=10",
+    "callbacks.ema.decay=0.9",
+]
+STOPPED_AT = 24
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run as planned, leaving a checkpoint at step 13 (epoch 1, 5 of 8 steps done) on the way."""
+    run_dir = tmp_path_factory.mktemp("ema")
+    in_process(
+        [
+            *ARGS,
+            "+callbacks.at_step._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"+callbacks.at_step.dirpath={run_dir / 'steps'}",
+            "+callbacks.at_step.every_n_train_steps=13",
+            "+callbacks.at_step.save_top_k=-1",
+            "+callbacks.at_step.filename=step13",
+            f"hydra.run.dir={run_dir}",
+        ]
+    )
+    return run_dir
+
+
+def early_stopping_state(checkpoint):
+    return next(state for name, state in checkpoint["callbacks"].items() if name.startswith("EarlyStopping"))
+
+
+def test_early_stopping_ends_the_run_and_says_so(uninterrupted):
+    checkpoint = load_checkpoint(uninterrupted / "checkpoints/last.ckpt")
+    assert checkpoint["global_step"] == STOPPED_AT
+    assert early_stopping_state(checkpoint)["wait_count"] == 2
+    log = (uninterrupted / "train.log").read_text()
+    assert "early stopping        val/acc (max, patience 2): may end the run before step 48" in log
+    assert f"early stopping ended the run at step {STOPPED_AT} of the 48 planned (epoch 2)" in log
+
+
+def test_resume_with_ema_and_early_stopping_equals_the_uninterrupted_run(uninterrupted, tmp_path):
+    """Without the restored EarlyStopping state the resumed run would count epoch 1 as an improvement and stop
+    at step 32; without the restored average its EMA would restart from the step-13 weights."""
+    mid_epoch = tmp_path / "step13.ckpt"
+    shutil.copy(uninterrupted / "steps/step13.ckpt", mid_epoch)
+    in_process([*ARGS, "~callbacks.diagnostics", f"ckpt_path={mid_epoch}", f"hydra.run.dir={tmp_path}"])
+    straight = load_checkpoint(uninterrupted / "checkpoints/last.ckpt")
+    resumed = load_checkpoint(tmp_path / "checkpoints/last.ckpt")
+    assert resumed["global_step"] == STOPPED_AT
+    assert early_stopping_state(resumed) == early_stopping_state(straight)
+    for key in ("state_dict", "current_model_state"):  # the average, and the weights training continues from
+        worst = assert_same_weights(straight[key], resumed[key], rtol=0, atol=TOLERANCE)
+        print(f"{key}: resumed vs uninterrupted, largest difference {worst:.1e}")
+    ema, current = straight["state_dict"]["net.0.weight"], straight["current_model_state"]["net.0.weight"]
+    assert (ema - current).abs().max() > 1e-3  # two different sets of weights
+
+
+def test_a_run_that_stopped_early_refuses_to_resume(uninterrupted, tmp_path):
+    shutil.copy(uninterrupted / "checkpoints/last.ckpt", tmp_path / "stopped.ckpt")
+    with pytest.raises(UserError, match=r"early stopping ended at epoch 2 .*nothing to resume"):
+        in_process([*ARGS, f"ckpt_path={tmp_path / 'stopped.ckpt'}", f"hydra.run.dir={tmp_path}"])
+
+
+def test_validation_test_eval_and_export_use_the_average(uninterrupted, tmp_path):
+    checkpoint = load_checkpoint(uninterrupted / "checkpoints/last.ckpt")
+    config, metrics = checkpoint["scaleup"]["config"], read_json(uninterrupted / "metrics.json")
+
+    # Validation: the last epoch's val/loss is the averaged weights' loss (last.ckpt is written after it).
+    model = build_model(config["model"], precision="64-true")
+    load_weights(model, checkpoint["state_dict"])
+    datamodule = instantiate(config["data"])
+    datamodule.setup()
+    images, labels = default_collate(list(datamodule.splits["val"]))
+    with torch.no_grad():
+        val_loss = F.cross_entropy(model.eval()(images.double()), labels).item()
+    assert val_loss == pytest.approx(metrics["val/loss"], rel=1e-6)
+
+    # Test: train.py's final test, and eval.py on the same checkpoint, score the averaged weights alike.
+    best = next((uninterrupted / "checkpoints").glob("best-*.ckpt"))
+    evaluated = in_process([f"ckpt_path={best}", f"hydra.run.dir={tmp_path / 'eval'}"], job="eval")
+    assert evaluated["test/loss"] == metrics["test/loss"] and evaluated["test/acc"] == metrics["test/acc"]
+
+    # Export: the network's averaged weights.
+    exported = tmp_path / "net.pt"
+    in_process([f"ckpt_path={best}", f"output_path={exported}", f"hydra.run.dir={tmp_path / 'export'}"], job="export")
+    averaged = {k.removeprefix("net."): v for k, v in load_checkpoint(best)["state_dict"].items()}
+    assert_same_weights(torch.load(exported, weights_only=True), averaged, rtol=0, atol=0)

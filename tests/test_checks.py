@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-from scaleup.engine.checks import TrainLoaderCheck, check_config, pitfall_warnings
+from scaleup.engine.checks import TrainLoaderCheck, check_config, check_data_config, pitfall_warnings
 from scaleup.engine.config import build_model
 from scaleup.engine.errors import UserError
 from scaleup.engine.launch import build_strategy
@@ -70,7 +70,7 @@ def test_warmup_longer_than_the_run_warns():
 
 def test_config_mistakes_are_refused():
     with pytest.raises(UserError, match=r"remove data\.shuffle"):
-        check_config({"data": {"shuffle": True}}, plan())
+        check_data_config({"shuffle": True})
     with pytest.raises(UserError, match="16-mixed needs a GPU"):
         check_config({"data": {}}, plan(accelerator="cpu", devices=1, precision="16-mixed"))
 

@@ -39,7 +39,14 @@ from scaleup.engine.checkpoint import (
     remove_interrupted_writes,
     strip_wrapper_prefixes,
 )
-from scaleup.engine.checks import MonitorCheck, TrainLoaderCheck, check_config, has_batchnorm, pitfall_warnings
+from scaleup.engine.checks import (
+    MonitorCheck,
+    TrainLoaderCheck,
+    check_config,
+    check_data_config,
+    has_batchnorm,
+    pitfall_warnings,
+)
 from scaleup.engine.config import build_model, instantiate_each, log_rows, to_plain, write_yaml
 from scaleup.engine.datamodule import GlobalBatchDataModule, apply_model_settings, sizes_for_plan
 from scaleup.engine.errors import UserError, config_errors
@@ -146,6 +153,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         check_launcher(topology)
         fresh_store_after_torchrun_restart()
 
+    check_data_config(cfg.data)
     with config_errors("data"):
         datamodule = instantiate(cfg.data)
     if not isinstance(datamodule, GlobalBatchDataModule):

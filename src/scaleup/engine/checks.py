@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
@@ -19,13 +20,17 @@ def has_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
-def check_config(cfg: dict[str, Any], plan: Plan) -> None:
-    """Mistakes that would crash later or silently change results: refuse them now."""
-    if "shuffle" in cfg["data"]:
+def check_data_config(data_cfg: Mapping[str, Any]) -> None:
+    """Data settings refused before the data module is built, which would fail on them less helpfully."""
+    if "shuffle" in data_cfg:
         raise UserError(
             "remove data.shuffle: the training sampler shuffles every epoch by itself (and a DataLoader "
             "refuses shuffle=True together with a sampler)"
         )
+
+
+def check_config(cfg: dict[str, Any], plan: Plan) -> None:
+    """Mistakes that would crash later or silently change results: refuse them now."""
     if plan.accelerator == "cpu" and "FSDP" in plan.strategy:
         raise UserError(
             "trainer=fsdp needs GPUs (Lightning runs FSDP on CUDA only); on CPU use the default DDP strategy"

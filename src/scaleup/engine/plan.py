@@ -99,17 +99,18 @@ def resolve_batch(
             f"got global={global_batch_size}, per_device={per_device_batch_size}. "
             "To switch, pass e.g. data.global_batch_size=null data.per_device_batch_size=64"
         )
+    for key, size in (("global_batch_size", global_batch_size), ("per_device_batch_size", per_device_batch_size)):
+        if size is not None and size < 1:
+            raise UserError(f"data.{key}={size} must be at least 1")
     if max_per_device is not None:
         accumulation = accumulation_for_cap(
             global_batch_size, per_device_batch_size, world_size, accumulation, max_per_device
         )
     accumulation = accumulation or 1
     if per_device_batch_size is not None:
-        if per_device_batch_size < 1:
-            raise UserError(f"data.per_device_batch_size={per_device_batch_size} must be at least 1")
         return BatchPlan(int(per_device_batch_size), accumulation, world_size)
     shards = world_size * accumulation
-    if global_batch_size < 1 or global_batch_size % shards:
+    if global_batch_size % shards:
         raise UserError(
             f"data.global_batch_size={global_batch_size} does not divide into {world_size} device(s) x "
             f"{accumulation} accumulation step(s) = {shards} equal per-device batches; choose a global batch "

@@ -1,0 +1,212 @@
+"""Steady-state seconds per training step, side by side: `train.py` as users run it (progress bar, TensorBoard,
+diagnostics, checkpoints), a bare Lightning script and a plain PyTorch loop, on the same data, network and
+optimizer: synthetic 32 px images, ResNet-18 with the 32 px stem, batch 64, SGD with Nesterov momentum, CPU.
+
+Each run is a fresh process; runs alternate (train.py, Lightning, plain, train.py, ...) so that a machine getting
+busier or quieter affects all three alike. A run times `--steps` steps after `--warmup` steps. Printed: the median,
+min and spread (max - min over median) of each, and each one's speed relative to the plain loop, with a verdict
+on whether the difference is larger than the run-to-run spread. Then the per-step cost of the diagnostics
+callback's hooks, timed alone, as a share of the template's step.
+
+    python benchmarks/overhead.py [--repeats 3] [--warmup 5] [--steps 25] [--threads 2] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from scaleup.data.synthetic import SyntheticImages
+from scaleup.engine.callbacks import TrainingDiagnostics
+from scaleup.models import resnet
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH, LR, MOMENTUM, WEIGHT_DECAY = 64, 0.1, 0.9, 5e-4  # configs/model/optimizer/sgd.yaml
+STEP_TIMES = "STEP_TIMES"
+
+
+class StepTimer(L.Callback):
+    """Prints the host time at the end of every training step (for the variants run through Lightning)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.times.append(time.perf_counter())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            print(STEP_TIMES, *self.times, flush=True)
+
+
+def data_and_net(train_size: int) -> tuple[DataLoader, torch.nn.Module]:
+    """The data and network train.py builds for data=synthetic model=resnet18 model.net.small_input=true."""
+    torch.manual_seed(0)
+    images = SyntheticImages(train_size, (3, 32, 32), num_classes=10, seed=0, offset=0, noise=1.0)
+    loader = DataLoader(images, batch_size=BATCH, shuffle=True, drop_last=True, num_workers=0)
+    return loader, resnet("resnet18", num_classes=10, small_input=True)
+
+
+def optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, nesterov=True)
+
+
+class Bare(L.LightningModule):
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return optimizer(self.parameters())
+
+
+def run_lightning(steps: int) -> None:
+    loader, net = data_and_net(steps * BATCH)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[StepTimer()],
+    )
+    trainer.fit(Bare(net), loader)
+
+
+def run_plain(steps: int) -> None:
+    loader, net = data_and_net(steps * BATCH)
+    opt = optimizer(net.parameters())
+    net.train()
+    times = []
+    for x, y in loader:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter())
+    print(STEP_TIMES, *times, flush=True)
+
+
+def template_command(steps: int, run_dir: str) -> list[str]:
+    return [
+        sys.executable,
+        "train.py",
+        "data=synthetic",
+        "model=resnet18",
+        "model.net.small_input=true",
+        "data.num_workers=0",  # the other two load in the training process too
+        f"data.train_size={max(steps, 64) * BATCH}",  # one epoch: no validation inside the timed steps
+        "data.val_size=64",
+        "data.test_size=64",
+        f"trainer.max_steps={steps}",
+        "trainer.accelerator=cpu",
+        "+callbacks.step_timer._target_=overhead.StepTimer",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+def seconds_per_step(command: list[str], env: dict[str, str], warmup: int, steps: int) -> float:
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    line = next(line for line in out.stdout.splitlines() if line.startswith(STEP_TIMES))
+    times = [float(t) for t in line.split()[1:]]
+    return (times[warmup + steps - 1] - times[warmup - 1]) / steps
+
+
+def diagnostics_seconds_per_step(repeats: int = 20_000) -> float:
+    """The diagnostics hooks alone, per step (host time; on a GPU that is recording two CUDA events)."""
+    module = L.LightningModule()
+    if torch.cuda.is_available():
+        module = module.cuda()
+    diagnostics = TrainingDiagnostics()
+    batch = (torch.zeros(BATCH, 1, device=module.device), None)
+    diagnostics.on_train_epoch_start(None, module)
+    start = time.perf_counter()
+    for i in range(repeats):
+        diagnostics.on_train_batch_start(None, module, batch, i)
+        diagnostics.on_train_batch_end(None, module, None, batch, i)
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--variant", choices=["lightning", "plain"], help=argparse.SUPPRESS)  # one run, internal
+    parser.add_argument("--total-steps", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.variant:
+        {"lightning": run_lightning, "plain": run_plain}[args.variant](args.total_steps)
+        return
+
+    total = args.warmup + args.steps
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),  # the same torch thread count in every variant
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]),
+    }
+    itself = [sys.executable, str(Path(__file__).resolve()), "--total-steps", str(total), "--variant"]
+    results: dict[str, list[float]] = {"train.py": [], "bare Lightning": [], "plain loop": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            commands = {
+                "train.py": template_command(total, f"{tmp}/run{i}"),
+                "bare Lightning": [*itself, "lightning"],
+                "plain loop": [*itself, "plain"],
+            }
+            for name, command in commands.items():
+                results[name].append(seconds_per_step(command, env, args.warmup, args.steps))
+                print(f"  run {i + 1}/{args.repeats} {name:15s} {results[name][-1]:.4f} s/step", flush=True)
+
+    summary = {name: summarise(times) for name, times in results.items()}
+    plain = summary["plain loop"]
+    print(
+        f"\nResNet-18, 32 px, batch {BATCH}, CPU, {args.threads} threads; {args.steps} steps after {args.warmup}, "
+        f"{args.repeats} alternating runs"
+    )
+    print(f"{'':15s} {'median s/step':>13s} {'min':>8s} {'spread':>7s} {'speed vs plain':>15s}")
+    for name, row in summary.items():
+        row["speed_vs_plain"] = plain["median"] / row["median"]
+        print(f"{name:15s} {row['median']:13.4f} {row['min']:8.4f} {row['spread']:7.1%} {row['speed_vs_plain']:15.3f}")
+    for name in ("train.py", "bare Lightning"):
+        difference = abs(1 - summary[name]["speed_vs_plain"])
+        noise = max(summary[name]["spread"], plain["spread"])
+        summary[name]["within_noise"] = difference <= noise
+        verdict = "within" if difference <= noise else "larger than"
+        print(f"{name} vs plain loop: {difference:.1%} apart, {verdict} the run-to-run spread ({noise:.1%})")
+
+    hooks = diagnostics_seconds_per_step()
+    share = hooks / summary["train.py"]["median"]
+    print(f"diagnostics hooks: {hooks * 1e6:.1f} us per step = {share:.4%} of the template's step")
+    if args.json:
+        report = {"config": vars(args) | {"json": str(args.json)}, "results": summary, "diagnostics_share": share}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def summarise(times: list[float]) -> dict[str, float | list[float]]:
+    median = statistics.median(times)
+    return {"median": median, "min": min(times), "spread": (max(times) - min(times)) / median, "runs": times}
+
+
+if __name__ == "__main__":
+    main()

@@ -67,3 +67,19 @@ def test_distributed_sampler_would_pad():
     for rank in range(4):
         seen += list(torch.utils.data.DistributedSampler(range(13), num_replicas=4, rank=rank, shuffle=False))
     assert len(seen) == 16 and len(set(seen)) == 13
+
+
+def test_resume_on_another_device_count_continues_with_the_same_global_batches():
+    """Stopped on 2 ranks after 4 steps of epoch 2, resumed on 1: the steps left are the ones the 2 ranks had left."""
+
+    def remaining(world: int) -> list[list[int]]:
+        per_rank = []
+        for rank in range(world):
+            sampler = GlobalBatchSampler(range(N), GLOBAL, num_replicas=world, rank=rank, seed=0)
+            sampler.set_epoch(2)
+            sampler.resume(epoch=2, steps_done=4)
+            order, share = list(sampler), GLOBAL // world
+            per_rank.append([order[i : i + share] for i in range(0, len(order), share)])
+        return [sorted(flat(step)) for step in zip(*per_rank, strict=True)]
+
+    assert remaining(1) == remaining(2) == remaining(4) == global_batches(1, 1, epoch=2, seed=0)[4:]

@@ -126,10 +126,13 @@ def check_resume(path: Path, config: dict[str, Any], plan: Plan, model: L.Lightn
     if rank_zero_only.rank != 0:
         return
     previous = stored.get("plan", {})
+    skipped = {"dataset_sizes", "sync_batchnorm_reason"}
+    if plan.max_per_device_batch_size == "auto":  # settled again at the start of fit
+        skipped |= {"per_device_batch_size", "accumulate_grad_batches", "bn_batch_size"}
     changed = [
         f"{key} {previous[key]} -> {value}"
         for key, value in plan.to_dict().items()
-        if key in previous and previous[key] != value and key not in ("dataset_sizes", "sync_batchnorm_reason")
+        if key in previous and previous[key] != value and key not in skipped
     ]
     log.info(f"resuming from {path}" + (f"; changed since: {', '.join(changed)}" if changed else ""))
     if "global_batch_size" in previous and previous["global_batch_size"] != plan.global_batch_size:

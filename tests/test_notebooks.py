@@ -47,9 +47,9 @@ def test_plan_explorer_plans_the_recipe_for_1_8_32_and_256_gpus():
     rows = [line.split() for line in keep_global.splitlines() if re.match(r"\s*\d", line)]
     # GPUs, per-device batch, accumulation, global batch, peak LR, warmup steps, total steps
     assert rows == [
-        ["1", "8192", "1", "8192", "3.2", "780", "14040"],
-        ["8", "1024", "1", "8192", "3.2", "780", "14040"],
-        ["32", "256", "1", "8192", "3.2", "780", "14040"],
+        ["1", "32", "256", "8192", "3.2", "780", "14040"],
+        ["8", "32", "32", "8192", "3.2", "780", "14040"],
+        ["32", "32", "8", "8192", "3.2", "780", "14040"],
         ["256", "32", "1", "8192", "3.2", "780", "14040"],
     ]
     rows = [line.split() for line in keep_per_device.splitlines() if re.match(r"\s*\d", line)]

@@ -140,7 +140,7 @@ def accumulation_for_cap(
         )
     if cap < 1:
         raise UserError(f"data.max_per_device_batch_size={cap} must be at least 1 (or null for no cap, or auto)")
-    if global_batch_size < 1 or global_batch_size % world_size:
+    if global_batch_size % world_size:
         raise UserError(
             f"data.global_batch_size={global_batch_size} does not split evenly over {world_size} device(s), so no "
             f"accumulation gives equal per-device batches; choose a multiple of {world_size}"

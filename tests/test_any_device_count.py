@@ -20,8 +20,9 @@ from scaleup.engine.checkpoint import load_checkpoint, rescale_batch_progress
 from scaleup.engine.config import build_model
 from scaleup.engine.plan import Topology, build_plan
 
-CAP_32 = [*EXACT, "data.max_per_device_batch_size=32"]
-STEPS = 24  # 3 epochs of 8 global batches of 64
+TWO_EPOCHS = [*EXACT, "trainer.max_epochs=2"]  # 16 steps of 64: one whole epoch, and one resumed in its middle
+CAP_32 = [*TWO_EPOCHS, "data.max_per_device_batch_size=32"]
+STEPS = 16
 
 
 def save_at_step(directory, step):
@@ -156,7 +157,7 @@ def test_auto_takes_the_largest_batch_every_device_fits(reference, tmp_path):
     check(
         run(
             [
-                *EXACT,
+                *TWO_EPOCHS,
                 "data.max_per_device_batch_size=auto",
                 "trainer.devices=2",
                 "+callbacks.limit._target_=probes.SimulatedMemoryLimit",
@@ -184,7 +185,7 @@ def test_sigterm_between_micro_batches_resumes_with_another_accumulation(referen
     (accumulation 2): the checkpoint holds no partial gradients, so the resumed run replays that step whole."""
     stopped = run(
         [
-            *EXACT,
+            *TWO_EPOCHS,
             "data.max_per_device_batch_size=16",
             "+callbacks.sigterm._target_=probes.SigtermAtBatch",
             "+callbacks.sigterm.epoch=1",

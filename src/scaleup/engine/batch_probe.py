@@ -23,7 +23,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import default_collate
 
@@ -59,6 +59,12 @@ def training_loss(module: L.LightningModule, batch: Any) -> torch.Tensor:
     inputs, targets = batch
     outputs = module(inputs)
     return module.loss(outputs, targets) if hasattr(module, "loss") else outputs.float().mean()
+
+
+def repeated(sample: Any, size: int, device: torch.device, convert: Callable[[Any], Any]) -> Any:
+    """A batch of `size` copies of one sample, built on the device (no host copy of the whole batch)."""
+    one = move_data_to_device(convert(default_collate([sample])), device)
+    return apply_to_collection(one, torch.Tensor, lambda t: t.expand(size, *t.shape[1:]).contiguous())
 
 
 def optimizer_state_bytes(module: torch.nn.Module) -> int:
@@ -109,7 +115,6 @@ class AutoBatchSize(L.Callback):
     def _fits(self, trainer: L.Trainer, module: L.LightningModule, sample: Any, size: int) -> bool:
         device = trainer.strategy.root_device
         cuda = device.type == "cuda"
-        batch = move_data_to_device(trainer.precision_plugin.convert_input(default_collate([sample] * size)), device)
         norms = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training]
         for norm in norms:
             norm.eval()
@@ -119,6 +124,7 @@ class AutoBatchSize(L.Callback):
             budget = (free + torch.cuda.memory_reserved(device)) * (1 - self.margin) - optimizer_state_bytes(module)
             torch.cuda.reset_peak_memory_stats(device)
         try:
+            batch = repeated(sample, size, device, trainer.precision_plugin.convert_input)
             with torch.random.fork_rng(devices=[device] if cuda else []):
                 with trainer.precision_plugin.forward_context():
                     loss = self.forward(module, batch)

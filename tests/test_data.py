@@ -1,5 +1,6 @@
 """Each DataModule: split sizes, shapes, determinism, and clear errors for missing data."""
 
+import lightning as L
 import pytest
 import torch
 from PIL import Image
@@ -119,3 +120,11 @@ def test_cifar10_offline_download_gives_one_clear_message(tmp_path, monkeypatch)
     dm = CIFAR10DataModule(root=str(tmp_path), download=True, global_batch_size=8)
     with pytest.raises(UserError, match=r"could not download CIFAR-10 .* seems offline"):
         dm.prepare_data()
+
+
+def test_pinned_memory_is_for_gpus_only():
+    """data.pin_memory=auto pins host memory only when the Trainer copies batches to a GPU (tests/test_gpu.py)."""
+    dm = SyntheticDataModule(global_batch_size=8, train_size=64, val_size=16, test_size=16, num_workers=0)
+    dm.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    assert not dm.train_dataloader().pin_memory and not dm.test_dataloader().pin_memory
+    assert DigitsDataModule(global_batch_size=8, pin_memory=True).train_dataloader().pin_memory  # set, not auto

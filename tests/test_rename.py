@@ -119,7 +119,7 @@ def test_changelog_entry_joins_an_existing_changed_list_or_starts_the_section():
     ("name", "message"),
     [
         ("My-Net", "'My-Net' is not a valid package name: use lowercase letters, digits and underscores"),
-        ("MyNet", "'MyNet' is not a valid package name"),
+        ("MyProject", "'MyProject' is not a valid package name"),
         ("1net", "'1net' is not a valid package name"),
         ("class", "'class' is a Python keyword and cannot be imported"),
         ("oldpkg", "the project is already named 'oldpkg'"),

@@ -15,7 +15,13 @@ import torch
 
 from conftest import EXACT, TOLERANCE, assert_same_weights, check, in_process, read_json, run, weights
 from probes import limited
-from scaleup.engine.batch_probe import AutoBatchSize, largest_that_fits, per_device_candidates, training_loss
+from scaleup.engine.batch_probe import (
+    AUTO_MARGIN,
+    AutoBatchSize,
+    largest_that_fits,
+    per_device_candidates,
+    training_loss,
+)
 from scaleup.engine.checkpoint import load_checkpoint, rescale_batch_progress
 from scaleup.engine.config import build_model
 from scaleup.engine.plan import Topology, build_plan
@@ -197,3 +203,32 @@ def test_sigterm_between_micro_batches_resumes_with_another_accumulation(referen
     assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == 8 + 5
     in_process([*CAP_32, "~callbacks.diagnostics", "ckpt_path=last", f"hydra.run.dir={tmp_path}"])
     assert_equals_reference(reference, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_on_a_gpu_splits_what_does_not_fit_and_keeps_its_margin(tmp_path):
+    """ResNet-50 at 224 px in bf16-mixed with a global batch of 8192, more than one GPU holds: the probe splits it,
+    and two real training steps at the settled batch (optimizer state included) stay within the probe's budget."""
+    metrics = in_process(
+        [
+            "experiment=goyal_imagenet",
+            "data.max_per_device_batch_size=auto",
+            "data.train_size=16384",
+            "data.val_size=64",
+            "data.test_size=64",
+            "trainer.max_steps=2",
+            "trainer.num_sanity_val_steps=0",
+            "trainer.enable_progress_bar=false",
+            "logger=none",
+            f"hydra.run.dir={tmp_path}",
+        ]
+    )
+    plan = read_json(tmp_path / "plan.json")
+    per_device, accumulation = plan["per_device_batch_size"], plan["accumulate_grad_batches"]
+    assert accumulation > 1 and per_device * accumulation == 8192
+    total_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
+    print(
+        f"auto: {per_device} per device x {accumulation}; peak {metrics['perf/peak_mem_gb']:.1f} of {total_gb:.0f} GiB"
+    )
+    assert metrics["perf/peak_mem_gb"] <= (1 - AUTO_MARGIN) * total_gb

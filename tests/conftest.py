@@ -20,7 +20,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,28 @@ QUICK = [
     "trainer.enable_model_summary=false",
     "trainer.num_sanity_val_steps=0",
 ]
+
+# The float64 runs behind the equivalence and resume guarantees. float32 results differ between CPUs (rounding
+# depends on the kernels, and training amplifies it), so weights are compared in float64, to TOLERANCE (absolute).
+# GroupNorm and no dropout: nothing in the model depends on how the global batch is split. 513 training samples
+# leave 8 global batches of 64 per epoch (one sample short of a ninth): 24 optimizer steps in 3 epochs.
+# val 129 -> 2 ranks get 65/64 samples = 3/2 batches of 32 (one rank a batch short); test 1155 -> 578/577.
+EXACT = [
+    *QUICK,
+    "trainer.max_epochs=3",
+    "trainer.precision=64-true",
+    "model.net.norm=group",
+    "data.val_size=129",
+    "data.test_size=1155",
+    "trainer.log_every_n_steps=1",
+]
+EXACT_TRAIN, EXACT_VAL, EXACT_TEST, EXACT_STEPS_PER_EPOCH, EXACT_EPOCHS = 513, 129, 1155, 8, 3
+TOLERANCE = 1e-10
+TOPOLOGIES = {
+    "one": ["trainer.devices=1"],
+    "two": ["trainer.devices=2"],
+    "accum": ["trainer.devices=1", "trainer.accumulate_grad_batches=2"],
+}
 
 # Variables a parent launcher may have left behind; a stray LOCAL_RANK makes Lightning wait for ranks that never come.
 LAUNCHER_VARIABLES = (
@@ -182,3 +204,38 @@ def trained_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     check(run(["trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"]))
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory) -> Callable[[str], Path]:
+    """`baseline(name)`: the run directory of one uninterrupted EXACT run on TOPOLOGIES[name], made on first use.
+
+    One run per topology serves the equivalence tests (1 vs 2 processes vs accumulation), the resume tests
+    (a resumed run must end with the same weights and LR curve) and the LR-curve tests. Each run records what
+    every rank saw under probe/ (tests/probes.py RankProbe). The 2-process run also holds 1 GiB on rank 1
+    (probes.MemoryHog), which changes no number but must show in the uneven-memory warning. "one" and "accum"
+    run in this process; "two" runs train.py with 2 real processes.
+    """
+    root = tmp_path_factory.mktemp("baseline")
+    extra = {"two": ["+callbacks.hog._target_=probes.MemoryHog", "+callbacks.hog.rank=1"]}
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            run_dir = root / name
+            args = [
+                *EXACT,
+                *TOPOLOGIES[name],
+                *extra.get(name, []),
+                "+callbacks.probe._target_=probes.RankProbe",
+                f"+callbacks.probe.out_dir={run_dir / 'probe'}",
+                f"hydra.run.dir={run_dir}",
+            ]
+            if name == "two":
+                check(run(args))
+            else:
+                in_process(args)
+            made[name] = run_dir
+        return made[name]
+
+    return get

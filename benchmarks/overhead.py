@@ -8,7 +8,7 @@ min and spread (max - min over median) of each, and each one's speed relative to
 on whether the difference is larger than the run-to-run spread. Then the per-step cost of the diagnostics
 callback's hooks, timed alone, as a share of the template's step.
 
-    python benchmarks/overhead.py [--repeats 3] [--warmup 5] [--steps 25] [--threads 2] [--json FILE]
+    python benchmarks/overhead.py [--batch 64] [--repeats 3] [--warmup 5] [--steps 25] [--threads 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from scaleup.engine.callbacks import TrainingDiagnostics
 from scaleup.models import resnet
 
 ROOT = Path(__file__).resolve().parents[1]
-BATCH, LR, MOMENTUM, WEIGHT_DECAY = 64, 0.1, 0.9, 5e-4  # configs/model/optimizer/sgd.yaml
+LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 5e-4  # configs/model/optimizer/sgd.yaml
 STEP_TIMES = "STEP_TIMES"
 
 
@@ -51,11 +51,11 @@ class StepTimer(L.Callback):
             print(STEP_TIMES, *self.times, flush=True)
 
 
-def data_and_net(train_size: int) -> tuple[DataLoader, torch.nn.Module]:
+def data_and_net(train_size: int, batch: int) -> tuple[DataLoader, torch.nn.Module]:
     """The data and network train.py builds for data=synthetic model=resnet18 model.net.small_input=true."""
     torch.manual_seed(0)
     images = SyntheticImages(train_size, (3, 32, 32), num_classes=10, seed=0, offset=0, noise=1.0)
-    loader = DataLoader(images, batch_size=BATCH, shuffle=True, drop_last=True, num_workers=0)
+    loader = DataLoader(images, batch_size=batch, shuffle=True, drop_last=True, num_workers=0)
     return loader, resnet("resnet18", num_classes=10, small_input=True)
 
 
@@ -76,8 +76,8 @@ class Bare(L.LightningModule):
         return optimizer(self.parameters())
 
 
-def run_lightning(steps: int) -> None:
-    loader, net = data_and_net(steps * BATCH)
+def run_lightning(steps: int, batch: int) -> None:
+    loader, net = data_and_net(steps * batch, batch)
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=steps,
@@ -90,8 +90,8 @@ def run_lightning(steps: int) -> None:
     trainer.fit(Bare(net), loader)
 
 
-def run_plain(steps: int) -> None:
-    loader, net = data_and_net(steps * BATCH)
+def run_plain(steps: int, batch: int) -> None:
+    loader, net = data_and_net(steps * batch, batch)
     opt = optimizer(net.parameters())
     net.train()
     times = []
@@ -103,7 +103,7 @@ def run_plain(steps: int) -> None:
     print(STEP_TIMES, *times, flush=True)
 
 
-def template_command(steps: int, run_dir: str) -> list[str]:
+def template_command(steps: int, batch: int, run_dir: str) -> list[str]:
     return [
         sys.executable,
         "train.py",
@@ -111,9 +111,10 @@ def template_command(steps: int, run_dir: str) -> list[str]:
         "model=resnet18",
         "model.net.small_input=true",
         "data.num_workers=0",  # the other two load in the training process too
-        f"data.train_size={max(steps, 64) * BATCH}",  # one epoch: no validation inside the timed steps
-        "data.val_size=64",
-        "data.test_size=64",
+        f"data.global_batch_size={batch}",
+        f"data.train_size={steps * batch}",  # one epoch: no validation inside the timed steps
+        f"data.val_size={batch}",
+        f"data.test_size={batch}",
         f"trainer.max_steps={steps}",
         "trainer.accelerator=cpu",
         "+callbacks.step_timer._target_=overhead.StepTimer",
@@ -130,23 +131,24 @@ def seconds_per_step(command: list[str], env: dict[str, str], warmup: int, steps
     return (times[warmup + steps - 1] - times[warmup - 1]) / steps
 
 
-def diagnostics_seconds_per_step(repeats: int = 20_000) -> float:
+def diagnostics_seconds_per_step(batch: int, repeats: int = 20_000) -> float:
     """The diagnostics hooks alone, per step (host time; on a GPU that is recording two CUDA events)."""
     module = L.LightningModule()
     if torch.cuda.is_available():
         module = module.cuda()
     diagnostics = TrainingDiagnostics()
-    batch = (torch.zeros(BATCH, 1, device=module.device), None)
+    inputs = (torch.zeros(batch, 1, device=module.device), None)
     diagnostics.on_train_epoch_start(None, module)
     start = time.perf_counter()
     for i in range(repeats):
-        diagnostics.on_train_batch_start(None, module, batch, i)
-        diagnostics.on_train_batch_end(None, module, None, batch, i)
+        diagnostics.on_train_batch_start(None, module, inputs, i)
+        diagnostics.on_train_batch_end(None, module, None, inputs, i)
     return (time.perf_counter() - start) / repeats
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=25)
@@ -156,7 +158,7 @@ def main() -> None:
     parser.add_argument("--total-steps", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
-        {"lightning": run_lightning, "plain": run_plain}[args.variant](args.total_steps)
+        {"lightning": run_lightning, "plain": run_plain}[args.variant](args.total_steps, args.batch)
         return
 
     total = args.warmup + args.steps
@@ -165,12 +167,13 @@ def main() -> None:
         "OMP_NUM_THREADS": str(args.threads),  # the same torch thread count in every variant
         "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]),
     }
-    itself = [sys.executable, str(Path(__file__).resolve()), "--total-steps", str(total), "--variant"]
+    itself = [sys.executable, str(Path(__file__).resolve()), "--total-steps", str(total), "--batch", str(args.batch)]
+    itself.append("--variant")
     results: dict[str, list[float]] = {"train.py": [], "bare Lightning": [], "plain loop": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
             commands = {
-                "train.py": template_command(total, f"{tmp}/run{i}"),
+                "train.py": template_command(total, args.batch, f"{tmp}/run{i}"),
                 "bare Lightning": [*itself, "lightning"],
                 "plain loop": [*itself, "plain"],
             }
@@ -181,7 +184,7 @@ def main() -> None:
     summary = {name: summarise(times) for name, times in results.items()}
     plain = summary["plain loop"]
     print(
-        f"\nResNet-18, 32 px, batch {BATCH}, CPU, {args.threads} threads; {args.steps} steps after {args.warmup}, "
+        f"\nResNet-18, 32 px, batch {args.batch}, CPU, {args.threads} threads; {args.steps} steps after {args.warmup}, "
         f"{args.repeats} alternating runs"
     )
     print(f"{'':15s} {'median s/step':>13s} {'min':>8s} {'spread':>7s} {'speed vs plain':>15s}")
@@ -195,7 +198,7 @@ def main() -> None:
         verdict = "within" if difference <= noise else "larger than"
         print(f"{name} vs plain loop: {difference:.1%} apart, {verdict} the run-to-run spread ({noise:.1%})")
 
-    hooks = diagnostics_seconds_per_step()
+    hooks = diagnostics_seconds_per_step(args.batch)
     share = hooks / summary["train.py"]["median"]
     print(f"diagnostics hooks: {hooks * 1e6:.1f} us per step = {share:.4%} of the template's step")
     if args.json:

@@ -156,6 +156,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         check_launcher(topology)
         fresh_store_after_torchrun_restart()
 
+    # Same seed on every rank before the data and the model are built: the same splits (also where a data module
+    # splits with the global random state) and identical initial weights everywhere.
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
     check_data_config(cfg.data)
     with config_errors("data"):
         datamodule = instantiate(cfg.data)
@@ -176,8 +179,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         log.info(f"model.{', model.'.join(unknown)} unknown until the data is there: the dry run builds the net with 2")
         model_cfg = copy.deepcopy(model_cfg)
         apply_model_settings(model_cfg, dict.fromkeys(unknown, 2))
-    # Same seed on every rank before the model is built: identical initial weights everywhere.
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
     with config_errors("model"):
         model = build_model(model_cfg, precision=config["trainer"]["precision"])
     batchnorm = has_batchnorm(model)

@@ -37,14 +37,19 @@ LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 5e-4  # configs/model/optimizer/sgd.yaml
 STEP_TIMES = "STEP_TIMES"
 
 
+def now() -> tuple[float, float]:
+    """Wall time, and the CPU time of all this process's threads: the work done, however busy the machine is."""
+    return time.perf_counter(), time.process_time()
+
+
 class StepTimer(L.Callback):
-    """Prints the host time at the end of every training step (for the variants run through Lightning)."""
+    """Prints wall and CPU time at the end of every training step (for the variants run through Lightning)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.times.append(time.perf_counter())
+        self.times.extend(now())
 
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:
@@ -99,7 +104,7 @@ def run_plain(steps: int, batch: int) -> None:
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(net(x), y).backward()
         opt.step()
-        times.append(time.perf_counter())
+        times.extend(now())
     print(STEP_TIMES, *times, flush=True)
 
 
@@ -122,13 +127,16 @@ def template_command(steps: int, batch: int, run_dir: str) -> list[str]:
     ]
 
 
-def seconds_per_step(command: list[str], env: dict[str, str], warmup: int, steps: int) -> float:
+def seconds_per_step(command: list[str], env: dict[str, str], warmup: int, steps: int) -> dict[str, float]:
+    """Wall and CPU seconds per step over the `steps` steps after `warmup`."""
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
     line = next(line for line in out.stdout.splitlines() if line.startswith(STEP_TIMES))
-    times = [float(t) for t in line.split()[1:]]
-    return (times[warmup + steps - 1] - times[warmup - 1]) / steps
+    pairs = [float(t) for t in line.split()[1:]]
+    wall, cpu = pairs[0::2], pairs[1::2]
+    first, last = warmup - 1, warmup + steps - 1
+    return {"wall": (wall[last] - wall[first]) / steps, "cpu": (cpu[last] - cpu[first]) / steps}
 
 
 def diagnostics_seconds_per_step(batch: int, repeats: int = 20_000) -> float:
@@ -169,7 +177,7 @@ def main() -> None:
     }
     itself = [sys.executable, str(Path(__file__).resolve()), "--total-steps", str(total), "--batch", str(args.batch)]
     itself.append("--variant")
-    results: dict[str, list[float]] = {"train.py": [], "bare Lightning": [], "plain loop": []}
+    results: dict[str, list[dict[str, float]]] = {"train.py": [], "bare Lightning": [], "plain loop": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
             commands = {
@@ -179,14 +187,36 @@ def main() -> None:
             }
             for name, command in commands.items():
                 results[name].append(seconds_per_step(command, env, args.warmup, args.steps))
-                print(f"  run {i + 1}/{args.repeats} {name:15s} {results[name][-1]:.4f} s/step", flush=True)
+                last = results[name][-1]
+                print(f"  run {i + 1}/{args.repeats} {name:15s} {last['wall']:.4f} s/step wall, {last['cpu']:.4f} CPU")
 
-    summary = {name: summarise(times) for name, times in results.items()}
-    plain = summary["plain loop"]
     print(
-        f"\nResNet-18, 32 px, batch {args.batch}, CPU, {args.threads} threads; {args.steps} steps after {args.warmup}, "
-        f"{args.repeats} alternating runs"
+        f"\nResNet-18, 32 px, batch {args.batch}, CPU, {args.threads} thread(s); {args.steps} steps after "
+        f"{args.warmup}, {args.repeats} alternating runs"
     )
+    summary = {
+        clock: compare({name: [r[clock] for r in runs] for name, runs in results.items()}, clock) for clock in CLOCKS
+    }
+    hooks = diagnostics_seconds_per_step(args.batch)
+    share = hooks / summary["wall"]["train.py"]["median"]
+    print(f"\ndiagnostics hooks: {hooks * 1e6:.1f} us per step = {share:.4%} of the template's step (wall)")
+    if args.json:
+        report = {"config": vars(args) | {"json": str(args.json)}, "results": summary, "diagnostics_share": share}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+CLOCKS = {
+    "wall": "wall time (what a user waits; on a shared machine it includes waiting for a core)",
+    "cpu": "CPU time of the process's threads (the work done; robust to other load, not to spin-waiting threads)",
+}
+
+
+def compare(times: dict[str, list[float]], clock: str) -> dict[str, dict]:
+    """Median, min and spread per variant, speed relative to the plain loop, and whether the difference from the
+    plain loop exceeds the run-to-run spread of either."""
+    summary = {name: summarise(values) for name, values in times.items()}
+    plain = summary["plain loop"]
+    print(f"\n{CLOCKS[clock]}")
     print(f"{'':15s} {'median s/step':>13s} {'min':>8s} {'spread':>7s} {'speed vs plain':>15s}")
     for name, row in summary.items():
         row["speed_vs_plain"] = plain["median"] / row["median"]
@@ -197,13 +227,7 @@ def main() -> None:
         summary[name]["within_noise"] = difference <= noise
         verdict = "within" if difference <= noise else "larger than"
         print(f"{name} vs plain loop: {difference:.1%} apart, {verdict} the run-to-run spread ({noise:.1%})")
-
-    hooks = diagnostics_seconds_per_step(args.batch)
-    share = hooks / summary["train.py"]["median"]
-    print(f"diagnostics hooks: {hooks * 1e6:.1f} us per step = {share:.4%} of the template's step")
-    if args.json:
-        report = {"config": vars(args) | {"json": str(args.json)}, "results": summary, "diagnostics_share": share}
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return summary
 
 
 def summarise(times: list[float]) -> dict[str, float | list[float]]:

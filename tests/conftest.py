@@ -214,28 +214,24 @@ def baseline(tmp_path_factory) -> Callable[[str], Path]:
     (a resumed run must end with the same weights and LR curve) and the LR-curve tests. Each run records what
     every rank saw under probe/ (tests/probes.py RankProbe). The 2-process run also holds 1 GiB on rank 1
     (probes.MemoryHog), which changes no number but must show in the uneven-memory warning. "one" and "accum"
-    run in this process; "two" runs train.py with 2 real processes.
+    run in this process; "two" runs `python train.py trainer.devices=2` with Lightning's launcher, which starts
+    the second process, and names its own run directory (under paths.log_dir): the Lightning-launcher test in
+    test_launchers checks that both processes found the same one.
     """
     root = tmp_path_factory.mktemp("baseline")
-    extra = {"two": ["+callbacks.hog._target_=probes.MemoryHog", "+callbacks.hog.rank=1"]}
+    probe = ["+callbacks.probe._target_=probes.RankProbe", "+callbacks.probe.out_dir=${hydra:runtime.output_dir}/probe"]
     made: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in made:
-            run_dir = root / name
-            args = [
-                *EXACT,
-                *TOPOLOGIES[name],
-                *extra.get(name, []),
-                "+callbacks.probe._target_=probes.RankProbe",
-                f"+callbacks.probe.out_dir={run_dir / 'probe'}",
-                f"hydra.run.dir={run_dir}",
-            ]
+            args = [*EXACT, *TOPOLOGIES[name], *probe]
             if name == "two":
-                check(run(args))
+                hog = ["+callbacks.hog._target_=probes.MemoryHog", "+callbacks.hog.rank=1"]
+                check(run([*args, *hog, f"paths.log_dir={root / name}"]))
+                (made[name],) = (root / name / "train").iterdir()
             else:
-                in_process(args)
-            made[name] = run_dir
+                made[name] = root / name
+                in_process([*args, f"hydra.run.dir={made[name]}"])
         return made[name]
 
     return get

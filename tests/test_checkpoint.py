@@ -106,10 +106,11 @@ while True:
 
 @pytest.mark.slow
 def test_kill_9_during_writes_leaves_old_or_new_file(tmp_path):
-    """A writer that does nothing but save 4 MB checkpoints, killed at random moments, 10 times."""
+    """A writer that does nothing but save 4 MB checkpoints, killed at random moments, 3 times: each kill lands
+    in a stream of saves (one every few ms) and must leave the previous or the next file whole."""
     rng = random.Random(1)
     path = tmp_path / "last.ckpt"
-    for trial in range(10):
+    for trial in range(3):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
         proc.stdout.readline()  # one complete save, then kill somewhere in the following ones
         time.sleep(rng.uniform(0.0, 0.5))
@@ -119,4 +120,4 @@ def test_kill_9_during_writes_leaves_old_or_new_file(tmp_path):
         assert bool((checkpoint["weights"] == checkpoint["version"]).all()), trial
     stale = remove_interrupted_writes(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
-    print(f"10 kills: last.ckpt always complete; {len(stale)} interrupted temp files removed")
+    print(f"3 kills: last.ckpt always complete; {len(stale)} interrupted temp files removed")

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from conftest import QUICK, ROOT, check, clean_env, merged, read_json, run, start
+from conftest import EXACT_TEST, QUICK, ROOT, check, clean_env, in_process, merged, read_json, run, start
+from scaleup.engine.errors import UserError
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +38,10 @@ def only_run_dir(log_dir):
     return run_dir
 
 
-def assert_one_clean_run(run_dir, world_size=2):
+def assert_one_clean_run(run_dir, world_size=2, test_samples=360):
     assert [p.name for p in run_dir.glob("*.log")] == ["train.log"]
     assert (run_dir / "metrics.json").is_file() and read_json(run_dir / "plan.json")["world_size"] == world_size
-    assert read_json(run_dir / "metrics.json")["test/samples"] == 360
+    assert read_json(run_dir / "metrics.json")["test/samples"] == test_samples
     ranks = [read_json(run_dir / "probe" / f"rank{r}.json") for r in range(world_size)]
     assert [r["rank"] for r in ranks] == list(range(world_size))
     assert {r["world_size"] for r in ranks} == {world_size}
@@ -52,9 +53,9 @@ def probe_dir_arg(log_dir):
     return "+callbacks.probe.out_dir=${hydra:runtime.output_dir}/probe"
 
 
-def test_lightning_launcher_one_run_dir(tmp_path):
-    check(run([*ONE_EPOCH, "trainer.devices=2", f"paths.log_dir={tmp_path}", probe_dir_arg(tmp_path)]))
-    ranks = assert_one_clean_run(only_run_dir(tmp_path))
+def test_lightning_launcher_one_run_dir(baseline):
+    """`python train.py trainer.devices=2`: the shared 2-process baseline, which named its own run directory."""
+    ranks = assert_one_clean_run(baseline("two"), test_samples=EXACT_TEST)
     assert [r["local_rank"] for r in ranks] == [0, 1]
 
 
@@ -146,43 +147,32 @@ def test_slurm_srun_environment(tmp_path):
     assert [r["local_rank"] for r in ranks] == [0, 1]
 
 
-def test_slurm_task_count_mismatch_is_one_clear_message(tmp_path):
-    result = run([*QUICK, "trainer.devices=1", f"paths.log_dir={tmp_path}"], env=slurm_env(0), timeout=60)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: SLURM started 2 process(es) but trainer.devices x trainer.num_nodes = 1 x 1 = 1; make them equal "
+def test_slurm_task_count_mismatch_is_one_clear_message(tmp_path, monkeypatch):
+    for name, value in slurm_env(0).items():
+        if name.startswith("SLURM_"):
+            monkeypatch.setenv(name, value)
+    message = (
+        "SLURM started 2 process(es) but trainer.devices x trainer.num_nodes = 1 x 1 = 1; make them equal "
         "(e.g. trainer.devices=2 trainer.num_nodes=1)"
     )
+    with pytest.raises(UserError) as raised:
+        in_process([*QUICK, "trainer.devices=1", f"paths.log_dir={tmp_path}"])
+    assert str(raised.value) == message
 
 
-def test_ddp_spawn_one_run_dir(tmp_path):
-    check(
-        run(
-            [
-                *ONE_EPOCH,
-                "trainer.devices=2",
-                "trainer.strategy=ddp_spawn",
-                f"paths.log_dir={tmp_path}",
-                probe_dir_arg(tmp_path),
-            ]
-        )
-    )
-    assert_one_clean_run(only_run_dir(tmp_path))
-
-
-def test_multirun_sweep_with_two_devices(tmp_path):
-    result = check(
-        run(
-            ["-m", "seed=1,2", *QUICK, "trainer.max_epochs=1", "trainer.devices=2", f"paths.log_dir={tmp_path}"],
-            timeout=600,
-        )
-    )
+def test_multirun_sweep_with_two_devices_runs_ddp_spawn(tmp_path):
+    """A Hydra sweep with trainer.devices=2 runs each job with ddp_spawn (plain ddp would re-run the sweep in
+    the child), whether asked for (job 1) or not (job 0): each job one clean run directory, the second one
+    started after the first one's process group is gone."""
+    strategies = "trainer.strategy=auto,ddp_spawn"
+    args = ["-m", strategies, *ONE_EPOCH, "trainer.devices=2", f"paths.log_dir={tmp_path}", probe_dir_arg(tmp_path)]
+    result = check(run(args, timeout=600))
     (sweep,) = (tmp_path / "train-sweep").iterdir()
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
-    assert [read_json(sweep / job / "plan.json")["seed"] for job in ("0", "1")] == [1, 2]
     for job in ("0", "1"):
         assert read_json(sweep / job / "plan.json")["strategy"] == "ddp_spawn"
-        assert read_json(sweep / job / "metrics.json")["test/samples"] == 360
+        ranks = assert_one_clean_run(sweep / job)
+        assert [r["local_rank"] for r in ranks] == [0, 1]
     assert not (tmp_path / "train").exists()  # no stray per-child run directories
     assert result.stdout.count("Launching") <= 2
 
@@ -232,20 +222,18 @@ def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path):
 
 
 def test_fsdp_is_planned_anywhere_and_refused_on_cpu(tmp_path):
-    planned = check(
-        run(
-            [
-                "trainer=fsdp",
-                "model=resnet50",
-                "data=synthetic",
-                "trainer.devices=8",
-                "dry_run=true",
-                f"hydra.run.dir={tmp_path / 'plan'}",
-            ]
+    plan = in_process(
+        [
+            "trainer=fsdp",
+            "model=resnet50",
+            "data=synthetic",
+            "trainer.devices=8",
+            "dry_run=true",
+            f"hydra.run.dir={tmp_path}",
+        ]
+    )
+    assert plan["strategy"] == "FSDPStrategy" and read_json(tmp_path / "plan.json")["strategy"] == "FSDPStrategy"
+    with pytest.raises(UserError, match="trainer=fsdp needs GPUs"):
+        in_process(
+            ["trainer=fsdp", "trainer.devices=2", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path / 'cpu'}"]
         )
-    )
-    assert read_json(tmp_path / "plan" / "plan.json")["strategy"] == "FSDPStrategy", planned.stdout
-    refused = run(
-        ["trainer=fsdp", "trainer.devices=2", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path}"], timeout=60
-    )
-    assert refused.returncode == 2 and "trainer=fsdp needs GPUs" in refused.stderr

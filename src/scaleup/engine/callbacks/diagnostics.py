@@ -74,6 +74,10 @@ class TrainingDiagnostics(L.Callback):
         self._wait = self._busy = 0.0
         self._samples = 0
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A run resumed in the middle of an epoch gets no on_train_epoch_start from Lightning for that epoch.
+        self.on_train_epoch_start(trainer, pl_module)
+
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._clock = StreamClock(pl_module.device)
         self._marks.clear()

@@ -1,22 +1,51 @@
-"""Resume, preemption and crash safety with real processes: checkpoints that survive anything."""
+"""Resume, pre-emption and crash safety: a resumed run ends where the uninterrupted one does, in float64.
 
-import json
+Each resumed run is compared with the shared uninterrupted baseline of its topology (conftest `baseline`).
+On one process both run in this process on one thread: the weights must be bitwise equal. Across processes or
+device counts the reductions differ in order: equal to TOLERANCE (absolute).
+"""
+
 import random
 import shutil
-import signal
 import sys
 import time
 
 import pytest
 
-from conftest import QUICK, assert_same_weights, check, merged, read_json, run, start, weights
+from conftest import (
+    EXACT,
+    EXACT_EPOCHS,
+    EXACT_STEPS_PER_EPOCH,
+    QUICK,
+    TOLERANCE,
+    assert_same_weights,
+    check,
+    in_process,
+    merged,
+    read_json,
+    run,
+    start,
+    weights,
+)
 from scaleup.engine.checkpoint import load_checkpoint
+from scaleup.engine.errors import UserError
 
 pytestmark = pytest.mark.slow
 
-# 8 optimizer steps per epoch (513 training samples, global batch 64), 4 epochs.
-SMALL = [*QUICK, "trainer.max_epochs=4", "data.val_size=129", "data.test_size=1155", "trainer.log_every_n_steps=1"]
+TOTAL_STEPS = EXACT_EPOCHS * EXACT_STEPS_PER_EPOCH  # 24
 STOP_AFTER_2 = ["+callbacks.stop._target_=probes.StopAfterEpochs", "+callbacks.stop.epochs=2"]
+
+
+def save_every(name, dirpath, n):
+    """An extra ModelCheckpoint writing `at-N.ckpt` every `n` optimizer steps (mid-epoch checkpoints)."""
+    return [
+        f"+callbacks.{name}._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"+callbacks.{name}.dirpath={dirpath}",
+        f"+callbacks.{name}.every_n_train_steps={n}",
+        f"+callbacks.{name}.save_top_k=-1",
+        f"+callbacks.{name}.filename='at-{{step}}'",
+        f"+callbacks.{name}.auto_insert_metric_name=false",  # at-13.ckpt: no "=" in the path, Hydra-friendly
+    ]
 
 
 def lr_curve(run_dir):
@@ -27,104 +56,107 @@ def lr_curve(run_dir):
     return {e.step: e.value for e in events.Scalars("lr-SGD/decay")}
 
 
+def last_weights(run_dir):
+    return weights(run_dir / "checkpoints/last.ckpt")
+
+
+def copied_run(source, tmp_path):
+    """A copy of an interrupted run's directory, to resume with ckpt_path=last without touching the original."""
+    return shutil.copytree(source, tmp_path / "run")
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """Uninterrupted 4-epoch runs on 1 and 2 devices."""
-    root = tmp_path_factory.mktemp("straight")
-    for devices in (1, 2):
-        check(run([*SMALL, f"trainer.devices={devices}", f"hydra.run.dir={root / str(devices)}"]))
-    return root
-
-
-@pytest.mark.parametrize("devices", [1, 2])
-def test_interrupted_then_resumed_equals_uninterrupted(straight, tmp_path, devices):
-    args = [*SMALL, f"trainer.devices={devices}", f"hydra.run.dir={tmp_path}"]
-    check(run([*args, *STOP_AFTER_2]))
-    assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == 16
-    check(run([*args, "ckpt_path=last"]))
-    worst = assert_same_weights(
-        weights(straight / str(devices) / "checkpoints/last.ckpt"),
-        weights(tmp_path / "checkpoints/last.ckpt"),
-        rtol=1e-6,
-        atol=1e-7,
+def interrupted(tmp_path_factory):
+    """The baseline's 1-process run, stopped cleanly after 2 of its 3 epochs: last.ckpt at step 16 (an epoch
+    end), and batch-end checkpoints at steps 8 (the last batch of epoch 0) and 13 (mid-epoch 1) under steps/."""
+    run_dir = tmp_path_factory.mktemp("interrupted") / "run"
+    steps = run_dir / "steps"
+    in_process(
+        [
+            *EXACT,
+            *STOP_AFTER_2,
+            *save_every("at8", steps, 8),
+            *save_every("at13", steps, 13),
+            f"hydra.run.dir={run_dir}",
+        ]
     )
-    print(f"{devices} device(s): resumed vs uninterrupted, largest weight difference {worst:.1e}")
-    assert lr_curve(tmp_path) == pytest.approx(lr_curve(straight / str(devices)), rel=1e-6)
+    assert load_checkpoint(run_dir / "checkpoints/last.ckpt")["global_step"] == 16
+    return run_dir
 
 
-def test_mid_epoch_checkpoint_resumes_exactly(straight, tmp_path):
-    steps = tmp_path / "steps"
-    save_at_step_13 = [
-        "+callbacks.steps._target_=lightning.pytorch.callbacks.ModelCheckpoint",
-        f"+callbacks.steps.dirpath={steps}",
-        "+callbacks.steps.every_n_train_steps=13",
-        "+callbacks.steps.save_top_k=-1",
-        "+callbacks.steps.filename='at-{step}'",
-    ]
-    check(run([*SMALL, *save_at_step_13, *STOP_AFTER_2, f"hydra.run.dir={tmp_path / 'first'}"]))
-    mid_epoch = tmp_path / "step13.ckpt"  # 13 = epoch 1, 5 of its 8 steps done
-    shutil.copy(steps / "at-step=13.ckpt", mid_epoch)
-    check(run([*SMALL, f"ckpt_path={mid_epoch}", f"hydra.run.dir={tmp_path / 'resumed'}"]))
-    assert_same_weights(
-        weights(straight / "1/checkpoints/last.ckpt"), weights(tmp_path / "resumed/checkpoints/last.ckpt"), 0, 0
-    )
+@pytest.fixture(scope="module")
+def interrupted_on_two(tmp_path_factory):
+    """The baseline's 2-process run, stopped cleanly after 2 of its 3 epochs."""
+    run_dir = tmp_path_factory.mktemp("interrupted_on_two") / "run"
+    check(run([*EXACT, "trainer.devices=2", *STOP_AFTER_2, f"hydra.run.dir={run_dir}"]))
+    return run_dir
 
 
-def save_every(steps_dir, n):
-    return [
-        "+callbacks.steps._target_=lightning.pytorch.callbacks.ModelCheckpoint",
-        f"+callbacks.steps.dirpath={steps_dir}",
-        f"+callbacks.steps.every_n_train_steps={n}",
-        "+callbacks.steps.save_top_k=-1",
-        "+callbacks.steps.filename='at-{step}'",
-    ]
+def test_float64_resume_is_bitwise_exact(baseline, interrupted, tmp_path):
+    """Lightning loads the checkpoint into the module before its precision plugin casts it to float64; unless
+    the module is built in float64, every resumed weight is rounded to float32 (~1e-7 off at the end)."""
+    resumed = copied_run(interrupted, tmp_path)
+    in_process([*EXACT, "ckpt_path=last", f"hydra.run.dir={resumed}"])
+    assert load_checkpoint(resumed / "checkpoints/last.ckpt")["global_step"] == TOTAL_STEPS
+    assert_same_weights(last_weights(baseline("one")), last_weights(resumed), rtol=0, atol=0)
+    assert lr_curve(resumed) == pytest.approx(lr_curve(baseline("one")), rel=1e-12)
 
 
-def test_resume_twice_at_epoch_ends_trains_no_extra_epoch(straight, tmp_path):
+def test_resume_on_two_processes_equals_uninterrupted(baseline, interrupted_on_two, tmp_path):
+    resumed = copied_run(interrupted_on_two, tmp_path)
+    check(run([*EXACT, "trainer.devices=2", "ckpt_path=last", f"hydra.run.dir={resumed}"]))
+    worst = assert_same_weights(last_weights(baseline("two")), last_weights(resumed), rtol=0, atol=TOLERANCE)
+    print(f"2 processes: resumed vs uninterrupted, largest weight difference {worst:.1e}")
+    assert lr_curve(resumed) == pytest.approx(lr_curve(baseline("two")), rel=1e-12)
+
+
+def test_resume_on_another_device_count_keeps_the_plan_and_the_result(baseline, interrupted_on_two, tmp_path):
+    """2 processes for 2 epochs, then 1 process for the last: the same global batches, so the same weights as
+    the uninterrupted 1-process run."""
+    resumed = copied_run(interrupted_on_two, tmp_path)
+    in_process([*EXACT, "trainer.devices=1", "ckpt_path=last", f"hydra.run.dir={resumed}"])
+    log = (resumed / "train.log").read_text()
+    assert "world_size 2 -> 1" in log and "per_device_batch_size 32 -> 64" in log
+    assert load_checkpoint(resumed / "checkpoints/last.ckpt")["global_step"] == TOTAL_STEPS
+    assert read_json(resumed / "plan.json")["global_batch_size"] == 64
+    worst = assert_same_weights(last_weights(baseline("one")), last_weights(resumed), rtol=0, atol=TOLERANCE)
+    print(f"2 processes then 1: largest weight difference from 1 process throughout {worst:.1e}")
+
+
+def test_mid_epoch_checkpoint_resumes_exactly(baseline, interrupted, tmp_path):
+    """Step 13 is 5 of epoch 1's 8 steps: the sampler must skip exactly the batches already trained on."""
+    in_process([*EXACT, f"ckpt_path={interrupted / 'steps/at-13.ckpt'}", f"hydra.run.dir={tmp_path}"])
+    assert_same_weights(last_weights(baseline("one")), last_weights(tmp_path), rtol=0, atol=0)
+
+
+def test_resume_twice_at_epoch_ends_trains_no_extra_epoch(baseline, interrupted, tmp_path):
     """Resume from the last batch of epoch 0, save at the last batch of epoch 1, resume again. Without
-    EpochProgressRepair, Lightning 2.6 trains epoch 1 a second time here (40 steps instead of 32)."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    check(
-        run(
-            [
-                *SMALL,
-                *save_every(first, 8),
-                "+callbacks.stop._target_=probes.StopAfterEpochs",
-                "+callbacks.stop.epochs=1",
-                f"hydra.run.dir={first}",
-            ]
-        )
+    EpochProgressRepair, Lightning 2.6 trains epoch 1 a second time here (32 steps instead of 24)."""
+    second = tmp_path / "second"
+    in_process(
+        [
+            *EXACT,
+            *save_every("at16", second, 16),
+            f"ckpt_path={interrupted / 'steps/at-8.ckpt'}",
+            f"hydra.run.dir={second}",
+        ]
     )
-    shutil.copy(first / "at-step=8.ckpt", tmp_path / "step8.ckpt")
-    check(run([*SMALL, *save_every(second, 16), f"ckpt_path={tmp_path / 'step8.ckpt'}", f"hydra.run.dir={second}"]))
-    shutil.copy(second / "at-step=16.ckpt", tmp_path / "step16.ckpt")
-    check(run([*SMALL, f"ckpt_path={tmp_path / 'step16.ckpt'}", f"hydra.run.dir={tmp_path / 'third'}"]))
-    assert load_checkpoint(tmp_path / "third/checkpoints/last.ckpt")["global_step"] == 32
-    assert_same_weights(
-        weights(straight / "1/checkpoints/last.ckpt"), weights(tmp_path / "third/checkpoints/last.ckpt"), 0, 0
-    )
+    in_process([*EXACT, f"ckpt_path={second / 'at-16.ckpt'}", f"hydra.run.dir={tmp_path / 'third'}"])
+    assert load_checkpoint(tmp_path / "third/checkpoints/last.ckpt")["global_step"] == TOTAL_STEPS
+    assert_same_weights(last_weights(baseline("one")), last_weights(tmp_path / "third"), rtol=0, atol=0)
 
 
-def test_resume_on_another_device_count_keeps_the_plan(tmp_path):
-    check(run([*SMALL, "trainer.devices=2", f"hydra.run.dir={tmp_path}", *STOP_AFTER_2]))
-    result = check(run([*SMALL, "trainer.devices=1", "ckpt_path=last", f"hydra.run.dir={tmp_path}"]))
-    assert "world_size 2 -> 1" in result.stderr + result.stdout and "per_device_batch_size 32 -> 64" in (
-        result.stderr + result.stdout
-    )
-    assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == 32
-    assert read_json(tmp_path / "plan.json")["global_batch_size"] == 64
-
-
-def start_training(args):
-    return start([sys.executable, "train.py", *merged(args)])
-
-
-def wait_for(path, proc, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
+def test_sigterm_saves_stops_cleanly_and_resumes_exactly(baseline, tmp_path):
+    """A real SIGTERM to train.py after batch 4 of epoch 1 (the process sends it to itself, at a known step)."""
+    sigterm = ["+callbacks.sigterm._target_=probes.SigtermAtBatch", "+callbacks.sigterm.epoch=1"]
+    result = run([*EXACT, *sigterm, "+callbacks.sigterm.batch_idx=4", f"hydra.run.dir={tmp_path}"])
+    output = result.stdout + result.stderr
+    assert result.returncode == 143, output
+    assert f"resume with: python train.py ckpt_path=last hydra.run.dir={tmp_path}" in output
+    assert "Traceback" not in output
+    assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == 13
+    in_process([*EXACT, "ckpt_path=last", f"hydra.run.dir={tmp_path}"])
+    assert_same_weights(last_weights(baseline("one")), last_weights(tmp_path), rtol=0, atol=0)
 
 
 def wait_for_save(path, previous_mtime, proc, timeout=120):
@@ -135,88 +167,73 @@ def wait_for_save(path, previous_mtime, proc, timeout=120):
         time.sleep(0.02)
 
 
-def test_sigterm_saves_stops_cleanly_and_resumes_exactly(straight, tmp_path):
-    last = tmp_path / "checkpoints/last.ckpt"
-    proc = start_training([*SMALL, f"hydra.run.dir={tmp_path}"])
-    wait_for(last, proc)  # first epoch done: now in the middle of training
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 143, output
-    assert f"resume with: python train.py ckpt_path=last hydra.run.dir={tmp_path}" in output
-    assert "Traceback" not in output
-    stopped_at = load_checkpoint(last)["global_step"]
-    assert 8 <= stopped_at < 32
-    check(run([*SMALL, "ckpt_path=last", f"hydra.run.dir={tmp_path}"]))
-    assert_same_weights(weights(straight / "1/checkpoints/last.ckpt"), weights(last), 0, 0)
-    print(f"SIGTERM at step {stopped_at}: resumed run equals the uninterrupted one exactly")
-
-
 def test_kill_9_never_leaves_a_broken_last_checkpoint(tmp_path):
-    """kill -9 at random moments of a run that rewrites last.ckpt every step; each restart resumes from it."""
+    """kill -9 at random moments of a run that rewrites last.ckpt every step; each restart resumes from it.
+
+    3 kills: each one lands somewhere in a stream of saves and must leave a complete last.ckpt that the next
+    start continues from (test_checkpoint kills a bare writer in the middle of its saves).
+    """
     rng = random.Random(0)
     last = tmp_path / "checkpoints/last.ckpt"
-    every_step = ["callbacks.last_checkpoint.every_n_train_steps=1", "trainer.max_epochs=40"]
-    args = [*SMALL, *every_step, "ckpt_path=last", f"hydra.run.dir={tmp_path}"]
-    report = []
-    for trial in range(10):
+    every_step = ["callbacks.last_checkpoint.every_n_train_steps=1", "trainer.max_epochs=20"]
+    args = [
+        *QUICK,
+        *every_step,
+        "data.val_size=129",
+        "data.test_size=1155",
+        "ckpt_path=last",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    steps = []
+    for _ in range(3):
         saved_before = last.stat().st_mtime_ns if last.exists() else None
-        proc = start_training(args)
+        proc = start([sys.executable, "train.py", *merged(args)])
         wait_for_save(last, saved_before, proc)  # training (and saving every step) is under way again
         time.sleep(rng.uniform(0.0, 1.0))
         proc.kill()
         proc.wait()
-        step = load_checkpoint(last)["global_step"]  # loads in full: never truncated
-        leftovers = sorted(p.name for p in last.parent.iterdir() if p.name != "last.ckpt" and "best" not in p.name)
-        report.append({"trial": trial, "global_step": step, "temp_files_left": leftovers})
-    steps = [r["global_step"] for r in report]
+        steps.append(load_checkpoint(last)["global_step"])  # loads in full: never truncated
     assert steps == sorted(steps) and steps[-1] > steps[0]  # every restart continued from the previous save
-    print(json.dumps(report))
-    check(run([*args, "callbacks.last_checkpoint.every_n_train_steps=null"]))  # and the run completes
-    assert load_checkpoint(last)["global_step"] == 40 * 8
+    print(f"killed at steps {steps}")
+    in_process([*args, "callbacks.last_checkpoint.every_n_train_steps=null"])  # and the run completes
+    assert load_checkpoint(last)["global_step"] == 20 * EXACT_STEPS_PER_EPOCH
     assert not list(last.parent.glob(".*.tmp"))  # interrupted writes cleaned up by the next run
 
 
-def test_resume_with_another_network_is_refused_and_changes_nothing(tmp_path):
-    check(run([*QUICK, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path}"]))
-    before = {p: p.read_bytes() for p in [tmp_path / "plan.json", tmp_path / "checkpoints/last.ckpt"]}
-    result = run([*QUICK, "model.net.width=16", "ckpt_path=last", f"hydra.run.dir={tmp_path}"], timeout=60)
-    assert result.returncode == 2
-    assert "was trained with another network: model.net.width=32 (now 16)" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_resume_with_another_network_is_refused_and_changes_nothing(baseline, tmp_path):
+    previous = copied_run(baseline("one"), tmp_path)
+    before = {p: p.read_bytes() for p in [previous / "plan.json", previous / "checkpoints/last.ckpt"]}
+    with pytest.raises(UserError, match=r"was trained with another network: model.net.width=32 \(now 16\)"):
+        in_process(
+            [*EXACT, "trainer.max_epochs=4", "model.net.width=16", "ckpt_path=last", f"hydra.run.dir={previous}"]
+        )
     assert {p: p.read_bytes() for p in before} == before
 
 
-def test_truncated_checkpoint_is_one_clear_message(tmp_path):
-    check(run([*QUICK, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path}"]))
+def test_truncated_checkpoint_is_one_clear_message(baseline, tmp_path):
     broken = tmp_path / "broken.ckpt"
-    data = (tmp_path / "checkpoints/last.ckpt").read_bytes()
+    data = (baseline("one") / "checkpoints/last.ckpt").read_bytes()
     broken.write_bytes(data[: len(data) // 3])
-    for script in ("eval.py", "train.py"):
-        result = run([f"ckpt_path={broken}", f"hydra.run.dir={tmp_path / script}"], script=script, timeout=60)
-        assert result.returncode == 2, script
-        assert "is not a readable checkpoint: truncated or corrupt" in result.stderr.splitlines()[-1]
+    result = run([f"ckpt_path={broken}", f"hydra.run.dir={tmp_path / 'train'}"], timeout=60)
+    assert result.returncode == 2
+    assert "is not a readable checkpoint: truncated or corrupt" in result.stderr.splitlines()[-1]
+    with pytest.raises(UserError, match="is not a readable checkpoint: truncated or corrupt"):
+        in_process([f"ckpt_path={broken}", f"hydra.run.dir={tmp_path / 'eval'}"], job="eval")
 
 
 def test_bf16_and_compiled_checkpoint_evaluates_on_cpu(tmp_path):
-    result = check(
-        run(
-            [
-                *QUICK,
-                "trainer.max_epochs=1",
-                "trainer.precision=bf16-mixed",
-                "model.compile=true",
-                f"hydra.run.dir={tmp_path}",
-            ]
-        )
+    trained = in_process(
+        [
+            *QUICK,
+            "trainer.max_epochs=1",
+            "trainer.precision=bf16-mixed",
+            "model.compile=true",
+            f"hydra.run.dir={tmp_path}",
+        ]
     )
-    assert result.returncode == 0
     ckpt = next((tmp_path / "checkpoints").glob("best-*.ckpt"))
     assert not [k for k in weights(ckpt) if "_orig_mod" in k or k.startswith("module.")]
-    check(
-        run(
-            [f"ckpt_path={ckpt}", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'eval'}"],
-            script="eval.py",
-        )
+    evaluated = in_process(
+        [f"ckpt_path={ckpt}", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'eval'}"], job="eval"
     )
-    assert read_json(tmp_path / "eval/metrics.json")["test/acc"] == read_json(tmp_path / "metrics.json")["test/acc"]
+    assert evaluated["test/acc"] == trained["test/acc"]

@@ -191,7 +191,7 @@ def assert_same_weights(a: dict, b: dict, rtol: float, atol: float) -> float:
     worst = 0.0
     for key in a:
         if a[key].is_floating_point():
-            torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=key)
+            torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=lambda m, key=key: f"{key}: {m}")
             worst = max(worst, (a[key] - b[key]).abs().max().item())
         else:
             assert torch.equal(a[key], b[key]), key

@@ -17,6 +17,7 @@ from scaleup.engine.checkpoint import (
     remove_interrupted_writes,
     strip_wrapper_prefixes,
 )
+from scaleup.engine.config import build_model
 from scaleup.engine.errors import UserError
 from scaleup.models.nets import DigitsCNN
 
@@ -75,6 +76,23 @@ def test_compiled_module_keys_are_plain():
     net.compile()
     assert list(net.state_dict()) == list(DigitsCNN().state_dict())
     assert next(iter(torch.compile(DigitsCNN()).state_dict())).startswith("_orig_mod.")
+
+
+@pytest.mark.parametrize("precision", ["64-true", "64", "double"])
+def test_float64_weights_load_unrounded_for_64_true(precision):
+    """train.py (resume) and eval.py build the module for the run's precision before loading weights into it:
+    for float64 it is built in float64, so the weights arrive bit for bit. A float32 module would round them
+    (Lightning casts the module to float64 only after loading the checkpoint)."""
+    model_cfg = {
+        "_target_": "scaleup.models.ImageClassifier",
+        "net": {"_target_": "scaleup.models.DigitsCNN", "num_classes": 10, "norm": "group"},
+        "optimizer": {"_target_": "torch.optim.SGD", "lr": 0.1},
+    }
+    weights = {k: v.double() + 1e-12 for k, v in build_model(model_cfg).state_dict().items()}  # not float32-exact
+    model = build_model(model_cfg, precision=precision)
+    load_weights(model, weights)
+    assert all(torch.equal(model.state_dict()[key], value) for key, value in weights.items())
+    assert next(build_model(model_cfg).parameters()).dtype == torch.float32  # 32-true stays float32
 
 
 def test_mismatched_weights_name_the_keys():

@@ -55,6 +55,9 @@ def trained_weights(devices: int, overrides: list[str], run_dir: Path) -> dict[s
 
 def main(argv: list[str]) -> int:
     """0: equivalent, 1: not equivalent, 2: a run failed."""
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
     if not Path("train.py").is_file():
         print("error: run this from the project root, where train.py is", file=sys.stderr)
         return 2
@@ -67,7 +70,7 @@ def main(argv: list[str]) -> int:
     else:
         overrides = [f"trainer.precision={precision}", *overrides]
     tolerance = TOLERANCE.get(precision, TOLERANCE["32-true"])
-    name = "float64" if precision == "64-true" else precision
+    name = {"64-true": "float64", "32-true": "float32"}.get(precision, precision)
     print(f"comparing 1 vs 2 CPU processes after {STEPS} steps in {name} (relative tolerance {tolerance:g})")
 
     weights = {}

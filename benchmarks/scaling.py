@@ -5,9 +5,10 @@ times the work per step in the same time. Each world size runs in its own proces
 one process per device) with the network and synthetic data of train.py. Per step, on every rank:
 
 - data wait: fetching the next batch and copying it to the device;
-- compute: forward, backward and optimizer step, measured in a second phase of the same run under DDP's
-  `no_sync()` (gradients stay local);
-- all-reduce: the step time DDP adds over that phase: the gradient communication that backward could not hide.
+- compute: forward, backward and optimizer step, timed on every other step, run under DDP's `no_sync()`
+  (gradients stay local);
+- all-reduce: the time a step with gradient sync takes over one without: the communication backward could not
+  hide. Steps with and without sync alternate, so both see the same machine.
 
 Prints a table, writes a JSON file and a PNG plot (throughput against the ideal line, and the step split).
 
@@ -46,25 +47,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def timed_phase(ddp, batches, opt, device, steps: int, local: bool) -> dict[str, float]:
-    """Mean seconds per step of `steps` steps: data wait and total; `local` skips the gradient all-reduce."""
+def timed_steps(ddp, batches, opt, device, steps: int) -> dict[str, dict[str, float]]:
+    """Mean data wait and step time of `steps` steps with the gradient all-reduce and `steps` without it
+    (DDP's `no_sync()`), alternating step by step so both see the same machine."""
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    wait = total = 0.0
-    for _ in range(steps):
+    sums = {kind: {"data_wait": 0.0, "step": 0.0} for kind in ("synced", "local")}
+    for i in range(2 * steps):
+        kind = "local" if i % 2 else "synced"
         start = time.perf_counter()
         x, y = next(batches)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         sync()
         fetched = time.perf_counter()
-        with ddp.no_sync() if local else nullcontext():
-            loss = F.cross_entropy(ddp(x), y)
-            loss.backward()
+        with ddp.no_sync() if kind == "local" else nullcontext():
+            F.cross_entropy(ddp(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()  # a cheap point: the step is done on the device, so the host clock is the device's time
-        wait += fetched - start
-        total += time.perf_counter() - start
-    return {"data_wait": wait / steps, "step": total / steps}
+        sums[kind]["data_wait"] += fetched - start
+        sums[kind]["step"] += time.perf_counter() - start
+    return {kind: {key: value / steps for key, value in times.items()} for kind, times in sums.items()}
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -79,7 +81,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     net = resnet(args.net, num_classes=10, small_input=args.image_size <= 64).to(device)
     ddp = DistributedDataParallel(net, device_ids=[rank] if cuda else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    steps = args.warmup + 2 * args.steps
+    steps = 2 * (args.warmup + args.steps)
     images = SyntheticImages(steps * args.batch * world, (3, args.image_size, args.image_size), 10, 0, 0, 1.0)
     loader = DataLoader(
         images,
@@ -91,9 +93,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         persistent_workers=args.num_workers > 0,
     )
     batches = iter(loader)
-    timed_phase(ddp, batches, opt, device, args.warmup, local=False)
-    synced = timed_phase(ddp, batches, opt, device, args.steps, local=False)
-    local = timed_phase(ddp, batches, opt, device, args.steps, local=True)
+    timed_steps(ddp, batches, opt, device, args.warmup)
+    times = timed_steps(ddp, batches, opt, device, args.steps)
+    synced, local = times["synced"], times["local"]
     mine = {
         "step": synced["step"],
         "data_wait": synced["data_wait"],
@@ -156,7 +158,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / f"scaling_{'gpu' if cuda else 'cpu'}")
     args = parser.parse_args()
 
-    rows = []
+    rows, load_before = [], os.getloadavg()  # other work on the machine skews the numbers: recorded with them
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.world_sizes:
             out = f"{tmp}/{world}.json"
@@ -169,10 +171,14 @@ def main() -> None:
                 flush=True,
             )
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {args.threads} thread(s) per process"
-    title = f"{args.net}, {args.image_size} px, batch {args.batch} per process; {device}"
+    title = (
+        f"{args.net}, {args.image_size} px, batch {args.batch} per process; {device}\n"
+        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, load average {load_before[0]:.1f} before the runs"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    report = {"title": title, "date": time.strftime("%Y-%m-%d"), "config": config, "rows": rows}
+    load = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()}
+    report = {"title": title, "date": time.strftime("%Y-%m-%d"), "config": config, "load_average": load, "rows": rows}
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     plot(rows, title, args.out.with_suffix(".png"))
     print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")

@@ -35,6 +35,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from overhead import seconds_per_step
 from scaleup.engine.callbacks.performance import set_tf32
 from scaleup.models import resnet
 
@@ -123,12 +124,10 @@ def template_run(args: argparse.Namespace, tmp: str) -> dict:
         f"hydra.run.dir={tmp}/template",
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.part_timeout)
-    if out.returncode != 0:
-        return {"error": f"exit {out.returncode}", "stderr_tail": out.stderr[-2000:]}
-    line = next(line for line in out.stdout.splitlines() if line.startswith("STEP_TIMES"))
-    times = [float(t) for t in line.split()[1:]]
-    seconds = (times[-1] - times[args.warmup - 1]) / args.steps
+    try:
+        seconds = seconds_per_step(command, env, args.warmup, args.steps, timeout=args.part_timeout)["wall"]
+    except (SystemExit, subprocess.TimeoutExpired) as failure:
+        return {"error": str(failure)[-2000:]}
     plan = json.loads((Path(tmp) / "template" / "plan.json").read_text())
     metrics = json.loads((Path(tmp) / "template" / "metrics.json").read_text())
     return {
@@ -180,7 +179,10 @@ def suggestions(ratios: dict[str, float]) -> list[str]:
             verdict = "worth making the default" if ratios[key] > 1.05 else "keep it off by default"
             notes.append(f"{name}: {ratios[key]:.2f}x on this device; {verdict}")
     if "bf16-mixed over 32-true (TF32)" in ratios:
-        notes.append(f"trainer.precision=auto (bf16-mixed here): {ratios['bf16-mixed over 32-true (TF32)']:.2f}x")
+        ratio = ratios["bf16-mixed over 32-true (TF32)"]
+        notes.append(
+            f"bf16-mixed (trainer.precision=auto on GPUs with bf16): {ratio:.2f}x the speed of 32-true with TF32"
+        )
     return notes
 
 

@@ -127,9 +127,11 @@ def template_command(steps: int, batch: int, run_dir: str) -> list[str]:
     ]
 
 
-def seconds_per_step(command: list[str], env: dict[str, str], warmup: int, steps: int) -> dict[str, float]:
+def seconds_per_step(
+    command: list[str], env: dict[str, str], warmup: int, steps: int, timeout: float | None = None
+) -> dict[str, float]:
     """Wall and CPU seconds per step over the `steps` steps after `warmup`."""
-    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
     line = next(line for line in out.stdout.splitlines() if line.startswith(STEP_TIMES))
@@ -201,7 +203,9 @@ def main() -> None:
     share = hooks / summary["wall"]["train.py"]["median"]
     print(f"\ndiagnostics hooks: {hooks * 1e6:.1f} us per step = {share:.4%} of the template's step (wall)")
     if args.json:
-        report = {"config": vars(args) | {"json": str(args.json)}, "results": summary, "diagnostics_share": share}
+        config = {k: v for k, v in vars(args).items() if k not in ("variant", "total_steps")} | {"json": str(args.json)}
+        report = {"date": time.strftime("%Y-%m-%d"), "load_average": os.getloadavg(), "cpus": os.cpu_count()}
+        report |= {"config": config, "results": summary, "diagnostics_share": share}
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 

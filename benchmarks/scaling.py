@@ -123,10 +123,8 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     left.plot(worlds, [base * w for w in worlds], "--", color="gray", label="ideal (linear)")
     left.plot(worlds, [r["samples_per_s"] for r in rows], "o-", label="measured")
     for r in rows:
-        efficiency = r["samples_per_s"] / (base * r["world_size"])
-        left.annotate(
-            f"{efficiency:.0%}", (r["world_size"], r["samples_per_s"]), textcoords="offset points", xytext=(6, -12)
-        )
+        where = (r["world_size"], r["samples_per_s"])
+        left.annotate(f"{r['efficiency']:.0%}", where, textcoords="offset points", xytext=(6, -12))
     left.set(xlabel="processes (devices)", ylabel="samples / s (global)", title="throughput", xticks=worlds)
     left.margins(x=0.15)
     left.legend()
@@ -165,8 +163,10 @@ def main() -> None:
             mp.spawn(worker, args=(world, free_port(), args, out), nprocs=world)
             rows.append(json.loads(Path(out).read_text()))
             r = rows[-1]
+            r["efficiency"] = r["samples_per_s"] / (world * rows[0]["samples_per_s"] / rows[0]["world_size"])
             print(
-                f"{world} process(es): {r['samples_per_s']:8.1f} samples/s, step {r['step']:.3f} s = compute "
+                f"{world} process(es): {r['samples_per_s']:8.1f} samples/s ({r['efficiency']:.0%} of linear scaling), "
+                f"step {r['step']:.3f} s = compute "
                 f"{r['compute']:.3f} + data wait {r['data_wait']:.3f} + all-reduce {r['all_reduce']:.3f}",
                 flush=True,
             )

@@ -32,6 +32,7 @@ CHECK = [
 ]
 # Largest relative weight difference that still counts as the same result.
 TOLERANCE = {"64-true": 1e-10, "32-true": 1e-4}
+NAMES = {"64-true": "float64", "32-true": "float32"}
 
 
 def relative_differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -42,15 +43,40 @@ def relative_differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     }
 
 
-def trained_weights(devices: int, overrides: list[str], run_dir: Path) -> dict[str, torch.Tensor] | None:
-    """The final weights of `train.py` on `devices` CPU processes, or None (with its output shown) if it failed."""
+def start_run(devices: int, overrides: list[str], run_dir: Path) -> subprocess.Popen:
+    """`train.py` on `devices` CPU processes, in the background, its output in <run_dir>.out."""
+    run_dir.mkdir(parents=True)
     command = [sys.executable, "train.py", *CHECK, *overrides, f"trainer.devices={devices}", f"hydra.run.dir={run_dir}"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        print(result.stdout[-2000:], result.stderr[-4000:], sep="\n", file=sys.stderr)
+    with open(run_dir.with_suffix(".out"), "w") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+
+
+def finished_weights(proc: subprocess.Popen, devices: int, run_dir: Path) -> dict[str, torch.Tensor] | None:
+    """The run's final weights, or None (with the end of its output shown) if it failed."""
+    if proc.wait() != 0:
+        print(run_dir.with_suffix(".out").read_text()[-5000:], file=sys.stderr)
         print(f"error: the {devices}-process run failed (above)", file=sys.stderr)
         return None
     return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+
+
+def verdict(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor], precision: str) -> tuple[int, list[str]]:
+    """(0 equivalent or 1 not, the lines to print) for the final weights of the 1- and 2-process runs."""
+    tolerance = TOLERANCE.get(precision, TOLERANCE["32-true"])
+    name = NAMES.get(precision, precision)
+    differences = relative_differences(one, two)
+    worst = max(differences, key=differences.get)
+    lines = [f"largest relative weight difference: {differences[worst]:.2e} ({worst}), tolerance {tolerance:g}"]
+    if differences[worst] <= tolerance:
+        return 0, [*lines, f"EQUIVALENT in {name}: moving to more devices changes the speed, not the result"]
+    advice = (
+        f"NOT EQUIVALENT in {name}: the 2-process run optimises something else. Check the loss is a mean over the "
+        "device's batch, that nothing divides by a global count or all_reduces by hand, and run with "
+        "model.net.norm=group and no dropout."
+    )
+    if precision != "64-true":
+        advice += " float32 rounding differs between CPUs: confirm in float64 (without --float32) first."
+    return 1, [*lines, advice]
 
 
 def main(argv: list[str]) -> int:
@@ -61,37 +87,24 @@ def main(argv: list[str]) -> int:
     if not Path("train.py").is_file():
         print("error: run this from the project root, where train.py is", file=sys.stderr)
         return 2
-    float32 = "--float32" in argv
     overrides = [arg for arg in argv if arg != "--float32"]
-    precision = "32-true" if float32 else "64-true"
+    precision = "32-true" if "--float32" in argv else "64-true"
     given = [arg for arg in overrides if arg.startswith("trainer.precision=")]
     if given:  # the user's own precision wins; judged with the float32 tolerance unless it is float64
         precision = given[-1].split("=", 1)[1]
     else:
         overrides = [f"trainer.precision={precision}", *overrides]
-    tolerance = TOLERANCE.get(precision, TOLERANCE["32-true"])
-    name = {"64-true": "float64", "32-true": "float32"}.get(precision, precision)
-    print(f"comparing 1 vs 2 CPU processes after {STEPS} steps in {name} (relative tolerance {tolerance:g})")
+    print(f"comparing 1 vs 2 CPU processes after {STEPS} steps in {NAMES.get(precision, precision)}", flush=True)
 
-    weights = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for devices in (1, 2):
-            weights[devices] = trained_weights(devices, overrides, Path(tmp) / str(devices))
-            if weights[devices] is None:
-                return 2
-    differences = relative_differences(weights[1], weights[2])
-    worst = max(differences, key=differences.get)
-    print(f"largest relative weight difference: {differences[worst]:.2e} ({worst})")
-    if differences[worst] > tolerance:
-        print(
-            f"NOT EQUIVALENT in {name}: the 2-process run optimises something else. Check the loss is a mean over "
-            "the device's batch, that nothing divides by a global count or all_reduces by hand, and run with "
-            "model.net.norm=group and no dropout."
-            + ("" if precision == "64-true" else " float32 rounding differs between CPUs: confirm in float64 first.")
-        )
-        return 1
-    print(f"EQUIVALENT in {name}: moving to more devices changes the speed, not the result")
-    return 0
+        run_dirs = {devices: Path(tmp) / str(devices) for devices in (1, 2)}
+        procs = {devices: start_run(devices, overrides, run_dirs[devices]) for devices in (1, 2)}  # side by side
+        weights = {devices: finished_weights(procs[devices], devices, run_dirs[devices]) for devices in (1, 2)}
+    if weights[1] is None or weights[2] is None:
+        return 2
+    code, lines = verdict(weights[1], weights[2], precision)
+    print("\n".join(lines))
+    return code
 
 
 if __name__ == "__main__":

@@ -206,6 +206,19 @@ def trained_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+def save_every(name: str, steps: int, dirpath: str = "${hydra:runtime.output_dir}/steps") -> list[str]:
+    """Overrides for an extra ModelCheckpoint `callbacks.<name>` that writes `at-<N>.ckpt` every `steps` optimizer
+    steps, also in the middle of an epoch."""
+    return [
+        f"+callbacks.{name}._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"+callbacks.{name}.dirpath={dirpath}",
+        f"+callbacks.{name}.every_n_train_steps={steps}",
+        f"+callbacks.{name}.save_top_k=-1",
+        f"+callbacks.{name}.filename='at-{{step}}'",
+        f"+callbacks.{name}.auto_insert_metric_name=false",  # at-13.ckpt: no "=" in the path, Hydra-friendly
+    ]
+
+
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory) -> Callable[[str], Path]:
     """`baseline(name)`: the run directory of one uninterrupted EXACT run on TOPOLOGIES[name], made on first use.
@@ -213,7 +226,9 @@ def baseline(tmp_path_factory) -> Callable[[str], Path]:
     One run per topology serves the equivalence tests (1 vs 2 processes vs accumulation), the resume tests
     (a resumed run must end with the same weights and LR curve) and the LR-curve tests. Each run records what
     every rank saw under probe/ (tests/probes.py RankProbe). The 2-process run also holds 1 GiB on rank 1
-    (probes.MemoryHog), which changes no number but must show in the uneven-memory warning. "one" and "accum"
+    (probes.MemoryHog), which changes no number but must show in the uneven-memory warning, and saves mid-run
+    checkpoints for the resume tests: steps/at-13.ckpt (5 of epoch 1's 8 steps) and steps/at-16.ckpt (the last
+    batch of epoch 1). "one" and "accum"
     run in this process; "two" runs `python train.py trainer.devices=2` with Lightning's launcher, which starts
     the second process, and names its own run directory (under paths.log_dir): the Lightning-launcher test in
     test_launchers checks that both processes found the same one.
@@ -227,7 +242,8 @@ def baseline(tmp_path_factory) -> Callable[[str], Path]:
             args = [*EXACT, *TOPOLOGIES[name], *probe]
             if name == "two":
                 hog = ["+callbacks.hog._target_=probes.MemoryHog", "+callbacks.hog.rank=1"]
-                check(run([*args, *hog, f"paths.log_dir={root / name}"]))
+                steps = [*save_every("at13", 13), *save_every("at16", 16)]
+                check(run([*args, *hog, *steps, f"paths.log_dir={root / name}"]))
                 (made[name],) = (root / name / "train").iterdir()
             else:
                 made[name] = root / name

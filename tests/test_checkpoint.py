@@ -1,10 +1,9 @@
 """Safe loading, prefix repair and atomic writes, on real files."""
 
+import multiprocessing
 import os
 import pathlib
 import random
-import subprocess
-import sys
 import time
 
 import pytest
@@ -111,31 +110,34 @@ def test_atomic_save_replaces_whole_file_and_leaves_no_temp(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # permissions like torch.save's, not mkstemp's 0600
 
 
-WRITER = """
-import sys, torch
-from scaleup.engine.checkpoint import atomic_torch_save
-path, version = sys.argv[1], 0
-while True:
-    version += 1
-    atomic_torch_save({"version": version, "weights": torch.full((1_000_000,), float(version))}, path)
-    print(version, flush=True)
-"""
+def write_forever(path: pathlib.Path, saved_once) -> None:
+    """Saves 4 MB checkpoints to `path` in a loop, numbered, until killed."""
+    torch.set_num_threads(1)  # a forked child: no OpenMP thread pool (as DataLoader workers do)
+    version = 0
+    while True:
+        version += 1
+        atomic_torch_save({"version": version, "weights": torch.full((1_000_000,), float(version))}, path)
+        saved_once.set()
 
 
 @pytest.mark.slow
 def test_kill_9_during_writes_leaves_old_or_new_file(tmp_path):
-    """A writer that does nothing but save 4 MB checkpoints, killed at random moments, 3 times: each kill lands
-    in a stream of saves (one every few ms) and must leave the previous or the next file whole."""
+    """A writer process that does nothing but save 4 MB checkpoints, killed (SIGKILL) at random moments, 10 times:
+    each kill lands in a stream of saves (one every few ms) and must leave the previous or the next file whole.
+    The writer is forked from this process, so it starts without importing torch again."""
+    fork = multiprocessing.get_context("fork")
     rng = random.Random(1)
     path = tmp_path / "last.ckpt"
-    for trial in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
-        proc.stdout.readline()  # one complete save, then kill somewhere in the following ones
-        time.sleep(rng.uniform(0.0, 0.5))
-        proc.kill()
-        proc.wait()
+    for trial in range(10):
+        saved_once = fork.Event()
+        writer = fork.Process(target=write_forever, args=(path, saved_once), daemon=True)
+        writer.start()
+        assert saved_once.wait(60)  # one complete save, then kill somewhere in the following ones
+        time.sleep(rng.uniform(0.0, 0.2))
+        writer.kill()
+        writer.join()
         checkpoint = load_checkpoint(path)
         assert bool((checkpoint["weights"] == checkpoint["version"]).all()), trial
     stale = remove_interrupted_writes(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
-    print(f"3 kills: last.ckpt always complete; {len(stale)} interrupted temp files removed")
+    print(f"10 kills: last.ckpt always complete; {len(stale)} interrupted temp files removed")

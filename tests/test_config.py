@@ -82,6 +82,7 @@ def hydra_refusals(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     return {name: subprocess.CompletedProcess(p.args, p.wait(60), p.communicate()[0]) for name, p in procs.items()}
 
 
+@pytest.mark.slow
 def test_unknown_group_option_is_one_clear_message(hydra_refusals):
     result = hydra_refusals["group"]
     assert result.returncode != 0
@@ -89,6 +90,7 @@ def test_unknown_group_option_is_one_clear_message(hydra_refusals):
     assert "Traceback" not in result.stdout
 
 
+@pytest.mark.slow
 def test_unknown_key_is_one_clear_message(hydra_refusals):
     result = hydra_refusals["key"]
     assert result.returncode != 0

@@ -19,7 +19,13 @@ def test_wandb_and_mlflow_continue_their_run_after_a_requeue(tmp_path):
     """A job that stops after epoch 1 and comes back in the same run directory (ckpt_path=last) logs into the
     same W&B run id and the same MLflow run; logger=many adds TensorBoard and CSV beside them."""
     run_dir, store = tmp_path / "run", f"sqlite:///{tmp_path}/mlflow.db"
-    common = [*QUICK, "logger=[many,wandb,mlflow]", f"logger.mlflow.tracking_uri={store}", f"hydra.run.dir={run_dir}"]
+    common = [
+        *QUICK,
+        "logger=[many,wandb,mlflow]",
+        f"logger.mlflow.tracking_uri={store}",
+        f"logger.mlflow.artifact_location={tmp_path}/artifacts",
+        f"hydra.run.dir={run_dir}",
+    ]
     in_process([*common, "trainer.max_epochs=1"])
     in_process([*common, "trainer.max_epochs=2", "ckpt_path=last"])
 
@@ -34,6 +40,7 @@ def test_wandb_and_mlflow_continue_their_run_after_a_requeue(tmp_path):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/acc")] == [18, 37]  # epoch 1, epoch 2
     assert run.data.params["plan/global_batch_size"] == "64" and run.data.params["plan/world_size"] == "1"
     assert "test/acc" in run.data.metrics
+    assert list((tmp_path / "artifacts").rglob("*.png"))  # test-time images, none in ./mlruns
 
     with open(run_dir / "csv" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))

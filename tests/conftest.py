@@ -228,10 +228,9 @@ def baseline(tmp_path_factory) -> Callable[[str], Path]:
     every rank saw under probe/ (tests/probes.py RankProbe). The 2-process run also holds 1 GiB on rank 1
     (probes.MemoryHog), which changes no number but must show in the uneven-memory warning, and saves mid-run
     checkpoints for the resume tests: steps/at-13.ckpt (5 of epoch 1's 8 steps) and steps/at-16.ckpt (the last
-    batch of epoch 1). "one" and "accum"
-    run in this process; "two" runs `python train.py trainer.devices=2` with Lightning's launcher, which starts
-    the second process, and names its own run directory (under paths.log_dir): the Lightning-launcher test in
-    test_launchers checks that both processes found the same one.
+    batch of epoch 1). "one" and "accum" run in this process; "two" runs `python train.py trainer.devices=2`
+    with Lightning's launcher, which starts the second process, and names its own run directory (under
+    paths.log_dir): the Lightning-launcher test in test_launchers checks that both processes found the same one.
     """
     root = tmp_path_factory.mktemp("baseline")
     probe = ["+callbacks.probe._target_=probes.RankProbe", "+callbacks.probe.out_dir=${hydra:runtime.output_dir}/probe"]

@@ -49,6 +49,7 @@ def test_two_param_groups_keep_their_ratio_through_warmup_decay_and_resume(tmp_p
     assert lrs["head"][0] == pytest.approx(0.1) and lrs["head"][9] == pytest.approx(0.2)  # base, then peak
 
 
+@pytest.mark.slow  # the real entry point: exit code and stderr as the user sees them
 def test_a_returned_scheduler_is_refused_with_one_line_and_exit_code_2(tmp_path):
     result = run(["model._target_=user_modules.SchedulerClassifier", "dry_run=true", f"hydra.run.dir={tmp_path}"])
     assert result.returncode == 2

@@ -1,8 +1,9 @@
 """One command on any device count: a per-device cap (a number or auto) derives the accumulation, and a run
 pre-empted on 2 processes resumes mid-epoch on 1, all ending with the 2-process run's float64 weights.
 
-The reference is the recipe as written for 2 devices: 2 processes x 32 samples, the cap of 32 not biting. On one
-device the same command accumulates 2 micro-batches of 32 per step.
+The reference is the recipe as written for 2 devices: the shared 2-process float64 baseline (conftest.baseline),
+2 processes x 32 samples, where a cap of 32 would not bite. On one device the same recipe with the cap accumulates
+2 micro-batches of 32 per step.
 """
 
 import copy
@@ -13,7 +14,18 @@ import lightning as L
 import pytest
 import torch
 
-from conftest import EXACT, TOLERANCE, assert_same_weights, check, in_process, read_json, run, weights
+from conftest import (
+    EXACT,
+    EXACT_EPOCHS,
+    EXACT_STEPS_PER_EPOCH,
+    TOLERANCE,
+    assert_same_weights,
+    check,
+    in_process,
+    read_json,
+    run,
+    weights,
+)
 from probes import limited
 from scaleup.engine.batch_probe import (
     AUTO_MARGIN,
@@ -26,19 +38,8 @@ from scaleup.engine.checkpoint import load_checkpoint, rescale_batch_progress
 from scaleup.engine.config import build_model
 from scaleup.engine.plan import Topology, build_plan
 
-TWO_EPOCHS = [*EXACT, "trainer.max_epochs=2"]  # 16 steps of 64: one whole epoch, and one resumed in its middle
-CAP_32 = [*TWO_EPOCHS, "data.max_per_device_batch_size=32"]
-STEPS = 16
-
-
-def save_at_step(directory, step):
-    return [
-        "+callbacks.at_step._target_=lightning.pytorch.callbacks.ModelCheckpoint",
-        f"+callbacks.at_step.dirpath={directory}",
-        f"+callbacks.at_step.every_n_train_steps={step}",
-        "+callbacks.at_step.save_top_k=-1",
-        "+callbacks.at_step.filename='at-{step}'",
-    ]
+CAP_32 = [*EXACT, "data.max_per_device_batch_size=32"]
+STEPS = EXACT_EPOCHS * EXACT_STEPS_PER_EPOCH
 
 
 def test_candidates_are_the_exact_splits_largest_first():
@@ -117,11 +118,9 @@ def test_batch_counters_are_restated_in_the_new_micro_batches(before, accumulati
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """2 processes, cap 32 (accumulation 1), with a checkpoint at step 13: epoch 1, 5 of its 8 steps done."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    check(run([*CAP_32, "trainer.devices=2", *save_at_step(run_dir / "steps", 13), f"hydra.run.dir={run_dir}"]))
-    return run_dir
+def reference(baseline):
+    """2 processes x 32 (accumulation 1), with a checkpoint at step 13: epoch 1, 5 of its 8 steps done."""
+    return baseline("two")
 
 
 def final_weights(run_dir):
@@ -147,10 +146,8 @@ def test_cap_runs_the_two_device_recipe_on_one_device(reference, tmp_path):
 @pytest.mark.slow
 def test_two_process_mid_epoch_checkpoint_resumes_on_one_device(reference, tmp_path):
     mid_epoch = tmp_path / "step13.ckpt"
-    shutil.copy(reference / "steps/at-step=13.ckpt", mid_epoch)
-    in_process(
-        [*CAP_32, "~callbacks.diagnostics", "trainer.devices=1", f"ckpt_path={mid_epoch}", f"hydra.run.dir={tmp_path}"]
-    )
+    shutil.copy(reference / "steps/at-13.ckpt", mid_epoch)
+    in_process([*CAP_32, "trainer.devices=1", f"ckpt_path={mid_epoch}", f"hydra.run.dir={tmp_path}"])
     log = (tmp_path / "train.log").read_text()
     assert "world_size 2 -> 1" in log and "accumulate_grad_batches 1 -> 2" in log
     assert_equals_reference(reference, tmp_path)
@@ -163,7 +160,7 @@ def test_auto_takes_the_largest_batch_every_device_fits(reference, tmp_path):
     check(
         run(
             [
-                *TWO_EPOCHS,
+                *EXACT,
                 "data.max_per_device_batch_size=auto",
                 "trainer.devices=2",
                 "+callbacks.limit._target_=probes.SimulatedMemoryLimit",
@@ -191,7 +188,7 @@ def test_sigterm_between_micro_batches_resumes_with_another_accumulation(referen
     (accumulation 2): the checkpoint holds no partial gradients, so the resumed run replays that step whole."""
     stopped = run(
         [
-            *TWO_EPOCHS,
+            *EXACT,
             "data.max_per_device_batch_size=16",
             "+callbacks.sigterm._target_=probes.SigtermAtBatch",
             "+callbacks.sigterm.epoch=1",
@@ -201,7 +198,7 @@ def test_sigterm_between_micro_batches_resumes_with_another_accumulation(referen
     )
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == 8 + 5
-    in_process([*CAP_32, "~callbacks.diagnostics", "ckpt_path=last", f"hydra.run.dir={tmp_path}"])
+    in_process([*CAP_32, "ckpt_path=last", f"hydra.run.dir={tmp_path}"])
     assert_equals_reference(reference, tmp_path)
 
 

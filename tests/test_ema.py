@@ -66,7 +66,7 @@ def test_resume_with_ema_and_early_stopping_equals_the_uninterrupted_run(uninter
     at step 32; without the restored average its EMA would restart from the step-13 weights."""
     mid_epoch = tmp_path / "step13.ckpt"
     shutil.copy(uninterrupted / "steps/step13.ckpt", mid_epoch)
-    in_process([*ARGS, "~callbacks.diagnostics", f"ckpt_path={mid_epoch}", f"hydra.run.dir={tmp_path}"])
+    in_process([*ARGS, f"ckpt_path={mid_epoch}", f"hydra.run.dir={tmp_path}"])
     straight = load_checkpoint(uninterrupted / "checkpoints/last.ckpt")
     resumed = load_checkpoint(tmp_path / "checkpoints/last.ckpt")
     assert resumed["global_step"] == STOPPED_AT

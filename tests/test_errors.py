@@ -14,6 +14,7 @@ import torch
 
 from conftest import ROOT, clean_env, in_process
 from scaleup.engine.errors import EXIT_USER_ERROR, as_user_error
+from user_modules import SCHEDULER_REFUSED
 
 QUIET = [
     "logger=none",
@@ -195,6 +196,11 @@ ENTRY_POINTS = {
         ["ckpt_path={ckpt}", "output_path=/proc/nope/net.pt"],
         "error: /proc/nope: No such file or directory; check that path in your overrides (a directory to write "
         "into must be creatable, a file to read must exist and be readable)",
+    ),
+    "scheduler returned by the module": (
+        "train.py",
+        ["model._target_=user_modules.SchedulerClassifier", "dry_run=true", "hydra.run.dir={tmp}/scheduler"],
+        f"error: {SCHEDULER_REFUSED}",
     ),
     "run directory in /proc": (
         "train.py",

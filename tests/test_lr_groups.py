@@ -4,10 +4,11 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import QUICK, in_process, read_json, run
+from conftest import QUICK, in_process, read_json
 from scaleup.engine.callbacks.lr_scaling import LRSchedule, base_lrs
 from scaleup.engine.errors import UserError
 from scaleup.models import DigitsCNN
+from user_modules import SCHEDULER_REFUSED
 
 # Digits: 1257 training samples, 9 global batches of 128 per epoch, 18 steps; the LR warms up over the first 9
 # from the base LR (tuned at 64) to twice it, then decays (cosine) to 0.
@@ -49,15 +50,11 @@ def test_two_param_groups_keep_their_ratio_through_warmup_decay_and_resume(tmp_p
     assert lrs["head"][0] == pytest.approx(0.1) and lrs["head"][9] == pytest.approx(0.2)  # base, then peak
 
 
-@pytest.mark.slow  # the real entry point: exit code and stderr as the user sees them
-def test_a_returned_scheduler_is_refused_with_one_line_and_exit_code_2(tmp_path):
-    result = run(["model._target_=user_modules.SchedulerClassifier", "dry_run=true", f"hydra.run.dir={tmp_path}"])
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "error: SchedulerClassifier.configure_optimizers returns a learning-rate scheduler (StepLR), which would "
-        "fight the template's own schedule: return only the optimizer and set callbacks.lr_scaling.rule, "
-        "warmup_epochs (or warmup_steps), decay=cosine|step|none, milestones and gamma instead"
-    ]
+def test_a_returned_scheduler_is_refused_before_anything_is_written(tmp_path):
+    """In process; tests/test_errors.py runs the same mistake through train.py for the exit code and stderr."""
+    with pytest.raises(UserError) as refused:
+        in_process(["model._target_=user_modules.SchedulerClassifier", "dry_run=true", f"hydra.run.dir={tmp_path}"])
+    assert str(refused.value) == SCHEDULER_REFUSED
     assert not (tmp_path / "plan.json").exists()
 
 

@@ -23,6 +23,14 @@ class TwoGroupClassifier(ImageClassifier):
         return torch.optim.SGD([{"params": body, "lr": 0.1 * lr, "name": "body"}, {"params": head, "name": "head"}], lr)
 
 
+# What the template says to a module that returns a scheduler.
+SCHEDULER_REFUSED = (
+    "SchedulerClassifier.configure_optimizers returns a learning-rate scheduler (StepLR), which would fight the "
+    "template's own schedule: return only the optimizer and set callbacks.lr_scaling.rule, warmup_epochs (or "
+    "warmup_steps), decay=cosine|step|none, milestones and gamma instead"
+)
+
+
 class SchedulerClassifier(ImageClassifier):
     """Returns its own LR scheduler, which the template refuses."""
 

@@ -18,7 +18,7 @@ from scaleup.engine.checkpoint import load_checkpoint, load_weights
 from scaleup.engine.config import build_model, log_rows, to_plain
 from scaleup.engine.errors import UserError, config_errors
 from scaleup.engine.launch import check_launcher, shut_down_process_group
-from scaleup.engine.plan import resolve_precision, resolve_topology
+from scaleup.engine.topology import resolve_precision, resolve_topology
 
 log = logging.getLogger("scaleup")
 

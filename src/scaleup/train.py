@@ -57,8 +57,9 @@ from scaleup.engine.launch import (
     shut_down_process_group,
 )
 from scaleup.engine.loggers import close_loggers
-from scaleup.engine.plan import Plan, Topology, build_plan, resolve_topology
+from scaleup.engine.plan import Plan, build_plan
 from scaleup.engine.seeding import PerRankSeed
+from scaleup.engine.topology import Topology, resolve_topology
 
 log = logging.getLogger("scaleup")
 

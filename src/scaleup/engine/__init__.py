@@ -26,8 +26,10 @@ Task: `configs/experiment/<name>.yaml` picks the data and the model, and sets `m
 `python train.py experiment=<name>`. `experiment=char_lm` (scaleup.data.text, scaleup.models.language_model) is
 the worked example.
 
-Here: plan.py (topology, batch arithmetic, the Plan record), launch.py (launchers, run directory, DDP strategy),
-checkpoint.py, seeding.py, samplers.py, datamodule.py, metrics.py, checks.py (pitfall checks), config.py,
-errors.py (`UserError`: one message, exit code 2), callbacks/ (LR scaling and schedule, diagnostics, pre-emption,
-run files, private metric states).
+Here: plan.py (the Plan record, BatchNorm and SyncBN policy), topology.py (devices, nodes, accelerator,
+precision), batch.py (global batch into devices x accumulation x micro-batch; steps per epoch), launch.py
+(launchers, run directory, DDP strategy), checkpoint.py, seeding.py, samplers.py, datamodule.py, metrics.py,
+checks.py (pitfall checks), config.py, errors.py (`UserError`: one message, exit code 2), batch_probe.py (the
+`auto` per-device batch), loggers.py, callbacks/ (LR scaling and schedule, diagnostics, pre-emption, run files,
+private metric states, EMA, TensorBoard's plan).
 """

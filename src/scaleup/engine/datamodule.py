@@ -13,8 +13,8 @@ import torch
 from filelock import FileLock
 from torch.utils.data import DataLoader, Dataset
 
+from scaleup.engine.batch import BatchPlan, resolve_batch
 from scaleup.engine.errors import UserError
-from scaleup.engine.plan import BatchPlan, resolve_batch
 from scaleup.engine.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler
 
 log = logging.getLogger(__name__)

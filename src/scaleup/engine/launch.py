@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from scaleup.engine.errors import UserError
-from scaleup.engine.plan import Topology
+from scaleup.engine.topology import Topology
 
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 

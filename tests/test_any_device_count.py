@@ -36,7 +36,8 @@ from scaleup.engine.batch_probe import (
 )
 from scaleup.engine.checkpoint import load_checkpoint, rescale_batch_progress
 from scaleup.engine.config import build_model
-from scaleup.engine.plan import Topology, build_plan
+from scaleup.engine.plan import build_plan
+from scaleup.engine.topology import Topology
 
 CAP_32 = [*EXACT, "data.max_per_device_batch_size=32"]
 STEPS = EXACT_EPOCHS * EXACT_STEPS_PER_EPOCH

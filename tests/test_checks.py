@@ -13,7 +13,8 @@ from scaleup.engine.checks import TrainLoaderCheck, check_config, check_data_con
 from scaleup.engine.config import build_model
 from scaleup.engine.errors import UserError
 from scaleup.engine.launch import build_strategy
-from scaleup.engine.plan import Topology, build_plan
+from scaleup.engine.plan import build_plan
+from scaleup.engine.topology import Topology
 
 DDP_OPTIONS = {
     "timeout_minutes": 90,

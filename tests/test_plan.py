@@ -5,10 +5,12 @@ import math
 import pytest
 
 from conftest import in_process, read_json
+from scaleup.engine.batch import resolve_batch, total_steps
 from scaleup.engine.callbacks.lr_scaling import LRSchedule, lr_factor
 from scaleup.engine.checks import batchnorm_warning
 from scaleup.engine.errors import UserError
-from scaleup.engine.plan import Topology, build_plan, resolve_batch, total_steps
+from scaleup.engine.plan import build_plan
+from scaleup.engine.topology import Topology
 
 
 @pytest.mark.parametrize(

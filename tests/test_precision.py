@@ -7,7 +7,7 @@ import torch
 
 from conftest import in_process
 from scaleup.engine.callbacks.performance import PerformanceSettings, set_tf32
-from scaleup.engine.plan import resolve_precision
+from scaleup.engine.topology import resolve_precision
 from scaleup.models import DigitsCNN
 
 

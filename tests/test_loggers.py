@@ -6,7 +6,8 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import QUICK, in_process
-from scaleup.engine.loggers import RUN_DIR_TAG, run_id
+from scaleup.engine.launch import run_id
+from scaleup.engine.loggers import RUN_DIR_TAG
 
 
 def test_run_id_depends_only_on_the_run_directory(tmp_path):

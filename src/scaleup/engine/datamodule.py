@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import tempfile
 from pathlib import Path
@@ -15,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from scaleup.engine.batch import BatchPlan, resolve_batch
 from scaleup.engine.errors import UserError
+from scaleup.engine.launch import run_id
 from scaleup.engine.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler
 
 log = logging.getLogger(__name__)
@@ -185,8 +185,7 @@ def sizes_for_plan(datamodule: GlobalBatchDataModule, *, run_dir: Path, dry_run:
         except UserError as err:
             log.info(f"split sizes unknown until the data is there ({err})")
             return {}
-    run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
-    with FileLock(Path(tempfile.gettempdir()) / f"scaleup-prepare-data-{run_id}.lock"):
+    with FileLock(Path(tempfile.gettempdir()) / f"scaleup-prepare-data-{run_id(run_dir)}.lock"):
         datamodule.prepare_data()
     return datamodule.split_sizes()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -62,6 +63,12 @@ def run_stamp() -> str:
             "hydra.run.dir=/shared/path/run-name (or pass --rdzv-id=NAME to torchrun)"
         )
     return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def run_id(run_dir: str | Path) -> str:
+    """An id that depends only on the run directory: a requeued or resumed job (same directory) continues the same
+    logger run, and the processes of one run share one data-preparation lock, while other runs get their own."""
+    return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
 
 
 def rank_zero_or(value: Any, other: Any = None) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +11,9 @@ from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, W
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from scaleup.engine.launch import run_id
+
 RUN_DIR_TAG = "run_dir"  # the MLflow tag that finds a run again
-
-
-def run_id(run_dir: str | Path) -> str:
-    """A run id that depends only on the run directory, so a requeued or resumed job (same directory) continues
-    the same logger run, while every other run directory gets its own."""
-    return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
 
 
 def wandb_logger(save_dir: str | Path, **kwargs: Any) -> WandbLogger:

@@ -215,18 +215,25 @@ def test_renamed_clone_installs_passes_its_fast_tests_and_trains(tmp_path):
     where = run_in(tmp_path, python, "-c", "import mynet; print(mynet.__file__)", env=env)
     assert where.stdout.strip() == str(clone / "src" / "mynet" / "__init__.py")
 
-    tests = run_in(clone, python, "-m", "pytest", "-m", "not slow", "-q", "-x", "-p", "no:cacheprovider", env=env)
-    assert re.search(r"\d+ passed", tests.stdout)
-
+    # Its fast tests and a short training run, started together (one thread each, so one core each).
     run_dir = tmp_path / "run"
-    run_in(
-        clone,
-        python,
-        "train.py",
-        "trainer.max_epochs=1",
-        "trainer.enable_progress_bar=false",
-        f"hydra.run.dir={run_dir}",
-        env=env,
-    )
+    commands = {
+        "tests": [python, "-m", "pytest", "-m", "not slow", "-q", "-x", "-p", "no:cacheprovider"],
+        "train": [
+            python,
+            "train.py",
+            "trainer.max_epochs=1",
+            "trainer.enable_progress_bar=false",
+            f"hydra.run.dir={run_dir}",
+        ],
+    }
+    procs = {
+        name: subprocess.Popen(command, cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for name, command in commands.items()
+    }
+    outputs = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{outputs[name][-4000:]}"
+    assert re.search(r"\d+ passed", outputs["tests"])
     assert json.loads((run_dir / "metrics.json").read_text())["test/samples"] == 360
     assert "_target_: mynet.models." in (run_dir / "config.yaml").read_text()

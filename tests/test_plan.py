@@ -65,6 +65,9 @@ def test_total_steps_follows_lightning_rules():
     assert total_steps(19, 12, 100) == 100
     assert total_steps(19, None, 50) == 50
     assert total_steps(19, None, -1) == 19_000  # Lightning's default max_epochs=1000
+    assert total_steps(19, -1, 500) == 500  # max_epochs=-1: no epoch limit
+    with pytest.raises(UserError, match="trains without end"):
+        total_steps(19, -1, -1)
 
 
 def plan_for(**overrides):

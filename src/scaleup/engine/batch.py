@@ -116,15 +116,21 @@ def check_auto_cap(per_device_batch_size: int | None, accumulation: int | None, 
 
 
 def total_steps(steps_per_epoch: int, max_epochs: int | None, max_steps: int | None) -> int:
-    """Optimizer steps the Trainer will take, by Lightning's own rule (max_epochs defaults to 1000)."""
+    """Optimizer steps the Trainer will take, by Lightning's own rule: an unset max_epochs is 1000 without
+    max_steps, and none with it; max_epochs=-1 means no limit, which leaves only max_steps."""
     max_steps = -1 if max_steps is None else int(max_steps)
-    if max_epochs is None or int(max_epochs) < 0:
+    if max_epochs is None:
         max_epochs = 1000 if max_steps == -1 else None
+    elif int(max_epochs) < 0:
+        max_epochs = None
     by_epochs = steps_per_epoch * int(max_epochs) if max_epochs is not None else math.inf
     by_steps = max_steps if max_steps != -1 else math.inf
     steps = min(by_epochs, by_steps)
     if steps == math.inf:
-        raise UserError("set trainer.max_epochs or trainer.max_steps")
+        raise UserError(
+            "trainer.max_epochs=-1 without trainer.max_steps trains without end, and the LR schedule (warmup, "
+            "decay) needs one: set trainer.max_epochs or trainer.max_steps"
+        )
     return int(steps)
 
 

@@ -47,7 +47,7 @@ from scaleup.engine.checks import (
     has_batchnorm,
     pitfall_warnings,
 )
-from scaleup.engine.config import build_model, instantiate_each, log_rows, to_plain, write_yaml
+from scaleup.engine.config import build_model, flatten, instantiate_each, log_rows, to_plain, write_yaml
 from scaleup.engine.datamodule import GlobalBatchDataModule, apply_model_settings, sizes_for_plan
 from scaleup.engine.errors import UserError, config_errors
 from scaleup.engine.launch import (
@@ -84,14 +84,6 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Path | str | None
     return max(candidates, key=lambda p: p.stat().st_mtime_ns)
 
 
-def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"net": {"width": 32}} -> {"net.width": 32}"""
-    items: dict[str, Any] = {}
-    for key, value in tree.items():
-        items.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
-    return items
-
-
 def check_resume(path: Path, config: dict[str, Any], plan: Plan, model: L.LightningModule) -> None:
     """Open the checkpoint up front (clear errors, no traceback), refuse another network, report what changed.
 
@@ -115,7 +107,7 @@ def check_resume(path: Path, config: dict[str, Any], plan: Plan, model: L.Lightn
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     stored_shapes = {name: tuple(t.shape) for name, t in strip_wrapper_prefixes(checkpoint["state_dict"]).items()}
     if stored_shapes != shapes:
-        before, now = flat(stored.get("config", {}).get("model", {})), flat(config["model"])
+        before, now = flatten(stored.get("config", {}).get("model", {})), flatten(config["model"])
         diffs = [
             f"model.{k}={before.get(k)} (now {now.get(k)})" for k in sorted(before | now) if before.get(k) != now.get(k)
         ]

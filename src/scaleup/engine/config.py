@@ -39,6 +39,17 @@ def instantiate_each(group: dict[str, Any] | None) -> list[Any]:
     return [instantiate(entry) for entry in (group or {}).values() if isinstance(entry, dict) and "_target_" in entry]
 
 
+def flatten(tree: dict[str, Any], sep: str = ".") -> dict[str, Any]:
+    """Nested dicts as one level: {"net": {"width": 32}} -> {"net.width": 32} (or "net/width" with sep="/")."""
+    items: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            items.update({f"{key}{sep}{inner}": v for inner, v in flatten(value, sep).items()})
+        else:
+            items[str(key)] = value
+    return items
+
+
 def log_rows(title: str, rows: list[tuple[str, str]]) -> None:
     width = max(len(name) for name, _ in rows)
     log.info("\n".join([title, *(f"  {name:<{width}}  {value}" for name, value in rows)]))

@@ -11,16 +11,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.tensorboard.summary import hparams
 
+from scaleup.engine.config import flatten
+
 
 def flat_plan(plan: dict[str, Any]) -> dict[str, bool | int | float | str]:
-    """The plan's scalar entries, nested dicts as `outer/inner` (TensorBoard's HParams take no containers)."""
-    flat: dict[str, Any] = {}
-    for key, value in plan.items():
-        if isinstance(value, dict):
-            flat.update(flat_plan({f"{key}/{k}": v for k, v in value.items()}))
-        elif value is not None:
-            flat[key] = value
-    return flat
+    """The plan's set entries, nested dicts as `outer/inner` (TensorBoard's HParams take no containers)."""
+    return {key: value for key, value in flatten(plan, sep="/").items() if value is not None}
 
 
 class PlanHParams(L.Callback):

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from scaleup.engine.checkpoint import atomic_torch_save, load_checkpoint, load_weights
-from scaleup.engine.config import build_model
+from scaleup.engine.config import build_model, lookup
 from scaleup.engine.errors import UserError
 from scaleup.evaluate import stored_run
 
@@ -30,9 +30,7 @@ def submodule(model: nn.Module, path: str) -> nn.Module:
 
 def config_at(model_cfg: dict[str, Any], path: str) -> dict[str, Any] | None:
     """The model config's entry at `path` when it builds that submodule (has a `_target_`), else None."""
-    node: Any = model_cfg
-    for part in path.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
+    node = lookup(model_cfg, path)
     return node if isinstance(node, dict) and "_target_" in node else None
 
 

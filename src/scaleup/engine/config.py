@@ -50,6 +50,13 @@ def flatten(tree: dict[str, Any], sep: str = ".") -> dict[str, Any]:
     return items
 
 
+def lookup(tree: Any, path: str) -> Any:
+    """The entry of nested dicts at a dotted path ("net.num_classes"; "" is the tree itself), or None."""
+    for part in path.split(".") if path else ():
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
 def log_rows(title: str, rows: list[tuple[str, str]]) -> None:
     width = max(len(name) for name, _ in rows)
     log.info("\n".join([title, *(f"  {name:<{width}}  {value}" for name, value in rows)]))

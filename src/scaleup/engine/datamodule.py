@@ -13,6 +13,7 @@ from filelock import FileLock
 from torch.utils.data import DataLoader, Dataset
 
 from scaleup.engine.batch import BatchPlan, resolve_batch
+from scaleup.engine.config import lookup
 from scaleup.engine.errors import UserError
 from scaleup.engine.launch import run_id
 from scaleup.engine.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler
@@ -159,10 +160,8 @@ class GlobalBatchDataModule(L.LightningDataModule):
 def apply_model_settings(model_cfg: dict[str, Any], settings: dict[str, Any]) -> None:
     """Write each of a DataModule's `model_settings()` into the plain model config, where its key holds None."""
     for key, value in settings.items():
-        *parents, leaf = key.split(".")
-        node: Any = model_cfg
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
+        parent, _, leaf = key.rpartition(".")
+        node = lookup(model_cfg, parent)
         if isinstance(node, dict) and leaf in node and node[leaf] is None:
             node[leaf] = value
 

@@ -8,6 +8,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from omegaconf import OmegaConf
 
 from scaleup.engine.errors import UserError
@@ -123,7 +125,6 @@ def build_strategy(strategy: Any, ddp_options: dict[str, Any], world_size: int, 
     multirun sweep Lightning's default subprocess launcher would re-run the whole sweep in every child
     process (Lightning issue #11300), so sweeps start their processes with spawn instead.
     """
-    from lightning.pytorch.strategies import DDPStrategy
 
     if isinstance(strategy, dict):  # e.g. configs/trainer/fsdp.yaml: a `_target_` to instantiate
         from hydra.utils import instantiate
@@ -139,8 +140,31 @@ def build_strategy(strategy: Any, ddp_options: dict[str, Any], world_size: int, 
         return name, name
     options = dict(ddp_options)
     timeout = timedelta(minutes=float(options.pop("timeout_minutes")))
-    start_method = "spawn" if name == "ddp_spawn" else "popen"
-    return DDPStrategy(start_method=start_method, timeout=timeout, **options), name
+    if name == "ddp_spawn":
+        return SpawnDDPStrategy(start_method="spawn", timeout=timeout, **options), name
+    return DDPStrategy(start_method="popen", timeout=timeout, **options), name
+
+
+class CleanExitLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn launcher, whose worker processes leave the process group together before they exit.
+
+    Under ddp_spawn, `trainer.fit` and `trainer.test` each run in fresh worker processes, so the job's own
+    `shut_down_process_group()` (in the parent, which holds no process group) cannot reach them, and a worker
+    that exits while its peer still holds gloo connections can abort ("terminate called without an active
+    exception", seen at the end of a spawned test). Lightning has no hook after its worker function, hence this
+    subclass of a private Lightning class.
+    """
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        shut_down_process_group()
+
+
+class SpawnDDPStrategy(DDPStrategy):
+    """DDPStrategy(start_method="spawn") with the CleanExitLauncher."""
+
+    def _configure_launcher(self) -> None:
+        self._launcher = CleanExitLauncher(self, start_method=self._start_method)
 
 
 def external_world_size() -> tuple[str, int] | None:

@@ -97,12 +97,17 @@ def merged(args: list[str]) -> list[str]:
 
 
 def run(
-    args: list[str], *, script: str = "train.py", timeout: float = 300, env: dict[str, str] | None = None
+    args: list[str],
+    *,
+    script: str = "train.py",
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
 ) -> subprocess.CompletedProcess:
-    """Run an entry point from the repo root, the way a user would."""
+    """Run an entry point the way a user would: from the repo root, or from `cwd` (then outputs/ lands there)."""
     return subprocess.run(
-        [sys.executable, script, *merged(args)],
-        cwd=ROOT,
+        [sys.executable, str(ROOT / script), *merged(args)],
+        cwd=cwd,
         env=env or clean_env(),
         capture_output=True,
         text=True,
@@ -165,10 +170,10 @@ def in_process(args: list[str], *, job: str = "train") -> Any:
         HydraConfig.instance().cfg = None
 
 
-def start(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start a command from the repo root in the background, stdout and stderr merged."""
+def start(command: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.Popen:
+    """Start a command (from the repo root, or `cwd`) in the background, stdout and stderr merged."""
     return subprocess.Popen(
-        command, cwd=ROOT, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command, cwd=cwd, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 

@@ -10,9 +10,17 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from torch import nn
 
 from scaleup.models import ImageClassifier
-from scaleup.models.nets import parameter_checksum
+
+
+@torch.no_grad()
+def parameter_checksum(net: nn.Module) -> float:
+    """A cheap fingerprint of all weights, to compare models across ranks or runs."""
+    return float(
+        sum(p.double().sum() + p.double().abs().sum() for p in net.state_dict().values() if p.is_floating_point())
+    )
 
 
 class RankProbe(L.Callback):

@@ -77,16 +77,16 @@ def test_config_mistakes_are_refused():
 
 
 def test_ddp_options_reach_the_strategy():
-    strategy, name = build_strategy("auto", DDP_OPTIONS, world_size=8, multirun=False)
+    strategy, name = build_strategy({"name": "ddp", **DDP_OPTIONS}, world_size=8, multirun=False)
     assert name == "ddp" and isinstance(strategy, DDPStrategy)
     assert strategy._timeout == timedelta(minutes=90) and strategy._start_method == "popen"
     assert strategy._ddp_kwargs == {k: v for k, v in DDP_OPTIONS.items() if k != "timeout_minutes"}
 
 
 def test_sweeps_spawn_and_single_process_stays_plain():
-    strategy, name = build_strategy("ddp", DDP_OPTIONS, world_size=2, multirun=True)
+    strategy, name = build_strategy({"name": "ddp", **DDP_OPTIONS}, world_size=2, multirun=True)
     assert name == "ddp_spawn" and strategy._start_method == "spawn"
-    assert build_strategy("auto", DDP_OPTIONS, world_size=1, multirun=False) == ("auto", "auto")
+    assert build_strategy({"name": "ddp", **DDP_OPTIONS}, world_size=1, multirun=False) == ("auto", "auto")
 
 
 class Stream(torch.utils.data.IterableDataset):

@@ -1,9 +1,11 @@
 """Every config option composes and builds; bad input gets one clear message."""
 
+import inspect
 import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
@@ -23,6 +25,14 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
 
 
+# Every config group a user can swap, and its options (paths and hydra hold the run directory, not a choice).
+GROUPS = {
+    group: options(group)
+    for group in sorted(str(p.relative_to(CONFIGS)) for p in CONFIGS.glob("**/") if p != CONFIGS)
+    if group not in ("paths", "hydra")
+}
+
+
 def composed(*overrides: str) -> dict:
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
@@ -30,15 +40,54 @@ def composed(*overrides: str) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-@pytest.mark.parametrize(
-    "override",
-    [f"{group}={name}" for group in ("data", "model", "trainer", "logger", "experiment") for name in options(group)]
-    + [f"model/optimizer={name}" for name in options("model/optimizer")],
-)
-def test_every_group_option_composes(override):
-    cfg = composed(override)
-    assert cfg["data"]["_target_"].startswith("scaleup.data.")
-    assert (cfg["data"]["global_batch_size"] is None) != (cfg["data"]["per_device_batch_size"] is None)
+def test_the_groups_are_the_documented_ones():
+    assert set(GROUPS) == {
+        "callbacks",
+        "data",
+        "debug",
+        "experiment",
+        "loader",
+        "logger",
+        "lr_schedule",
+        "model",
+        "model/optimizer",
+        "strategy",
+        "trainer",
+    }
+
+
+@pytest.mark.slow  # about 140 dry runs: 20-40 s
+def test_every_option_of_every_group_dry_runs_with_every_experiment(tmp_path):
+    """Each option of each group, alone and with each experiment, plans a run (a dry run: data sizes, the model
+    on the meta device, the strategy, the plan), or is refused in one message for a real incompatibility: text
+    data with an image model (or the reverse), or ImageNet's global batch of 8192 on a smaller training set."""
+    broken, refused = [], []
+    for experiment in [None, *GROUPS["experiment"]]:
+        for group, names in GROUPS.items():
+            for name in names:
+                if group == "experiment" or (group == "debug" and name == "default"):
+                    continue
+                args = [f"{group}={name}", *([f"experiment={experiment}"] if experiment else [])]
+                run_dir = tmp_path / f"{experiment}-{group.replace('/', '-')}-{name}"
+                try:
+                    plan = in_process([*args, "dry_run=true", f"hydra.run.dir={run_dir}"])
+                except UserError as err:
+                    expected = ("does not fit the data", "is larger than the training set")
+                    (refused if any(reason in str(err) for reason in expected) else broken).append(f"{args}: {err}")
+                    continue
+                cfg = OmegaConf.load(run_dir / "config.yaml")
+                text_data, text_model = "CharText" in cfg.data._target_, "Language" in cfg.model._target_
+                if text_data != text_model or plan["global_batch_size"] < 1:
+                    broken.append(f"{args}: planned {cfg.data._target_} with {cfg.model._target_}")
+    assert not broken, "\n".join(broken)
+    assert any("does not fit the data" in line for line in refused)
+
+
+@pytest.mark.parametrize("callbacks", ["[]", "[early_stopping]", "[default,ema]", "[default,early_stopping,ema]"])
+def test_any_callbacks_list_plans_a_run(callbacks, tmp_path):
+    plan = in_process([f"callbacks={callbacks}", "dry_run=true", f"hydra.run.dir={tmp_path}"])
+    assert plan["lr"] == pytest.approx(0.1) and plan["total_steps"] == 12 * 19
+    assert (plan["early_stopping"] is not None) == ("early_stopping" in callbacks)
 
 
 @pytest.mark.parametrize("model", options("model"))
@@ -59,14 +108,15 @@ def test_loggers_and_callbacks_instantiate(logger):
     cfg = composed(f"logger={logger}")
     assert len(instantiate_each(cfg["logger"])) == {"none": 0, "many": 2}.get(logger, 1)
     names = [type(cb).__name__ for cb in instantiate_each(cfg["callbacks"])]
-    assert names == [
-        "ClassificationFigures",  # enabled by the classifier's model config
-        "ModelCheckpoint",
-        "ModelCheckpoint",
-        "LearningRateMonitor",
-        "TrainingDiagnostics",
-        "RichProgressBar",
-    ]
+    assert names == ["LearningRateMonitor", "TrainingDiagnostics", "RichProgressBar"]
+
+
+def test_trainer_group_holds_every_trainer_argument_the_template_does_not_set():
+    """`trainer.<any Trainer argument>=VALUE` works as typed (no `+`), and nothing else is in the group."""
+    template_sets = {"strategy", "logger", "callbacks", "plugins", "default_root_dir", "enable_checkpointing"}
+    template_sets.add("use_distributed_sampler")
+    arguments = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"} - template_sets
+    assert set(composed()["trainer"]) == arguments
 
 
 @pytest.fixture(scope="module")

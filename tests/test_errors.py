@@ -60,9 +60,9 @@ CASES = [
     ("both batch sizes", "train", ["data.per_device_batch_size=8"], "set exactly one of data.global_batch_size"),
     ("batch above data", "train", ["data.global_batch_size=4096"], "larger than the training set (1257 samples)"),
     ("no training data", "train", ["data.val_size=1500"], "leave no training data out of 1797"),
-    ("scaling rule", "train", ["callbacks.lr_scaling.rule=cubic"], "rule=cubic is not one of linear, sqrt, none"),
-    ("decay", "train", ["callbacks.lr_scaling.decay=exp"], "decay=exp is not one of cosine, step, none"),
-    ("two warmups", "train", ["callbacks.lr_scaling.warmup_steps=5"], "warmup_epochs or callbacks.lr_scaling.warm"),
+    ("scaling rule", "train", ["lr_schedule.rule=cubic"], "rule=cubic is not one of linear, sqrt, none"),
+    ("decay", "train", ["lr_schedule.decay=exp"], "decay=exp is not one of cosine, step, none"),
+    ("two warmups", "train", ["lr_schedule.warmup_steps=5"], "warmup_epochs or lr_schedule.warm"),
     ("accumulation 0", "train", ["trainer.accumulate_grad_batches=0"], "accumulate_grad_batches=0 must be at least"),
     ("shuffle", "train", ["+data.shuffle=true"], "remove data.shuffle"),
     ("tiny limit", "train", ["+trainer.limit_train_batches=0.01"], "limit_train_batches=0.01 keeps less than one"),
@@ -70,7 +70,7 @@ CASES = [
         "bad interpolation",
         "train",
         ["data.num_workers=${{nowhere}}"],
-        "the config does not resolve: Interpolation key 'nowhere' not found",
+        "the config does not resolve (at data.num_workers): Interpolation key 'nowhere' not found",
     ),
     ("trainer precision", "train", ["trainer.precision=17", *QUIET], "trainer: Precision '17' is invalid"),
     ("trainer argument", "train", ["+trainer.colour=red", *QUIET], "trainer: Trainer.__init__() got an unexpected"),
@@ -87,8 +87,8 @@ CASES = [
     (
         "fsdp on cpu",
         "train",
-        ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "dry_run=true"],
-        "trainer=fsdp needs GPUs",
+        ["strategy=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "dry_run=true"],
+        "strategy=fsdp needs GPUs",
     ),
     # data
     ("missing image tree", "train", ["data=imagefolder", "data.root={tmp}/none"], "no train/ directory under"),
@@ -128,7 +128,7 @@ CASES = [
     (
         "checkpoints into /proc",
         "train",
-        [*TINY_RUN, *QUIET, "callbacks.last_checkpoint.dirpath=/proc/nope"],
+        [*TINY_RUN, *QUIET, "checkpoint.dirpath=/proc/nope"],
         "/proc/nope: No such file or directory",
     ),
 ]

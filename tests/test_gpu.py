@@ -46,9 +46,9 @@ def test_syncbatchnorm_keeps_the_global_batch_statistics(tmp_path):
     one_step = [
         "trainer.max_steps=1",
         "model.optimizer.lr=0",
-        "callbacks.last_checkpoint.every_n_train_steps=1",
+        "checkpoint.every_n_train_steps=1",
         "trainer.precision=32-true",
-        "trainer.tf32=false",  # full float32: TF32 convolutions would differ between batch shapes
+        "performance.tf32=false",  # full float32: TF32 convolutions would differ between batch shapes
         *QUIET,
     ]
     runs = {
@@ -105,7 +105,7 @@ def test_fsdp_on_one_device_writes_a_checkpoint_a_cpu_evaluates(tmp_path):
         "data.test_size=64",
         "data.global_batch_size=32",
     ]
-    model = ["model=resnet18", "model.net.small_input=true", "trainer=fsdp", "trainer.max_epochs=1"]
+    model = ["model=resnet18", "model.net.small_input=true", "strategy=fsdp", "trainer.max_epochs=1"]
     check(run([*data, *model, *QUIET, f"hydra.run.dir={tmp_path / 'train'}"]))
     ckpt = tmp_path / "train" / "checkpoints" / "last.ckpt"
     state = load_checkpoint(ckpt)["state_dict"]  # one ordinary file, readable with weights_only

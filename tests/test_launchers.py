@@ -144,18 +144,41 @@ def test_slurm_task_count_mismatch_is_one_clear_message(tmp_path, monkeypatch):
 
 
 def test_multirun_sweep_with_two_devices_runs_ddp_spawn(tmp_path):
-    """A Hydra sweep with trainer.devices=2 runs the job with ddp_spawn (plain ddp would re-run the sweep in the
-    child): one clean run directory per job, none stray, and the next job (here 1 device) runs after it."""
-    args = ["-m", "trainer.devices=2,1", *ONE_EPOCH, f"paths.log_dir={tmp_path}", probe_dir_arg(tmp_path)]
-    result = check(run(args, timeout=600))
-    (sweep,) = (tmp_path / "train-sweep").iterdir()
+    """`python train.py -m trainer.devices=2,1` (no sweep directory given: it lands in ./outputs) runs the 2-device
+    job with ddp_spawn (plain ddp would re-run the sweep in the child): one clean run directory per job, none
+    stray, and the next job (here 1 device) runs after it."""
+    args = ["-m", "trainer.devices=2,1", *ONE_EPOCH, probe_dir_arg(tmp_path)]
+    result = check(run(args, timeout=600, cwd=tmp_path))
+    (sweep,) = (tmp_path / "outputs" / "train-sweep").iterdir()
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
     assert [read_json(sweep / job / "plan.json")["strategy"] for job in ("0", "1")] == ["ddp_spawn", "auto"]
     ranks = assert_one_clean_run(sweep / "0")
     assert [r["local_rank"] for r in ranks] == [0, 1]
     assert_one_clean_run(sweep / "1", world_size=1)
-    assert not (tmp_path / "train").exists()  # no stray per-child run directories
+    assert not (tmp_path / "outputs" / "train").exists()  # no stray per-child run directories
     assert result.stdout.count("Launching") <= 2
+
+
+@pytest.mark.parametrize(
+    ("sweep", "plans"),
+    [
+        (["seed=1,2"], [("seed", 1), ("seed", 2)]),
+        (
+            ["experiment=char_lm,cifar10_resnet18", "dry_run=true"],
+            [("global_batch_size", 64), ("global_batch_size", 512)],
+        ),
+    ],
+    ids=["seeds", "experiments"],
+)
+def test_multirun_needs_no_extra_keys(sweep, plans, tmp_path):
+    """The sweeps a user types first, exactly as typed: one sweep directory in ./outputs, a run directory per job."""
+    result = check(run(["-m", *sweep], timeout=600, cwd=tmp_path))
+    (sweep_dir,) = (tmp_path / "outputs" / "train-sweep").iterdir()
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1"]
+    assert [
+        (key, read_json(sweep_dir / job / "plan.json")[key]) for job, (key, _) in zip("01", plans, strict=True)
+    ] == plans
+    assert "Traceback" not in result.stderr
 
 
 def test_a_failing_rank_stops_every_process_quickly(tmp_path):
@@ -206,7 +229,7 @@ def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path):
 def test_fsdp_is_planned_anywhere_and_refused_on_cpu(tmp_path):
     plan = in_process(
         [
-            "trainer=fsdp",
+            "strategy=fsdp",
             "model=resnet50",
             "data=synthetic",
             "trainer.devices=8",
@@ -215,7 +238,7 @@ def test_fsdp_is_planned_anywhere_and_refused_on_cpu(tmp_path):
         ]
     )
     assert plan["strategy"] == "FSDPStrategy" and read_json(tmp_path / "plan.json")["strategy"] == "FSDPStrategy"
-    with pytest.raises(UserError, match="trainer=fsdp needs GPUs"):
+    with pytest.raises(UserError, match="strategy=fsdp needs GPUs"):
         in_process(
-            ["trainer=fsdp", "trainer.devices=2", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path / 'cpu'}"]
+            ["strategy=fsdp", "trainer.devices=2", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path / 'cpu'}"]
         )

@@ -16,8 +16,8 @@ TWO_GROUPS = [
     *QUICK,
     "model._target_=user_modules.TwoGroupClassifier",
     "data.global_batch_size=128",
-    "callbacks.lr_scaling.base_batch_size=64",
-    "callbacks.lr_scaling.warmup_epochs=1",
+    "lr_schedule.base_batch_size=64",
+    "lr_schedule.warmup_epochs=1",
     "trainer.log_every_n_steps=1",
 ]
 

@@ -42,15 +42,27 @@ def test_scaling_rules(rule, factor):
 
 
 def test_goyal_warmup_and_step_decay():
-    """0.1 at 256 -> 3.2 at 8192, reached after 5 epochs of linear warmup from 0.1, then /10 at epoch 30."""
-    spe = 1_281_167 // 8192
-    schedule = LRSchedule(lr_factor(8192, 256, "linear"), 5 * spe, 90 * spe, "step", (30 * spe,), 0.1)
-    lr = {step: 0.1 * schedule.factor_at(step) for step in (0, 5 * spe // 2, 5 * spe, 30 * spe - 1, 30 * spe)}
-    assert lr[0] == pytest.approx(0.1)
-    assert lr[5 * spe // 2] == pytest.approx(0.1 + 3.1 * (5 * spe // 2) / (5 * spe))
-    assert lr[5 * spe] == pytest.approx(3.2)
-    assert lr[30 * spe - 1] == pytest.approx(3.2)
-    assert lr[30 * spe] == pytest.approx(0.32)
+    """0.1 at 256 -> 3.2 at 8192, reached after 5 epochs of linear warmup from 0.1, then /10 at epoch 30.
+    ImageNet's 1,281,167 images make 156 steps of 8192 per epoch: warmup is 780 steps."""
+    schedule = LRSchedule(lr_factor(8192, 256, "linear"), 780, 90 * 156, "step", (30 * 156,), 0.1)
+    lr = {step: 0.1 * schedule.factor_at(step) for step in (0, 390, 780, 4679, 4680)}
+    assert lr == pytest.approx({0: 0.1, 390: 1.65, 780: 3.2, 4679: 3.2, 4680: 0.32})
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "lrs"),
+    [
+        # Below the base batch (256): the scaled LR, 0.1 x 32/256, from the first step; no ramp, never down.
+        (32, {0: 0.0125, 5: 0.0125, 10: 0.0125}),
+        # At the base batch: the base LR throughout the warmup.
+        (256, {0: 0.1, 5: 0.1, 10: 0.1}),
+        # Above it: from the base LR up to 0.1 x 1024/256 = 0.4 over the 10 warmup steps.
+        (1024, {0: 0.1, 5: 0.25, 10: 0.4}),
+    ],
+)
+def test_warmup_never_starts_above_the_peak(global_batch, lrs):
+    schedule = LRSchedule(lr_factor(global_batch, 256, "linear"), warmup_steps=10, total_steps=100, decay="none")
+    assert {step: 0.1 * schedule.factor_at(step) for step in lrs} == pytest.approx(lrs)
 
 
 def test_cosine_decay_ends_at_zero():
@@ -177,7 +189,7 @@ def test_contradictory_cap_settings_name_the_conflict(args, message):
     [
         ({"global_batch_size": None, "per_device_batch_size": 32}, {}, "ddp", "data.per_device_batch_size=32"),
         ({"global_batch_size": 512}, {"accumulate_grad_batches": 1}, "ddp", "trainer.accumulate_grad_batches=1"),
-        ({"global_batch_size": 512}, {}, "FSDPStrategy", "trainer=fsdp shards the model"),
+        ({"global_batch_size": 512}, {}, "FSDPStrategy", "strategy=fsdp shards the model"),
     ],
 )
 def test_auto_cap_refuses_what_fixes_the_split_already(data_cfg, trainer_cfg, strategy, conflict):

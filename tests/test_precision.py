@@ -43,10 +43,15 @@ def test_the_plan_prints_and_saves_what_auto_chose(tmp_path, caplog):
     assert (gpu["precision"], gpu["tf32"], gpu["channels_last"]) == ("bf16-mixed", True, False)
     assert "bf16-mixed / ddp" in caplog.text and "TF32 / channels_last  on / off" in caplog.text
     cpu = in_process(
-        ["dry_run=true", "trainer.accelerator=cpu", "trainer.channels_last=true", f"hydra.run.dir={tmp_path / 'cpu'}"]
+        [
+            "dry_run=true",
+            "trainer.accelerator=cpu",
+            "performance.channels_last=true",
+            f"hydra.run.dir={tmp_path / 'cpu'}",
+        ]
     )
     assert (cpu["precision"], cpu["tf32"], cpu["channels_last"]) == ("32-true", False, True)
-    no_tf32 = in_process(["dry_run=true", "trainer.tf32=false", f"hydra.run.dir={tmp_path / 'off'}"])
+    no_tf32 = in_process(["dry_run=true", "performance.tf32=false", f"hydra.run.dir={tmp_path / 'off'}"])
     assert no_tf32["tf32"] is False
 
 

@@ -152,7 +152,7 @@ def test_kill_9_never_leaves_a_broken_last_checkpoint(tmp_path):
     """
     rng = random.Random(0)
     last = tmp_path / "checkpoints/last.ckpt"
-    every_step = ["callbacks.last_checkpoint.every_n_train_steps=1", "trainer.max_epochs=20"]
+    every_step = ["checkpoint.every_n_train_steps=1", "trainer.max_epochs=20"]
     args = [
         *QUICK,
         *every_step,
@@ -172,7 +172,7 @@ def test_kill_9_never_leaves_a_broken_last_checkpoint(tmp_path):
         steps.append(load_checkpoint(last)["global_step"])  # loads in full: never truncated
     assert steps == sorted(steps) and steps[-1] > steps[0]  # every restart continued from the previous save
     print(f"killed at steps {steps}")
-    in_process([*args, "callbacks.last_checkpoint.every_n_train_steps=null"])  # and the run completes
+    in_process([*args, "checkpoint.every_n_train_steps=null"])  # and the run completes
     assert load_checkpoint(last)["global_step"] == 20 * EXACT_STEPS_PER_EPOCH
     assert not list(last.parent.glob(".*.tmp"))  # interrupted writes cleaned up by the next run
 

@@ -26,7 +26,7 @@ class TwoGroupClassifier(ImageClassifier):
 # What the template says to a module that returns a scheduler.
 SCHEDULER_REFUSED = (
     "SchedulerClassifier.configure_optimizers returns a learning-rate scheduler (StepLR), which would fight the "
-    "template's own schedule: return only the optimizer and set callbacks.lr_scaling.rule, warmup_epochs (or "
+    "template's own schedule: return only the optimizer and set lr_schedule.rule, warmup_epochs (or "
     "warmup_steps), decay=cosine|step|none, milestones and gamma instead"
 )
 

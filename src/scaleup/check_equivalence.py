@@ -28,7 +28,7 @@ CHECK = [
     "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false",
     "logger=none",
-    "callbacks.lr_scaling.warmup_epochs=0",
+    "lr_schedule.warmup_epochs=0",
 ]
 # Largest relative weight difference that still counts as the same result.
 TOLERANCE = {"64-true": 1e-10, "32-true": 1e-4}

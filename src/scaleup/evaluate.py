@@ -9,12 +9,12 @@ from typing import Any
 
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from scaleup.engine.callbacks import MetricsFile
 from scaleup.engine.callbacks.performance import PerformanceSettings, set_tf32
 from scaleup.engine.checkpoint import load_checkpoint, load_weights
+from scaleup.engine.components import build_datamodule
 from scaleup.engine.config import build_model, log_rows, to_plain
 from scaleup.engine.errors import UserError, config_errors
 from scaleup.engine.launch import check_launcher, shut_down_process_group
@@ -44,8 +44,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     data_cfg = {**config["data"], **to_plain(cfg.data)}
     # Same per-device batch as training by default: same batches, so the same float sums, to the last bit.
     data_cfg.update(global_batch_size=None, per_device_batch_size=cfg.batch_size or plan["per_device_batch_size"])
-    with config_errors("data"):
-        datamodule = instantiate(data_cfg)
+    datamodule = build_datamodule({**config, "data": data_cfg})
     # The plan stores the precision training resolved (`auto` became bf16-mixed, 16-mixed or 32-true there).
     precision = resolve_precision(cfg.trainer.precision or plan["precision"], topology.accelerator)
     if topology.accelerator == "cpu" and str(precision).startswith("16"):

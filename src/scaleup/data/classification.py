@@ -1,4 +1,4 @@
-"""What every classification data set here shares: it tells the model how many classes there are."""
+"""What every classification data set here shares: it tells the model how many classes and input channels."""
 
 from typing import Any
 
@@ -6,9 +6,11 @@ from scaleup.engine.datamodule import GlobalBatchDataModule
 
 
 class ClassificationDataModule(GlobalBatchDataModule):
-    """Subclasses set `num_classes` (a class attribute, or in `__init__` when the data decides it)."""
+    """Subclasses set `num_classes` and `in_channels` (class attributes, or in `__init__` when the data decides)."""
 
     num_classes: int
+    in_channels: int = 3
 
     def model_settings(self) -> dict[str, Any]:
-        return {"net.num_classes": self.num_classes}  # the `num_classes: null` of configs/model/*.yaml
+        # The `null`s of configs/model/*.yaml: any image model fits any image data set.
+        return {"net.num_classes": self.num_classes, "net.in_channels": self.in_channels}

@@ -12,6 +12,7 @@ SIZE = 1797  # samples in scikit-learn's digits
 
 class DigitsDataModule(ClassificationDataModule):
     num_classes = 10
+    in_channels = 1
     in_memory = True
 
     def __init__(self, val_size: float = 180, test_size: float = 360, split_seed: int = 0, **loader_kwargs) -> None:

@@ -53,6 +53,7 @@ class SyntheticDataModule(ClassificationDataModule):
         self.num_classes = num_classes
         self.sizes = {"train": train_size, "val": val_size, "test": test_size}
         self.image_shape, self.noise, self.data_seed = tuple(image_shape), noise, data_seed
+        self.in_channels = self.image_shape[0]
 
     def known_split_sizes(self) -> dict[str, int]:
         return dict(self.sizes)

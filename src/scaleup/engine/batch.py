@@ -107,7 +107,7 @@ def check_auto_cap(per_device_batch_size: int | None, accumulation: int | None, 
     elif accumulation is not None:
         conflict = f"trainer.accumulate_grad_batches={accumulation} fixes the accumulation it would derive"
     elif "FSDP" in strategy:
-        conflict = "trainer=fsdp shards the model, and the probe measures one whole replica per device"
+        conflict = "strategy=fsdp shards the model, and the probe measures one whole replica per device"
     if conflict:
         raise UserError(
             f"data.max_per_device_batch_size=auto finds the largest per-device share of a fixed global batch that "

@@ -33,7 +33,7 @@ def check_config(cfg: dict[str, Any], plan: Plan) -> None:
     """Mistakes that would crash later or silently change results: refuse them now."""
     if plan.accelerator == "cpu" and "FSDP" in plan.strategy:
         raise UserError(
-            "trainer=fsdp needs GPUs (Lightning runs FSDP on CUDA only); on CPU use the default DDP strategy"
+            "strategy=fsdp needs GPUs (Lightning runs FSDP on CUDA only); on CPU use the default DDP strategy"
         )
     if plan.accelerator == "cpu" and plan.precision.startswith("16"):
         raise UserError(
@@ -47,13 +47,13 @@ def pitfall_warnings(plan: Plan, *, has_batchnorm: bool, num_workers: int, data_
     if plan.scaling_rule == "none" and plan.global_batch_size != plan.base_batch_size:
         lrs = "each param group's LR" if plan.base_lr is None else f"the LR {plan.base_lr:g}"
         warnings.append(
-            f"callbacks.lr_scaling.rule=none: {lrs} tuned for a batch of {plan.base_batch_size} "
+            f"lr_schedule.rule=none: {lrs} tuned for a batch of {plan.base_batch_size} "
             f"is used unchanged with a global batch of {plan.global_batch_size}; use rule=linear or sqrt"
         )
     if plan.total_steps is not None and plan.warmup_steps is not None and plan.warmup_steps > plan.total_steps:
         warnings.append(
             f"the warmup ({plan.warmup_steps} steps) is longer than the run ({plan.total_steps} steps): the LR never "
-            "reaches its peak; lower callbacks.lr_scaling.warmup_epochs or warmup_steps"
+            "reaches its peak; lower lr_schedule.warmup_epochs or warmup_steps"
         )
     if has_batchnorm and (warning := batchnorm_warning(plan)):
         warnings.append(warning)
@@ -86,7 +86,7 @@ class MonitorCheck(L.Callback):
 
 def batchnorm_warning(plan: Plan) -> str | None:
     """BatchNorm statistics over fewer than SMALL_BN_BATCH samples, or over another number than the recipe was
-    tuned with (callbacks.lr_scaling.base_bn_batch_size): either changes the results, so say so, with the fixes."""
+    tuned with (lr_schedule.base_bn_batch_size): either changes the results, so say so, with the fixes."""
     bn, tuned, per_device = plan.bn_batch_size, plan.base_bn_batch_size, plan.per_device_batch_size
     if bn is None or (bn == tuned and bn >= SMALL_BN_BATCH):
         return None

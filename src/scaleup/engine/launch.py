@@ -83,6 +83,10 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True)
     if not OmegaConf.has_resolver("rank_zero_or"):
         OmegaConf.register_new_resolver("rank_zero_or", rank_zero_or)
+    if not OmegaConf.has_resolver("cwd"):
+        # The working directory, for paths.root_dir: unlike ${hydra:runtime.cwd}, it resolves before Hydra's
+        # runtime config exists, as a multirun's sweep directory must.
+        OmegaConf.register_new_resolver("cwd", os.getcwd)
     if not OmegaConf.has_resolver("devnull"):
         OmegaConf.register_new_resolver("devnull", lambda: os.devnull)
 
@@ -110,36 +114,33 @@ def shut_down_process_group() -> None:
         dist.destroy_process_group()
 
 
-def fsdp_strategy(wrap_modules: list[str], **kwargs: Any) -> Any:
+def fsdp_strategy(wrap_modules: list[str], timeout: timedelta, **kwargs: Any) -> Any:
     """Lightning's FSDPStrategy, sharding at the given module classes (dotted names, as config can hold)."""
     from hydra.utils import get_class
     from lightning.pytorch.strategies import FSDPStrategy
 
-    return FSDPStrategy(auto_wrap_policy={get_class(name) for name in wrap_modules}, **kwargs)
+    return FSDPStrategy(auto_wrap_policy={get_class(name) for name in wrap_modules}, timeout=timeout, **kwargs)
 
 
-def build_strategy(strategy: Any, ddp_options: dict[str, Any], world_size: int, multirun: bool) -> tuple[Any, str]:
-    """The Trainer's `strategy` argument and a name for the plan.
+def build_strategy(strategy_cfg: dict[str, Any], world_size: int, multirun: bool) -> tuple[Any, str]:
+    """The Trainer's `strategy` argument and a name for the plan, from the `strategy` config group.
 
-    `auto` on several processes is DDP. DDP options come from the `ddp` config block. Under a Hydra
-    multirun sweep Lightning's default subprocess launcher would re-run the whole sweep in every child
-    process (Lightning issue #11300), so sweeps start their processes with spawn instead.
+    One process runs without a strategy. Under a Hydra multirun sweep Lightning's default subprocess launcher
+    would re-run the whole sweep in every child process (Lightning issue #11300), so sweeps start their
+    processes with spawn instead.
     """
-
-    if isinstance(strategy, dict):  # e.g. configs/trainer/fsdp.yaml: a `_target_` to instantiate
-        from hydra.utils import instantiate
-
-        instance = instantiate(strategy)
+    options = dict(strategy_cfg)
+    name = str(options.pop("name"))
+    timeout = timedelta(minutes=float(options.pop("timeout_minutes", 30)))
+    if name == "fsdp":
+        instance = fsdp_strategy(timeout=timeout, **options)
         return instance, type(instance).__name__
-    name = str(strategy)
-    if name == "auto":
-        name = "ddp" if world_size > 1 else "auto"
-    if name == "ddp" and multirun and world_size > 1:
-        name = "ddp_spawn"
     if name not in ("ddp", "ddp_spawn"):
-        return name, name
-    options = dict(ddp_options)
-    timeout = timedelta(minutes=float(options.pop("timeout_minutes")))
+        raise UserError(f"strategy.name={name} is not one of ddp, ddp_spawn, fsdp")
+    if world_size == 1:
+        return "auto", "auto"
+    if name == "ddp" and multirun:
+        name = "ddp_spawn"
     if name == "ddp_spawn":
         return SpawnDDPStrategy(start_method="spawn", timeout=timeout, **options), name
     return DDPStrategy(start_method="popen", timeout=timeout, **options), name

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from scaleup.engine.batch import check_auto_cap, epoch_steps, resolve_batch, run_steps
-from scaleup.engine.callbacks.lr_scaling import DECAYS, LRSchedule, lr_factor
+from scaleup.engine.callbacks.lr_scaling import DECAYS, SCALING_RULES, LRSchedule, lr_factor
 from scaleup.engine.errors import UserError
 from scaleup.engine.topology import Topology, resolve_precision
 
@@ -42,6 +42,8 @@ class Plan:
     # The step counts are None in a dry run whose data module cannot state its split sizes without the files.
     warmup_steps: int | None
     decay: str
+    milestones: tuple[float, ...]  # epochs, for decay="step"
+    gamma: float  # the LR factor at each milestone
     steps_per_epoch: int | None  # optimizer steps, as Lightning takes them (debug flags included)
     total_steps: int | None
     sync_batchnorm: bool
@@ -69,14 +71,14 @@ class Plan:
             bn_batch_size=bn_batch(per_device, self.world_size, self.sync_batchnorm, self.has_batchnorm),
         )
 
-    def schedule(self, milestones_epochs: tuple[float, ...] = (), gamma: float = 0.1) -> LRSchedule:
+    def schedule(self) -> LRSchedule:
         return LRSchedule(
             peak=self.lr_factor,
             warmup_steps=self.warmup_steps,
             total_steps=self.total_steps,
             decay=self.decay,
-            milestones=tuple(round(m * self.steps_per_epoch) for m in milestones_epochs),
-            gamma=gamma,
+            milestones=tuple(round(m * self.steps_per_epoch) for m in self.milestones),
+            gamma=self.gamma,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,7 +95,7 @@ class Plan:
             ("accumulation", self._accumulation_row()),
             ("global batch", f"{self.global_batch_size} ({self.batch_mode} mode)"),
             ("learning rate", self._lr_row()),
-            ("warmup / total steps", f"{known(self.warmup_steps)} / {known(self.total_steps)} ({self.decay} decay)"),
+            ("warmup / total steps", self._steps_row()),
             ("steps per epoch", known(self.steps_per_epoch) + (f" ({self.epoch_limit})" if self.epoch_limit else "")),
             ("BatchNorm batch", self._bn_row()),
             ("SyncBatchNorm", f"{'on' if self.sync_batchnorm else 'off'} ({self.sync_batchnorm_reason})"),
@@ -103,6 +105,12 @@ class Plan:
             ("seed", str(self.seed)),
             ("data", sizes or "unknown until the data is there (the data module cannot state its sizes)"),
         ]
+
+    def _steps_row(self) -> str:
+        row = f"{known(self.warmup_steps)} / {known(self.total_steps)} ({self.decay} decay)"
+        if self.warmup_steps and self.lr_factor <= 1:
+            row += "; no ramp: at or below the base batch the scaled LR needs no warmup"
+        return row
 
     def _per_device_row(self) -> str:
         cap = self.max_per_device_batch_size
@@ -149,6 +157,55 @@ def known(value: Any) -> str:
     return "unknown" if value is None else str(value)
 
 
+def check_plan_inputs(
+    *, trainer_cfg: Mapping[str, Any], data_cfg: Mapping[str, Any], lr_cfg: Mapping[str, Any], strategy: str
+) -> None:
+    """Refuse settings that contradict each other, before anything is derived from them."""
+    accumulation = trainer_cfg.get("accumulate_grad_batches")
+    if accumulation is not None and int(accumulation) < 1:
+        raise UserError(f"trainer.accumulate_grad_batches={accumulation} must be at least 1")
+    cap = data_cfg.get("max_per_device_batch_size")
+    if cap == "auto":
+        check_auto_cap(data_cfg.get("per_device_batch_size"), accumulation, strategy)
+    elif cap is not None and not isinstance(cap, int):
+        raise UserError(f"data.max_per_device_batch_size={cap} must be a number, auto, or null (no cap)")
+    rule, decay = lr_cfg.get("rule", "linear"), lr_cfg.get("decay", "none")
+    if rule not in SCALING_RULES:
+        raise UserError(f"lr_schedule.rule={rule} is not one of {', '.join(SCALING_RULES)}")
+    if decay not in DECAYS:
+        raise UserError(f"lr_schedule.decay={decay} is not one of {', '.join(DECAYS)}")
+    warmup_epochs, warmup_steps = lr_cfg.get("warmup_epochs"), lr_cfg.get("warmup_steps")
+    if warmup_epochs and warmup_steps:
+        raise UserError(
+            "set lr_schedule.warmup_epochs or lr_schedule.warmup_steps, not both "
+            f"(got {warmup_epochs} epochs and {warmup_steps} steps)"
+        )
+
+
+def check_split_sizes(dataset_sizes: Mapping[str, int], global_batch: int, world_size: int) -> None:
+    """Every optimizer step needs a full global batch, and every process at least one sample to evaluate."""
+    train_size = dataset_sizes.get("train")  # None: a dry run before the data is there
+    if train_size is not None and train_size < global_batch:
+        raise UserError(
+            f"the global batch ({global_batch}) is larger than the training set ({train_size} samples); "
+            "lower data.global_batch_size"
+        )
+    for split in ("val", "test"):
+        if 0 < dataset_sizes.get(split, 0) < world_size:
+            raise UserError(
+                f"the {split} split has {dataset_sizes[split]} samples, fewer than the {world_size} "
+                "processes: every process needs at least one sample to evaluate"
+            )
+
+
+def warmup_steps_for(lr_cfg: Mapping[str, Any], steps_per_epoch: int | None) -> int | None:
+    """`warmup_steps`, or `warmup_epochs` in optimizer steps (None until the epoch length is known)."""
+    warmup_epochs, warmup_steps = lr_cfg.get("warmup_epochs"), lr_cfg.get("warmup_steps")
+    if warmup_steps or not warmup_epochs:
+        return int(warmup_steps or 0)
+    return None if steps_per_epoch is None else round(float(warmup_epochs) * steps_per_epoch)
+
+
 def build_plan(
     *,
     topology: Topology,
@@ -161,15 +218,12 @@ def build_plan(
     has_batchnorm: bool,
     strategy: str,
     early_stopping: Mapping[str, Any] | None = None,
+    performance: Mapping[str, Any] | None = None,
 ) -> Plan:
+    """Check the settings, then derive the batch split, the LR schedule, BatchNorm and precision for `topology`."""
+    check_plan_inputs(trainer_cfg=trainer_cfg, data_cfg=data_cfg, lr_cfg=lr_cfg, strategy=strategy)
     accumulation = trainer_cfg.get("accumulate_grad_batches")
-    if accumulation is not None and int(accumulation) < 1:
-        raise UserError(f"trainer.accumulate_grad_batches={accumulation} must be at least 1")
     cap = data_cfg.get("max_per_device_batch_size")
-    if cap == "auto":
-        check_auto_cap(data_cfg.get("per_device_batch_size"), accumulation, strategy)
-    elif cap is not None and not isinstance(cap, int):
-        raise UserError(f"data.max_per_device_batch_size={cap} must be a number, auto, or null (no cap)")
     batch = resolve_batch(
         data_cfg.get("global_batch_size"),
         data_cfg.get("per_device_batch_size"),
@@ -177,38 +231,14 @@ def build_plan(
         None if accumulation is None else int(accumulation),
         None if cap == "auto" else cap,
     )
-    train_size = dataset_sizes.get("train")  # None: a dry run before the data is there
-    if train_size is not None and train_size < batch.global_:
-        raise UserError(
-            f"the global batch ({batch.global_}) is larger than the training set ({train_size} samples); "
-            "lower data.global_batch_size"
-        )
-    for split in ("val", "test"):
-        if 0 < dataset_sizes.get(split, 0) < topology.world_size:
-            raise UserError(
-                f"the {split} split has {dataset_sizes[split]} samples, fewer than the {topology.world_size} "
-                "processes: every process needs at least one sample to evaluate"
-            )
-    steps_per_epoch, epoch_limit = epoch_steps(train_size, batch, trainer_cfg)
+    check_split_sizes(dataset_sizes, batch.global_, topology.world_size)
+    steps_per_epoch, epoch_limit = epoch_steps(dataset_sizes.get("train"), batch, trainer_cfg)
 
     rule = str(lr_cfg.get("rule", "linear"))
     base_batch = int(lr_cfg.get("base_batch_size", batch.global_))
     factor = lr_factor(batch.global_, base_batch, rule)
     distinct_lrs = set(base_lrs.values())
     shared_lr = distinct_lrs.pop() if len(distinct_lrs) == 1 else None
-    decay = str(lr_cfg.get("decay", "none"))
-    if decay not in DECAYS:
-        raise UserError(f"callbacks.lr_scaling.decay={decay} is not one of {', '.join(DECAYS)}")
-    warmup_epochs, warmup_steps = lr_cfg.get("warmup_epochs"), lr_cfg.get("warmup_steps")
-    if warmup_epochs and warmup_steps:
-        raise UserError(
-            "set callbacks.lr_scaling.warmup_epochs or callbacks.lr_scaling.warmup_steps, not both "
-            f"(got {warmup_epochs} epochs and {warmup_steps} steps)"
-        )
-    if warmup_steps or not warmup_epochs:
-        warmup = int(warmup_steps or 0)
-    else:
-        warmup = None if steps_per_epoch is None else round(float(warmup_epochs) * steps_per_epoch)
     # With an auto cap the micro-batch is known only after the probe; SyncBN is decided before it (Lightning
     # converts the layers during setup) on the largest micro-batch the probe can pick.
     sync, sync_reason = resolve_sync_batchnorm(
@@ -216,6 +246,7 @@ def build_plan(
     )
     if cap == "auto" and has_batchnorm:
         sync_reason += " (decided before the probe, on its largest split)"
+    performance = performance or {}
 
     return Plan(
         world_size=topology.world_size,
@@ -232,14 +263,16 @@ def build_plan(
         scaling_rule=rule,
         lr_factor=factor,
         lr=None if shared_lr is None else shared_lr * factor,
-        warmup_steps=warmup,
-        decay=decay,
+        warmup_steps=warmup_steps_for(lr_cfg, steps_per_epoch),
+        decay=str(lr_cfg.get("decay", "none")),
+        milestones=tuple(lr_cfg.get("milestones") or ()),
+        gamma=float(lr_cfg.get("gamma", 0.1)),
         steps_per_epoch=steps_per_epoch,
         total_steps=run_steps(steps_per_epoch, trainer_cfg),
         sync_batchnorm=sync,
         precision=resolve_precision(trainer_cfg.get("precision", "auto"), topology.accelerator),
-        tf32=bool(trainer_cfg.get("tf32", True)) and topology.accelerator == "gpu",
-        channels_last=bool(trainer_cfg.get("channels_last", False)),
+        tf32=bool(performance.get("tf32", True)) and topology.accelerator == "gpu",
+        channels_last=bool(performance.get("channels_last", False)),
         strategy=strategy,
         seed=int(seed),
         dataset_sizes=dict(dataset_sizes),
@@ -262,6 +295,12 @@ def bn_batch(per_device: int, world_size: int, sync_batchnorm: bool, has_batchno
     if not has_batchnorm:
         return None
     return per_device * world_size if sync_batchnorm else per_device
+
+
+def early_stopping_entry(callbacks_cfg: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The EarlyStopping entry of the callbacks config (`callbacks=[default,early_stopping]`), if any."""
+    entries = [c for c in callbacks_cfg.values() if isinstance(c, Mapping) and "_target_" in c]
+    return next((c for c in entries if str(c["_target_"]).rsplit(".", 1)[-1] == "EarlyStopping"), None)
 
 
 def describe_early_stopping(cfg: Mapping[str, Any] | None) -> str | None:

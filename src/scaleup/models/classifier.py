@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from torchmetrics.classification import MulticlassAccuracy
 
+from scaleup.engine.callbacks.figures import ClassificationFigures
 from scaleup.engine.metrics import StageMetrics
 from scaleup.models.optim import build_optimizer
 
@@ -18,7 +19,8 @@ from scaleup.models.optim import build_optimizer
 class ImageClassifier(L.LightningModule):
     """Cross-entropy classification around `net`.
 
-    `net` is a Hydra-instantiable dict that includes `num_classes`. Args are plain containers (the job converts
+    `net` is a Hydra-instantiable dict that includes `num_classes`; `figures` holds the settings of the test-time
+    ClassificationFigures (None: no figures). Args are plain containers (the job converts
     Hydra configs), so `save_hyperparameters` writes only dicts and numbers into checkpoints and
     `torch.load(..., weights_only=True)` can read them back.
     """
@@ -29,6 +31,7 @@ class ImageClassifier(L.LightningModule):
         optimizer: Mapping[str, Any],
         label_smoothing: float = 0.0,
         compile: bool = False,
+        figures: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -75,3 +78,8 @@ class ImageClassifier(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return build_optimizer(self.hparams.optimizer, self)
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """Test-time figures (confusion matrix, misclassified samples), unless `figures` is None."""
+        figures = self.hparams.figures
+        return [] if figures is None else [ClassificationFigures(**figures)]

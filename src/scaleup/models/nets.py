@@ -2,7 +2,6 @@
 
 from collections.abc import Callable
 
-import torch
 import torchvision
 from torch import nn
 
@@ -53,21 +52,18 @@ class DigitsCNN(nn.Sequential):
         )
 
 
-def resnet(name: str, num_classes: int, norm: str = "batch", small_input: bool = False) -> nn.Module:
+def resnet(
+    name: str, num_classes: int, in_channels: int = 3, norm: str = "batch", small_input: bool = False
+) -> nn.Module:
     """torchvision's ResNet by name (`resnet18`, `resnet50`, ...), randomly initialised.
 
     `small_input=True` swaps the 7x7/2 stem and max-pool for a 3x3/1 conv, the usual change for 32x32 images.
+    `in_channels` other than 3 (grey images) gets a stem of that width.
     """
     net = getattr(torchvision.models, name)(weights=None, num_classes=num_classes, norm_layer=norm_layer(norm))
     if small_input:
-        net.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
+        net.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
         net.maxpool = nn.Identity()
+    elif in_channels != 3:
+        net.conv1 = nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False)
     return net
-
-
-@torch.no_grad()
-def parameter_checksum(net: nn.Module) -> float:
-    """A cheap fingerprint of all weights, to compare models across ranks or runs."""
-    return float(
-        sum(p.double().sum() + p.double().abs().sum() for p in net.state_dict().values() if p.is_floating_point())
-    )

@@ -15,8 +15,10 @@ from scaleup.engine.config import flatten
 
 
 def flat_plan(plan: dict[str, Any]) -> dict[str, bool | int | float | str]:
-    """The plan's set entries, nested dicts as `outer/inner` (TensorBoard's HParams take no containers)."""
-    return {key: value for key, value in flatten(plan, sep="/").items() if value is not None}
+    """The plan's set entries, nested dicts as `outer/inner`, lists as text (TensorBoard's HParams take no
+    containers)."""
+    flat = flatten(plan, sep="/")
+    return {k: str(list(v)) if isinstance(v, list | tuple) else v for k, v in flat.items() if v is not None}
 
 
 class PlanHParams(L.Callback):

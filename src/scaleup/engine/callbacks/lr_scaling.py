@@ -23,7 +23,7 @@ def lr_factor(global_batch: int, base_batch: int, rule: str) -> float:
         return math.sqrt(ratio)
     if rule == "none":
         return 1.0
-    raise UserError(f"callbacks.lr_scaling.rule={rule} is not one of {', '.join(SCALING_RULES)}")
+    raise UserError(f"lr_schedule.rule={rule} is not one of {', '.join(SCALING_RULES)}")
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,20 @@ class LRSchedule:
     milestones: tuple[int, ...] = ()  # optimizer steps, for decay="step"
     gamma: float = 0.1
 
+    @property
+    def warmup_start(self) -> float:
+        """The factor at step 0: the unscaled base LR (1), or the peak itself when that is lower.
+
+        Warmup keeps the first steps of a big-batch run at the LR the base recipe was tuned for, and ramps from
+        there to the scaled peak (Goyal et al. 2017, "gradual warmup"). Below the base batch the scaled LR is
+        already lower than the tuned one, so there is nothing to bridge: the schedule starts at the peak, and
+        never ramps down.
+        """
+        return min(1.0, self.peak)
+
     def factor_at(self, step: int) -> float:
         if step < self.warmup_steps:
-            # Linear ramp from the unscaled base LR (factor 1): the first steps of a big-batch run see the LR that
-            # the base recipe was tuned for (Goyal et al. 2017, "gradual warmup").
-            return 1.0 + (self.peak - 1.0) * step / self.warmup_steps
+            return self.warmup_start + (self.peak - self.warmup_start) * step / self.warmup_steps
         if self.decay == "cosine":
             span = max(1, self.total_steps - self.warmup_steps)
             progress = min(1.0, (step - self.warmup_steps) / span)
@@ -67,8 +76,8 @@ def base_lrs(module: L.LightningModule) -> dict[str, float]:
         raise UserError(
             f"{type(module).__name__}.configure_optimizers returns a learning-rate scheduler "
             f"({type(scheduler).__name__}), which would fight the template's own schedule: return only the optimizer "
-            "and set callbacks.lr_scaling.rule, warmup_epochs (or warmup_steps), decay=cosine|step|none, milestones "
-            "and gamma instead"
+            "and set lr_schedule.rule, warmup_epochs (or warmup_steps), decay=cosine|step|none, milestones and gamma "
+            "instead"
         )
     return {
         f"{type(optimizer).__name__}/{group.get('name', f'pg{index + 1}')}": float(group["lr"])

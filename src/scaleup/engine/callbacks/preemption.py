@@ -15,7 +15,7 @@ class PreemptionCheckpoint(L.Callback):
     handler saves an `hpc_ckpt` and requeues the job.)"""
 
     def __init__(self, dirpath: str | Path) -> None:
-        self.path = Path(dirpath) / "last.ckpt"
+        self.path = f"{str(dirpath).rstrip('/')}/last.ckpt"  # a local path or a URL
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":

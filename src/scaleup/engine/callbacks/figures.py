@@ -1,7 +1,7 @@
 """Test-time figures for classifiers: a confusion matrix and a grid of misclassified samples, as logger images.
 
-A callback, enabled by the classifier's model configs (`configs/callbacks/classification_figures.yaml`), so the
-classifier itself stays unchanged and tasks that are not image classification simply do not list it.
+A callback that a classifier returns from its `configure_callbacks()` (ImageClassifier does, set by `model.figures`),
+so tasks that are not image classification simply do not have it.
 """
 
 from __future__ import annotations

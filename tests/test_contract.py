@@ -23,6 +23,7 @@ ENCODER = [
     "~model.net",
     "~model.label_smoothing",
     "~model.compile",
+    "~model.figures",
     "+model.encoder._target_=scaleup.models.DigitsCNN",
     "+model.encoder.num_classes=10",
     "+model.encoder.width=8",

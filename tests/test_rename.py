@@ -6,6 +6,7 @@ import importlib.util
 import json
 import re
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -207,9 +208,13 @@ def test_renamed_clone_installs_passes_its_fast_tests_and_trains(tmp_path):
     ]
     assert left == ["CHANGELOG.md", "LICENSE"]  # the original copyright line and the history, on purpose
 
-    # A venv that sees the installed packages, with the clone installed into it under its new name.
+    # A venv that sees this interpreter's packages (whether it runs in a venv, a conda env or the system Python:
+    # --system-site-packages would show the base interpreter's instead), with the clone installed into it under
+    # its new name. The build needs setuptools>=77 here (no build isolation): the test extra installs it.
     venv = tmp_path / "venv"
-    run_in(tmp_path, sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv)
+    run_in(tmp_path, sys.executable, "-m", "venv", "--without-pip", venv)
+    (site_dir,) = (venv / "lib").glob("python*/site-packages")
+    (site_dir / "outer-environment.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     python = venv / "bin" / "python"
     run_in(tmp_path, python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", clone, env=env)
     where = run_in(tmp_path, python, "-c", "import mynet; print(mynet.__file__)", env=env)

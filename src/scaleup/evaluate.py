@@ -49,11 +49,10 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     precision = resolve_precision(cfg.trainer.precision or plan["precision"], topology.accelerator)
     if topology.accelerator == "cpu" and str(precision).startswith("16"):
         precision = "bf16-mixed"  # fp16 autocast needs a GPU; bf16 keeps the reduced-precision behaviour
-    model_cfg = dict(config["model"])
-    if cfg.compile or "compile" in model_cfg:  # a module setting (ImageClassifier's), here an evaluation choice
-        model_cfg["compile"] = cfg.compile
-    model = build_model(model_cfg, precision=precision)
+    model = build_model(config["model"], precision=precision)
     load_weights(model, checkpoint["state_dict"])  # float64 weights into a float64 model: nothing rounded
+    if cfg.compile:
+        model.compile()  # in place: the module's forward, whatever the module
     del checkpoint
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import default_collate
+from torchmetrics import Metric
 
 from scaleup.engine.callbacks.run_files import ConfigInCheckpoint
 from scaleup.engine.checks import batchnorm_warning
@@ -51,14 +52,16 @@ def largest_that_fits(candidates: list[int], fits: Callable[[int], bool]) -> int
 
 
 def training_loss(module: L.LightningModule, batch: Any) -> torch.Tensor:
-    """The forward half of a training step on `(inputs, targets)`, without logging or metric updates.
+    """The module's own `training_step` on `batch`, with its logging silenced: any batch structure, any loss.
 
-    Uses the module's `loss(outputs, targets)` when it has one (as ImageClassifier does), else the mean output:
-    the activations kept for backward dominate the memory either way.
+    Metric updates it makes are undone by the probe (every torchmetrics state is reset afterwards).
     """
-    inputs, targets = batch
-    outputs = module(inputs)
-    return module.loss(outputs, targets) if hasattr(module, "loss") else outputs.float().mean()
+    module.log = module.log_dict = lambda *args, **kwargs: None  # instance attributes shadow the methods
+    try:
+        output = module.training_step(batch, 0)
+    finally:
+        del module.log, module.log_dict
+    return output["loss"] if isinstance(output, Mapping) else output
 
 
 def repeated(sample: Any, size: int, device: torch.device, convert: Callable[[Any], Any]) -> Any:
@@ -77,13 +80,13 @@ class AutoBatchSize(L.Callback):
     """Settles the per-device batch and the accumulation at the start of `fit`, the same on every rank.
 
     Each rank tries the exact splits of the global batch, largest first, with one forward and backward pass at
-    the real input size (one training sample repeated): a split fits when it runs without running out of memory
+    the real input size (one training sample repeated, through the module's own `training_step`): a split fits when it runs without running out of memory
     and, on a GPU, its peak plus the optimizer state leaves `margin` of the device free. The ranks then take the
     smallest of their answers, so a rank with less free memory decides for all.
 
     The probe leaves no trace: BatchNorm layers run in eval mode (running statistics untouched, and no SyncBN
-    collective, which would need every rank to probe in step), the random streams are restored and the gradients
-    dropped. `forward` is the forward half of the pass; tests wrap it to simulate a device with less memory.
+    collective, which would need every rank to probe in step), the random streams are restored, the gradients
+    dropped and the metric states reset. `forward` is the forward half of the pass; tests wrap it to simulate a device with less memory.
     """
 
     def __init__(self, plan: Plan, plan_path: str | Path | None = None, margin: float = AUTO_MARGIN) -> None:
@@ -136,6 +139,9 @@ class AutoBatchSize(L.Callback):
             for norm in norms:
                 norm.train()
             module.zero_grad(set_to_none=True)
+            for metric in module.modules():
+                if isinstance(metric, Metric):
+                    metric.reset()
         return fitted
 
     def _report(self, mine: int, agreed: int) -> None:

@@ -12,6 +12,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from scaleup.data import DigitsDataModule
 from scaleup.models import ImageClassifier
 
 
@@ -135,3 +136,34 @@ class SigtermAtBatch(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
         if (trainer.current_epoch, batch_idx) == (self.epoch, self.batch_idx):
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SigtermOnLoad(torch.utils.data.Dataset):
+    """A split whose loading of sample `index` sends this process SIGTERM, once (the marker file remembers):
+    a pre-emption at a known point of whichever phase reads that split, in whichever rank loads the sample."""
+
+    def __init__(self, data: torch.utils.data.Dataset, index: int, marker: str) -> None:
+        self.data, self.index, self.marker = data, index, Path(marker)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        if i == self.index and not self.marker.exists():
+            self.marker.touch()
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.data[i]
+
+
+class SigtermDigits(DigitsDataModule):
+    """Digits whose `split` sends SIGTERM when its sample `index` is loaded (with `data.num_workers=0`, in the
+    training process): `data._target_=probes.SigtermDigits +data.split=test +data.index=0 +data.marker=PATH`."""
+
+    def __init__(self, split: str, index: int, marker: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.split, self.index, self.marker = split, index, marker
+
+    def build_splits(self):
+        splits = super().build_splits()
+        splits[self.split] = SigtermOnLoad(splits[self.split], self.index, self.marker)
+        return splits

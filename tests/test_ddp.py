@@ -25,8 +25,8 @@ from conftest import (
     read_json,
     weights,
 )
+from scaleup.check_equivalence import explanations, verdict
 from scaleup.check_equivalence import main as check_equivalence
-from scaleup.check_equivalence import verdict
 from scaleup.engine.callbacks.lr_scaling import LRSchedule
 
 pytestmark = pytest.mark.slow
@@ -145,3 +145,29 @@ def test_equivalence_verdict_in_float64_and_float32():
     assert lines[-1].startswith("NOT EQUIVALENT in float64")
     code, lines = verdict(one, off, "32-true")  # within float32's rounding allowance
     assert code == 0 and lines[-1].startswith("EQUIVALENT in float32")
+
+
+def test_equivalence_verdict_names_what_the_plans_explain():
+    """The default model's unsynced BatchNorm (64 samples per statistic on 1 process, 32 per device on 2) and
+    dropout make the runs differ by design: the verdict says so instead of blaming the loss."""
+    one, off = {"w": torch.ones(3, dtype=torch.float64)}, {"w": torch.ones(3, dtype=torch.float64) + 1e-3}
+    plans = {
+        1: {"has_batchnorm": True, "bn_batch_size": 64, "sync_batchnorm_reason": "auto: one process, nothing to sync"},
+        2: {
+            "has_batchnorm": True,
+            "bn_batch_size": 32,
+            "sync_batchnorm_reason": "auto: torch's SyncBatchNorm runs on GPUs",
+        },
+    }
+    reasons = explanations(plans, {"net": {"norm": "batch", "dropout": 0.5}})
+    assert reasons == [
+        "BatchNorm: its statistics come from 64 samples on 1 process and 32 per device on 2 (auto: torch's "
+        "SyncBatchNorm runs on GPUs), so the runs normalise differently by design; check your code with "
+        "model.net.norm=group",
+        "dropout (model.net.dropout=0.5): each process draws its own masks; check with them at 0",
+    ]
+    code, lines = verdict(one, off, "64-true", reasons)
+    assert code == 1 and lines[-1].startswith(
+        "NOT EQUIVALENT in float64, as expected from the configuration: BatchNorm"
+    )
+    assert explanations({1: {"has_batchnorm": False}, 2: {"has_batchnorm": False}}, {"net": {"dropout": 0.0}}) == []

@@ -13,12 +13,18 @@ float32 comparison (`--float32`) needs a loose tolerance and can pass on one mac
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+from omegaconf import OmegaConf
+
+from scaleup.engine.config import flatten
 
 STEPS = 8
 CHECK = [
@@ -60,8 +66,31 @@ def finished_weights(proc: subprocess.Popen, devices: int, run_dir: Path) -> dic
     return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
 
 
-def verdict(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor], precision: str) -> tuple[int, list[str]]:
-    """(0 equivalent or 1 not, the lines to print) for the final weights of the 1- and 2-process runs."""
+def explanations(plans: dict[int, dict[str, Any]], model_cfg: dict[str, Any]) -> list[str]:
+    """What the runs' plans and config say makes 1 and 2 processes differ by design, before any bug of yours."""
+    reasons = []
+    one, two = plans[1], plans[2]
+    if one.get("has_batchnorm") and one.get("bn_batch_size") != two.get("bn_batch_size"):
+        reasons.append(
+            f"BatchNorm: its statistics come from {one['bn_batch_size']} samples on 1 process and "
+            f"{two['bn_batch_size']} per device on 2 ({two['sync_batchnorm_reason']}), so the runs normalise "
+            "differently by design; check your code with model.net.norm=group"
+        )
+    dropouts = {key: value for key, value in flatten(model_cfg).items() if "dropout" in key and value}
+    if dropouts:
+        settings = ", ".join(f"model.{key}={value}" for key, value in dropouts.items())
+        reasons.append(f"dropout ({settings}): each process draws its own masks; check with them at 0")
+    return reasons
+
+
+def verdict(
+    one: dict[str, torch.Tensor],
+    two: dict[str, torch.Tensor],
+    precision: str,
+    reasons: Sequence[str] = (),
+) -> tuple[int, list[str]]:
+    """(0 equivalent or 1 not, the lines to print) for the final weights of the 1- and 2-process runs, and what
+    the plans say makes them differ (`explanations`)."""
     tolerance = TOLERANCE.get(precision, TOLERANCE["32-true"])
     name = NAMES.get(precision, precision)
     differences = relative_differences(one, two)
@@ -69,10 +98,12 @@ def verdict(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor], precisio
     lines = [f"largest relative weight difference: {differences[worst]:.2e} ({worst}), tolerance {tolerance:g}"]
     if differences[worst] <= tolerance:
         return 0, [*lines, f"EQUIVALENT in {name}: moving to more devices changes the speed, not the result"]
+    if reasons:
+        because = "; ".join(reasons)
+        return 1, [*lines, f"NOT EQUIVALENT in {name}, as expected from the configuration: {because}"]
     advice = (
         f"NOT EQUIVALENT in {name}: the 2-process run optimises something else. Check the loss is a mean over the "
-        "device's batch, that nothing divides by a global count or all_reduces by hand, and run with "
-        "model.net.norm=group and no dropout."
+        "device's batch, and that nothing divides by a global count or all_reduces by hand."
     )
     if precision != "64-true":
         advice += " float32 rounding differs between CPUs: confirm in float64 (without --float32) first."
@@ -100,9 +131,11 @@ def main(argv: list[str]) -> int:
         run_dirs = {devices: Path(tmp) / str(devices) for devices in (1, 2)}
         procs = {devices: start_run(devices, overrides, run_dirs[devices]) for devices in (1, 2)}  # side by side
         weights = {devices: finished_weights(procs[devices], devices, run_dirs[devices]) for devices in (1, 2)}
-    if weights[1] is None or weights[2] is None:
-        return 2
-    code, lines = verdict(weights[1], weights[2], precision)
+        if weights[1] is None or weights[2] is None:
+            return 2
+        plans = {devices: json.loads((run_dirs[devices] / "plan.json").read_text()) for devices in (1, 2)}
+        model_cfg = OmegaConf.to_container(OmegaConf.load(run_dirs[1] / "config.yaml"))["model"]
+    code, lines = verdict(weights[1], weights[2], precision, explanations(plans, model_cfg))
     print("\n".join(lines))
     return code
 

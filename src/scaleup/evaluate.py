@@ -18,6 +18,7 @@ from scaleup.engine.components import build_datamodule
 from scaleup.engine.config import build_model, log_rows, to_plain
 from scaleup.engine.errors import UserError, config_errors
 from scaleup.engine.launch import check_launcher, shut_down_process_group
+from scaleup.engine.stop import StopOnSigterm, exit_when_stopped
 from scaleup.engine.topology import resolve_precision, resolve_topology
 
 log = logging.getLogger("scaleup")
@@ -59,19 +60,21 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     metrics_path = run_dir / "metrics.json"
     tf32, channels_last = plan.get("tf32", False), plan.get("channels_last", False)  # as trained
     set_tf32(tf32)
+    stop = StopOnSigterm()
     with config_errors("trainer"):
         trainer = L.Trainer(
             accelerator=topology.accelerator,
             devices=topology.devices,
             num_nodes=topology.num_nodes,
             precision=precision,
-            callbacks=[MetricsFile(metrics_path), PerformanceSettings(tf32, channels_last)],
+            callbacks=[stop, MetricsFile(metrics_path), PerformanceSettings(tf32, channels_last)],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=cfg.trainer.enable_progress_bar,
             default_root_dir=run_dir,
         )
-    trainer.test(model, datamodule=datamodule, verbose=False)
+    with exit_when_stopped(stop, f"evaluate again with: python eval.py ckpt_path={cfg.ckpt_path}"):
+        trainer.test(model, datamodule=datamodule, verbose=False)
     shut_down_process_group()
     if not trainer.is_global_zero:
         return {}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,6 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.utilities import rank_zero_only
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from scaleup.engine.callbacks.lr_scaling import base_lrs
@@ -29,13 +27,12 @@ from scaleup.engine.launch import (
 )
 from scaleup.engine.loggers import close_loggers
 from scaleup.engine.plan import Plan, build_plan, early_stopping_entry
-from scaleup.engine.resume import check_resume, resolve_ckpt_path
+from scaleup.engine.resume import resume_point
+from scaleup.engine.stop import StopOnSigterm, exit_when_stopped
 from scaleup.engine.topology import resolve_topology
 from scaleup.engine.trainer import build_trainer
 
 log = logging.getLogger("scaleup")
-
-EXIT_PREEMPTED = 143  # 128 + SIGTERM, the shell's convention for "terminated"
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -70,9 +67,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         performance=config["performance"],
     )
     check_config(config, plan)
-    ckpt_path = None if cfg.dry_run else resolve_ckpt_path(cfg.ckpt_path, config["checkpoint"]["dirpath"], run_dir)
-    if ckpt_path is not None:
-        check_resume(ckpt_path, config, plan, model)
+    resume = resume_point(None if cfg.dry_run else cfg.ckpt_path, config, plan, model, run_dir)
     if rank_zero_only.rank == 0:
         announce(plan, config, run_dir, in_memory=getattr(datamodule, "in_memory", False), dry_run=cfg.dry_run)
     if cfg.dry_run:
@@ -80,15 +75,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     set_tf32(plan.tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
     trainer = build_trainer(config, plan, topology, strategy, run_dir)
-    try:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
-    except SIGTERMException:
-        if trainer.is_global_zero:
-            log.warning(f"resume with: python train.py ckpt_path=last hydra.run.dir={run_dir} (plus your overrides)")
-        sys.exit(EXIT_PREEMPTED)
-    report_early_stop(trainer)
-    best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-    trainer.test(model, datamodule=datamodule, ckpt_path=best or None, verbose=False)
+    stop = next(cb for cb in trainer.callbacks if isinstance(cb, StopOnSigterm))
+    hint = f"resume with: python train.py ckpt_path=last hydra.run.dir={run_dir} (plus your overrides)"
+    with exit_when_stopped(stop, hint):
+        if resume.finished:
+            log.info(f"{resume.path} finished training at step {resume.step}: running its test")
+        else:
+            trainer.fit(model, datamodule=datamodule, ckpt_path=resume.path)
+            report_early_stop(trainer)
+        best = resume.best if resume.finished else trainer.checkpoint_callback.best_model_path
+        trainer.test(model, datamodule=datamodule, ckpt_path=best or None, verbose=False)
     close_loggers(trainer)
     shut_down_process_group()
     if not trainer.is_global_zero:

@@ -80,13 +80,15 @@ class AutoBatchSize(L.Callback):
     """Settles the per-device batch and the accumulation at the start of `fit`, the same on every rank.
 
     Each rank tries the exact splits of the global batch, largest first, with one forward and backward pass at
-    the real input size (one training sample repeated, through the module's own `training_step`): a split fits when it runs without running out of memory
-    and, on a GPU, its peak plus the optimizer state leaves `margin` of the device free. The ranks then take the
-    smallest of their answers, so a rank with less free memory decides for all.
+    the real input size (one training sample repeated, through the module's own `training_step`): a split fits
+    when it runs without running out of memory and, on a GPU, its peak plus the optimizer state leaves `margin` of
+    the device free. The ranks then take the smallest of their answers, so a rank with less free memory decides
+    for all.
 
     The probe leaves no trace: BatchNorm layers run in eval mode (running statistics untouched, and no SyncBN
     collective, which would need every rank to probe in step), the random streams are restored, the gradients
-    dropped and the metric states reset. `forward` is the forward half of the pass; tests wrap it to simulate a device with less memory.
+    dropped and the metric states reset. `forward` is the forward half of the pass; tests wrap it to simulate a
+    device with less memory.
     """
 
     def __init__(self, plan: Plan, plan_path: str | Path | None = None, margin: float = AUTO_MARGIN) -> None:

@@ -29,6 +29,7 @@ from scaleup.engine.config import instantiate_each
 from scaleup.engine.errors import config_errors
 from scaleup.engine.plan import Plan
 from scaleup.engine.seeding import PerRankSeed
+from scaleup.engine.stop import StopOnSigterm
 from scaleup.engine.topology import Topology
 
 
@@ -62,7 +63,8 @@ def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> lis
     """The machinery every run has, in the order it must run (Lightning calls callbacks in list order)."""
     checkpoint_dir = config["checkpoint"]["dirpath"]
     return [
-        # First: the LR must be set before LearningRateMonitor reads it.
+        StopOnSigterm(),  # first: a stop leaves the batch before anything else starts it
+        # The LR must be set before LearningRateMonitor reads it.
         LRScaling(plan.schedule()),
         PerRankSeed(plan.seed),
         # Settles the micro-batch at the start of fit, before BatchProgressRescale reads the accumulation.

@@ -1,0 +1,109 @@
+"""SIGTERM anywhere (training, validation, the final test, eval.py): every rank stops, exit code 143, never 0
+without results, and the requeued `ckpt_path=last` run completes.
+
+The signal comes from the data: probes.SigtermDigits sends SIGTERM to the process that loads sample 130 of the
+chosen split (once: a marker file remembers), so it lands at a known point of that phase, in whichever rank
+loads the sample. On 2 processes the test split's sample 130 is rank 0's (unpadded shards: rank r gets r, r + 2,
+...), which passes the signal on to the rank it started, as a scheduler signals every process of a job.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import QUICK, check, in_process, read_json, start
+
+pytestmark = pytest.mark.slow
+
+TWO_EPOCHS = [*QUICK, "trainer.max_epochs=2", "logger=none", "callbacks=[]"]
+STEPS_PER_EPOCH = 19  # 1,257 training samples, global batch 64
+
+
+def sigterm_in(split: str, tmp_path, plus: str = "") -> list[str]:
+    return [
+        f"{plus}data._target_=probes.SigtermDigits",
+        f"+data.split={split}",
+        "+data.index=130",
+        f"+data.marker={tmp_path / 'signalled'}",
+    ]
+
+
+def has_test_results(run_dir) -> bool:
+    return (run_dir / "metrics.json").is_file() and "test/acc" in read_json(run_dir / "metrics.json")
+
+
+def last_step(run_dir) -> int:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+
+
+@pytest.mark.parametrize(("phase", "stopped_at"), [("val", STEPS_PER_EPOCH), ("test", 2 * STEPS_PER_EPOCH)])
+def test_one_process_stops_with_143_and_the_requeued_run_completes(phase, stopped_at, tmp_path):
+    """Validation runs to its end and training stops at the next step (after epoch 0, with last.ckpt there); a
+    signal in the final test leaves no test results and exit 143, and the requeue runs just the test."""
+    args = [*TWO_EPOCHS, *sigterm_in(phase, tmp_path), f"hydra.run.dir={tmp_path / 'run'}"]
+    with pytest.raises(SystemExit) as stopped:
+        in_process(args)
+    assert stopped.value.code == 143
+    assert last_step(tmp_path / "run") == stopped_at
+    assert not has_test_results(tmp_path / "run")
+    metrics = in_process([*args, "ckpt_path=last"])
+    assert metrics["test/samples"] == 360 and last_step(tmp_path / "run") == 2 * STEPS_PER_EPOCH
+
+
+def test_eval_on_one_process_stops_with_143_and_writes_no_metrics(trained_run, tmp_path):
+    (best,) = (trained_run / "checkpoints").glob("best-*.ckpt")
+    args = [f"ckpt_path={best}", *sigterm_in("test", tmp_path, plus="+"), f"hydra.run.dir={tmp_path / 'eval'}"]
+    with pytest.raises(SystemExit) as stopped:
+        in_process(args, job="eval")
+    assert stopped.value.code == 143
+    assert not (tmp_path / "eval" / "metrics.json").exists()
+
+
+def finished(proc: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.CompletedProcess(proc.args, proc.wait(timeout), proc.communicate()[0])
+
+
+def test_two_processes_stop_together_in_every_phase_and_resume(trained_run, tmp_path):
+    """On 2 processes, SIGTERM in training (in whichever rank loads the sample), in validation, in the final test
+    and in eval.py: both ranks stop, within the timeout, with exit 143; the requeued runs complete."""
+    two = ["trainer.devices=2"]
+    runs = {phase: tmp_path / phase for phase in ("train", "val", "test")}
+    procs = {
+        phase: start(
+            [sys.executable, "train.py", *TWO_EPOCHS, *two, *sigterm_in(phase, run_dir), f"hydra.run.dir={run_dir}"]
+        )
+        for phase, run_dir in runs.items()
+    }
+    (best,) = (trained_run / "checkpoints").glob("best-*.ckpt")
+    eval_dir = tmp_path / "eval"
+    eval_args = [f"ckpt_path={best}", *two, *sigterm_in("test", eval_dir, plus="+"), f"hydra.run.dir={eval_dir}"]
+    procs["eval"] = start([sys.executable, "eval.py", *eval_args])
+    results = {phase: finished(proc) for phase, proc in procs.items()}
+    for phase, result in results.items():
+        assert result.returncode == 143, f"{phase}: exit {result.returncode}\n{result.stdout[-3000:]}"
+        assert "Traceback" not in result.stdout, f"{phase}\n{result.stdout[-3000:]}"
+    assert not (eval_dir / "metrics.json").exists()
+    # The ranks agree on a stop one micro-batch after the signal (the flags travel in the background).
+    assert last_step(runs["val"]) == STEPS_PER_EPOCH + 1 and last_step(runs["test"]) == 2 * STEPS_PER_EPOCH
+    assert not has_test_results(runs["test"])
+
+    requeued = {
+        phase: start(
+            [
+                sys.executable,
+                "train.py",
+                *TWO_EPOCHS,
+                *two,
+                *sigterm_in(phase, run_dir),
+                "ckpt_path=last",
+                f"hydra.run.dir={run_dir}",
+            ]
+        )
+        for phase, run_dir in runs.items()
+    }
+    for phase, proc in requeued.items():
+        check(finished(proc))
+        assert read_json(runs[phase] / "metrics.json")["test/samples"] == 360, phase
+        assert read_json(runs[phase] / "plan.json")["world_size"] == 2

@@ -18,6 +18,7 @@ from scaleup.engine.components import build_datamodule
 from scaleup.engine.config import build_model, log_rows, to_plain
 from scaleup.engine.errors import UserError, config_errors
 from scaleup.engine.launch import check_launcher, shut_down_process_group
+from scaleup.engine.lightning_workarounds import ExactEvalMetrics
 from scaleup.engine.topology import resolve_precision, resolve_topology
 
 log = logging.getLogger("scaleup")
@@ -65,7 +66,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
             devices=topology.devices,
             num_nodes=topology.num_nodes,
             precision=precision,
-            callbacks=[MetricsFile(metrics_path), PerformanceSettings(tf32, channels_last)],
+            callbacks=[ExactEvalMetrics(), MetricsFile(metrics_path), PerformanceSettings(tf32, channels_last)],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=cfg.trainer.enable_progress_bar,

@@ -27,6 +27,7 @@ from scaleup.engine.launch import (
     fresh_store_after_torchrun_restart,
     shut_down_process_group,
 )
+from scaleup.engine.lightning_workarounds import ignore_unresumable_loader_warning
 from scaleup.engine.loggers import close_loggers
 from scaleup.engine.plan import Plan, build_plan, early_stopping_entry
 from scaleup.engine.resume import check_resume, resolve_ckpt_path
@@ -34,6 +35,9 @@ from scaleup.engine.topology import resolve_topology
 from scaleup.engine.trainer import build_trainer
 
 log = logging.getLogger("scaleup")
+
+# Our sampler skips the steps a mid-epoch checkpoint already took (GlobalBatchSampler.resume).
+ignore_unresumable_loader_warning()
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, the shell's convention for "terminated"
 

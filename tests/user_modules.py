@@ -110,3 +110,25 @@ class LitAutoEncoder(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class ReductionLogger(L.Callback):
+    """Logs, from the eval batch hooks, a metric for each reduction Lightning offers, each the same whatever the
+    batches (a sample count, the largest and smallest per-sample pixel sum, a batch-size-weighted mean pixel); and,
+    at the validation epoch's end, each rank's own rank, which no reduction can make exact."""
+
+    def _log(self, pl_module: L.LightningModule, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x = batch[0].flatten(1)
+        pl_module.log(f"{stage}_samples", float(len(x)), reduce_fx="sum")
+        pl_module.log(f"{stage}_max_sum", x.sum(1).max(), reduce_fx="max")
+        pl_module.log(f"{stage}_min_sum", x.sum(1).min(), reduce_fx="min")
+        pl_module.log(f"{stage}_mean_pixel", x.mean(), batch_size=len(x))
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, *args) -> None:
+        self._log(pl_module, "val", batch)
+
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, *args) -> None:
+        self._log(pl_module, "test", batch)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.log("val_rank", float(trainer.global_rank))

@@ -27,8 +27,6 @@ from torch.optim import Optimizer
 
 log = logging.getLogger("scaleup")
 
-LIGHTNING_VERSION = "2.6.6"  # where every entry below was measured, with torch 2.14.1
-
 # --- Warnings --------------------------------------------------------------------------------------------------------
 
 UNRESUMABLE_LOADER_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
@@ -255,9 +253,10 @@ class ExactEvalMetrics(Callback):
     """Makes validation and test metrics logged with a plain `self.log(name, tensor)` exact on N processes.
 
     Lightning 2.6.6. Reason: without `sync_dist=True` Lightning keeps each rank's own epoch value and reports rank
-    0's (a test loss from rank 0's shard alone: 0.4862 on 2 processes, 0.4863 on 1), and with `sync_dist=True` it
-    averages per-rank means, mis-weighting ranks with fewer samples (Lightning #21859). This reads the private
-    ResultCollection (`trainer._results`, `_ResultMetric.value`, `.cumulated_batch_size`, `.meta`).
+    0's (tests/user_modules.py LitAutoEncoder's test_loss on digits: 0.6789 on 2 processes, 0.6824 on 1; each rank's
+    ModelCheckpoint even names a different best file), and with `sync_dist=True` it averages per-rank means,
+    mis-weighting ranks with fewer samples (Lightning #21859). This reads the private ResultCollection
+    (`trainer._results`, `_ResultMetric.value`, `.cumulated_batch_size`, `.meta`).
     Canary: test_plain_self_log_keeps_each_rank_its_own_epoch_value.
 
     At the end of each validation/test epoch, before Lightning computes the epoch values, every rank's accumulated

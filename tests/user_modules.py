@@ -7,6 +7,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
+from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from scaleup.engine.metrics import StageMetrics
@@ -77,3 +78,57 @@ class PlainDataModule(L.LightningDataModule):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
+
+
+class LitAutoEncoder(L.LightningModule):
+    """Lightning's README module, adapted to digits (8x8 images, 64 inputs), with validation and test steps: every
+    metric is a plain `self.log(name, tensor)`, no sync_dist, no torchmetrics (model=lit_autoencoder, tests/configs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 3))
+        self.decoder = nn.Sequential(nn.Linear(3, 32), nn.ReLU(), nn.Linear(32, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, _ = batch
+        x = x.view(x.size(0), -1)
+        return F.mse_loss(self.decoder(self.encoder(x)), x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class ReductionLogger(L.Callback):
+    """Logs, from the eval batch hooks, a metric for each reduction Lightning offers, each the same whatever the
+    batches (a sample count, the largest and smallest per-sample pixel sum, a batch-size-weighted mean pixel); and,
+    at the validation epoch's end, each rank's own rank, which no reduction can make exact."""
+
+    def _log(self, pl_module: L.LightningModule, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x = batch[0].flatten(1)
+        pl_module.log(f"{stage}_samples", float(len(x)), reduce_fx="sum")
+        pl_module.log(f"{stage}_max_sum", x.sum(1).max(), reduce_fx="max")
+        pl_module.log(f"{stage}_min_sum", x.sum(1).min(), reduce_fx="min")
+        pl_module.log(f"{stage}_mean_pixel", x.mean(), batch_size=len(x))
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, *args) -> None:
+        self._log(pl_module, "val", batch)
+
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, *args) -> None:
+        self._log(pl_module, "test", batch)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.log("val_rank", float(trainer.global_rank))

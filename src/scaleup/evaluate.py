@@ -18,7 +18,8 @@ from scaleup.engine.components import build_datamodule
 from scaleup.engine.config import build_model, log_rows, to_plain
 from scaleup.engine.errors import UserError, config_errors
 from scaleup.engine.launch import check_launcher, shut_down_process_group
-from scaleup.engine.stop import StopOnSigterm, exit_when_stopped
+from scaleup.engine.lightning_workarounds import ExactEvalMetrics, StopOnSigterm
+from scaleup.engine.stop import exit_when_stopped
 from scaleup.engine.topology import resolve_precision, resolve_topology
 
 log = logging.getLogger("scaleup")
@@ -67,7 +68,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
             devices=topology.devices,
             num_nodes=topology.num_nodes,
             precision=precision,
-            callbacks=[stop, MetricsFile(metrics_path), PerformanceSettings(tf32, channels_last)],
+            callbacks=[stop, ExactEvalMetrics(), MetricsFile(metrics_path), PerformanceSettings(tf32, channels_last)],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=cfg.trainer.enable_progress_bar,

@@ -25,14 +25,18 @@ from scaleup.engine.launch import (
     fresh_store_after_torchrun_restart,
     shut_down_process_group,
 )
+from scaleup.engine.lightning_workarounds import StopOnSigterm, ignore_unresumable_loader_warning
 from scaleup.engine.loggers import close_loggers
 from scaleup.engine.plan import Plan, build_plan, early_stopping_entry
 from scaleup.engine.resume import resume_point
-from scaleup.engine.stop import StopOnSigterm, exit_when_stopped
+from scaleup.engine.stop import exit_when_stopped
 from scaleup.engine.topology import resolve_topology
 from scaleup.engine.trainer import build_trainer
 
 log = logging.getLogger("scaleup")
+
+# Our sampler skips the steps a mid-epoch checkpoint already took (GlobalBatchSampler.resume).
+ignore_unresumable_loader_warning()
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.pytorch import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
@@ -122,75 +121,6 @@ def remove_interrupted_writes(directory: str | Path) -> list[Path]:
     for path in stale:
         path.unlink(missing_ok=True)
     return stale
-
-
-class EpochProgressRepair(Callback):
-    """Repairs the epoch counter of checkpoints that Lightning 2.6 writes inconsistently.
-
-    After resuming from a checkpoint saved at the last batch of an epoch, Lightning starts the next epoch without
-    counting it as started in `epoch_progress`. A checkpoint saved inside that epoch then looks, on the next
-    resume, like the epoch before it, and Lightning trains the whole epoch again (measured: 32 steps instead of
-    24 after two such resumes). A checkpoint written inside `on_train_batch_end` always belongs to a started
-    epoch: this marks it so before Lightning restores its loops.
-    """
-
-    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
-        batches = fit_loop.get("epoch_loop.batch_progress", {}).get("current", {})
-        epochs = fit_loop.get("epoch_progress")
-        saved_inside_batch_end = batches.get("completed", 0) < batches.get("ready", 0)
-        if epochs and saved_inside_batch_end and epochs["current"]["ready"] == epochs["current"]["completed"]:
-            for counts in (epochs["current"], epochs["total"]):
-                counts["ready"] = counts["started"] = counts["completed"] + 1
-
-
-def rescale_batch_progress(checkpoint: dict[str, Any], accumulation: int) -> None:
-    """Restate the fit loop's batch counters in micro-batches of `accumulation` per optimizer step.
-
-    Lightning counts an epoch's progress in loader batches (micro-batches): with accumulation a, s optimizer steps
-    are s x a batches, and the next optimizer step comes when the count is a multiple of a. The checkpoint says
-    which accumulation wrote it (its stored plan). Every counter moves by the same amount, so their relations
-    (which tell Lightning where in the batch the checkpoint was taken) hold. A checkpoint taken between the
-    micro-batches of a step (SIGTERM with accumulation) goes back to that step's start: it does not hold the
-    partial gradients, and the sampler, which counts whole optimizer steps, replays the step from its first sample.
-    """
-    previous = checkpoint.get("scaleup", {}).get("plan", {}).get("accumulate_grad_batches")
-    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
-    if not previous or not progress:
-        return
-    shift = progress["current"]["ready"] // previous * accumulation - progress["current"]["ready"]
-    for counts in (progress["current"], progress["total"]):
-        for key in ("ready", "started", "processed", "completed"):
-            counts[key] += shift
-
-
-class BatchProgressRescale(Callback):
-    """Lets a run resume mid-epoch with another accumulation, which another device count with a per-device cap
-    brings: rewrites the checkpoint's micro-batch counters (`rescale_batch_progress`) before Lightning restores
-    its loops from them.
-
-    The accumulation is final only at `on_fit_start` (`data.max_per_device_batch_size=auto` settles it there),
-    after Lightning has handed over the checkpoint and before it restores the loops; strategies that restore
-    after setup (FSDP) hand it over later, when the accumulation is already final.
-    """
-
-    def __init__(self) -> None:
-        self._checkpoint: dict[str, Any] | None = None
-        self._fit_started = False
-
-    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        self._checkpoint = checkpoint  # the dict Lightning restores its loops from
-        if self._fit_started:
-            self._rescale(trainer)
-
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self._fit_started = True
-        self._rescale(trainer)
-
-    def _rescale(self, trainer: Any) -> None:
-        if self._checkpoint is not None and trainer.state.fn == "fit":
-            rescale_batch_progress(self._checkpoint, trainer.accumulate_grad_batches)
-        self._checkpoint = None
 
 
 def save_checkpoint(obj: Any, path: str | Path) -> None:

@@ -58,8 +58,10 @@ def lookup(tree: Any, path: str) -> Any:
 
 
 def log_rows(title: str, rows: list[tuple[str, str]]) -> None:
-    width = max(len(name) for name, _ in rows)
-    log.info("\n".join([title, *(f"  {name:<{width}}  {value}" for name, value in rows)]))
+    """Log a title and aligned `name  value` rows under it (`(none)` for no rows)."""
+    width = max((len(name) for name, _ in rows), default=0)
+    lines = [f"  {name:<{width}}  {value}" for name, value in rows] or ["  (none)"]
+    log.info("\n".join([title, *lines]))
 
 
 def write_yaml(data: dict[str, Any], path: Path) -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from omegaconf import OmegaConf
 
 from scaleup.engine.errors import UserError
+from scaleup.engine.lightning_workarounds import SpawnDDPStrategy
 from scaleup.engine.topology import Topology
 
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
@@ -142,30 +142,8 @@ def build_strategy(strategy_cfg: dict[str, Any], world_size: int, multirun: bool
     if name == "ddp" and multirun:
         name = "ddp_spawn"
     if name == "ddp_spawn":
-        return SpawnDDPStrategy(start_method="spawn", timeout=timeout, **options), name
+        return SpawnDDPStrategy(on_exit=shut_down_process_group, timeout=timeout, **options), name
     return DDPStrategy(start_method="popen", timeout=timeout, **options), name
-
-
-class CleanExitLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn launcher, whose worker processes leave the process group together before they exit.
-
-    Under ddp_spawn, `trainer.fit` and `trainer.test` each run in fresh worker processes, so the job's own
-    `shut_down_process_group()` (in the parent, which holds no process group) cannot reach them, and a worker
-    that exits while its peer still holds gloo connections can abort ("terminate called without an active
-    exception", seen at the end of a spawned test). Lightning has no hook after its worker function, hence this
-    subclass of a private Lightning class.
-    """
-
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)
-        shut_down_process_group()
-
-
-class SpawnDDPStrategy(DDPStrategy):
-    """DDPStrategy(start_method="spawn") with the CleanExitLauncher."""
-
-    def _configure_launcher(self) -> None:
-        self._launcher = CleanExitLauncher(self, start_method=self._start_method)
 
 
 def external_world_size() -> tuple[str, int] | None:

@@ -18,18 +18,18 @@ from scaleup.engine.callbacks import (
 )
 from scaleup.engine.callbacks.hparams import PlanHParams
 from scaleup.engine.callbacks.performance import PerformanceSettings
-from scaleup.engine.checkpoint import (
-    AtomicCheckpointIO,
-    BatchProgressRescale,
-    EpochProgressRepair,
-    remove_interrupted_writes,
-)
+from scaleup.engine.checkpoint import AtomicCheckpointIO, remove_interrupted_writes
 from scaleup.engine.checks import MonitorCheck, TrainLoaderCheck
 from scaleup.engine.config import instantiate_each
 from scaleup.engine.errors import config_errors
+from scaleup.engine.lightning_workarounds import (
+    BatchProgressRescale,
+    EpochProgressRepair,
+    ExactEvalMetrics,
+    StopOnSigterm,
+)
 from scaleup.engine.plan import Plan
 from scaleup.engine.seeding import PerRankSeed
-from scaleup.engine.stop import StopOnSigterm
 from scaleup.engine.topology import Topology
 
 
@@ -70,6 +70,7 @@ def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> lis
         # Settles the micro-batch at the start of fit, before BatchProgressRescale reads the accumulation.
         *([AutoBatchSize(plan, run_dir / "plan.json")] if plan.max_per_device_batch_size == "auto" else []),
         PrivateMetricStates(),
+        ExactEvalMetrics(),  # before any callback reads the eval metrics at the epoch's end
         MonitorCheck(config["monitor"]["metric"], config["monitor"]["mode"]),
         TrainLoaderCheck(),
         ConfigInCheckpoint(config, plan.to_dict()),

@@ -7,28 +7,6 @@ the model ends training holding the average. So `eval.py` and `export.py`, which
 weights without knowing about it.
 """
 
-from __future__ import annotations
+from scaleup.engine.lightning_workarounds import EMA
 
-from typing import Any
-
-import lightning as L
-from lightning.pytorch.callbacks import EMAWeightAveraging
-
-
-class EMA(EMAWeightAveraging):
-    """EMAWeightAveraging with two fixes for how this template runs it.
-
-    - The average lives on the training device. Lightning builds it in `setup`, before the strategy moves the
-      model to its GPU, so by default it would stay on the CPU and every step would copy all weights across.
-    - Testing a checkpoint after `fit` tests the averaged weights. Lightning would swap the training weights
-      back in from `current_model_state` whenever its average still exists, which it does after `fit`.
-    """
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._device is None:
-            self._device = trainer.strategy.root_device
-        super().setup(trainer, pl_module, stage)
-
-    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        if trainer.state.fn == "fit":  # resume: restore the average and the training weights
-            super().on_load_checkpoint(trainer, pl_module, checkpoint)
+__all__ = ["EMA"]  # configs/callbacks/ema.yaml: scaleup.engine.callbacks.ema.EMA

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.tensorboard.summary import hparams
 
 from scaleup.engine.config import flatten
+from scaleup.engine.lightning_workarounds import add_summaries
 
 
 def flat_plan(plan: dict[str, Any]) -> dict[str, bool | int | float | str]:
@@ -47,7 +48,4 @@ class PlanHParams(L.Callback):
         metrics = dict.fromkeys(json.loads(self.metrics_path.read_text()), 0.0)  # only the names are written
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
-                writer = logger.experiment._get_file_writer()
-                for summary in hparams(flat_plan(self.plan), metrics):
-                    writer.add_summary(summary, trainer.global_step)
-                writer.flush()
+                add_summaries(logger, list(hparams(flat_plan(self.plan), metrics)), trainer.global_step)

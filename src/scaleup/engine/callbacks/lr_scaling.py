@@ -5,9 +5,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.core.optimizer import _configure_optimizers
 
 from scaleup.engine.errors import UserError
+from scaleup.engine.lightning_workarounds import parse_configure_optimizers
 
 SCALING_RULES = ("linear", "sqrt", "none")
 DECAYS = ("cosine", "step", "none")
@@ -70,7 +70,7 @@ def base_lrs(module: L.LightningModule) -> dict[str, float]:
     returned = module.configure_optimizers()
     if returned is None:  # Lightning allows it: a module that steps no optimizer
         return {}
-    optimizers, schedulers, _ = _configure_optimizers(returned)
+    optimizers, schedulers = parse_configure_optimizers(returned)
     if schedulers:
         scheduler = schedulers[0]["scheduler"] if isinstance(schedulers[0], dict) else schedulers[0]
         raise UserError(

@@ -1,0 +1,447 @@
+"""Every place where this project works around Lightning (or torch), in one module.
+
+Each entry below was measured on Lightning 2.6.6 with torch 2.14.1. Its docstring gives that version, the reason in
+one line, and the name of its canary in tests/test_lightning_workarounds.py. A canary runs plain Lightning WITHOUT
+the workaround and asserts the behaviour that made the workaround necessary (or the private API it relies on).
+
+When a canary fails after an upgrade, Lightning changed that behaviour: delete that workaround (and its canary),
+use Lightning's own behaviour or public API instead, and run the tests that name the entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import EMAWeightAveraging
+from lightning.pytorch.core.optimizer import _configure_optimizers
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.optim import Optimizer
+
+log = logging.getLogger("scaleup")
+
+# --- Warnings --------------------------------------------------------------------------------------------------------
+
+UNRESUMABLE_LOADER_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
+
+
+def ignore_unresumable_loader_warning() -> None:
+    """Silences Lightning's warning that a mid-epoch resume will not resume the train loader.
+
+    Lightning 2.6.6. Reason: our GlobalBatchSampler skips the steps a mid-epoch checkpoint already took, but
+    Lightning warns for every loader that is not `_Stateful` (has no state_dict/load_state_dict).
+    Canary: test_mid_epoch_resume_warns_for_a_loader_without_state_dict.
+    (A public alternative: a train DataLoader with `state_dict()`/`load_state_dict()`, which Lightning treats as
+    resumable and stores in the checkpoint; that is a change to engine/datamodule.py, not made here.)
+    """
+    warnings.filterwarnings("ignore", message=UNRESUMABLE_LOADER_WARNING)
+
+
+# --- Launch ----------------------------------------------------------------------------------------------------------
+
+
+class CleanExitLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn launcher, whose workers run `on_exit` (leave the process group together) before they exit.
+
+    Lightning 2.6.6. Reason: Lightning's spawn worker function returns with the process group still up and has no
+    hook after it; a worker that exits while its peer still holds gloo connections can abort ("terminate called
+    without an active exception", seen at the end of a spawned test). Subclasses a private Lightning class.
+    Canary: test_spawn_worker_leaves_the_process_group_up.
+    """
+
+    def __init__(self, strategy: Any, start_method: str, on_exit: Callable[[], None]) -> None:
+        super().__init__(strategy, start_method=start_method)
+        self.on_exit = on_exit  # a module-level function: spawn pickles it into every worker
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        self.on_exit()
+
+
+class SpawnDDPStrategy(DDPStrategy):
+    """DDPStrategy(start_method="spawn") with the CleanExitLauncher (same Lightning version, reason and canary)."""
+
+    def __init__(self, *, on_exit: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(start_method="spawn", **kwargs)
+        self.on_exit = on_exit
+
+    def _configure_launcher(self) -> None:
+        self._launcher = CleanExitLauncher(self, start_method=self._start_method, on_exit=self.on_exit)
+
+
+# --- Optimizers ------------------------------------------------------------------------------------------------------
+
+
+def parse_configure_optimizers(returned: Any) -> tuple[list[Optimizer], list[Any]]:
+    """(optimizers, LR schedulers) from anything `configure_optimizers` may return, parsed by Lightning's own code.
+
+    Lightning 2.6.6. Reason: Lightning has no public parser of the return formats it accepts, and the plan reads
+    the LRs before any Trainer exists; this calls the private `lightning.pytorch.core.optimizer._configure_optimizers`.
+    Canary: test_private_configure_optimizers_parses_every_return_format.
+    """
+    optimizers, schedulers, _ = _configure_optimizers(returned)
+    return optimizers, schedulers
+
+
+# --- TensorBoard -----------------------------------------------------------------------------------------------------
+
+
+def add_summaries(logger: Any, summaries: list[Any], step: int) -> None:
+    """Write raw Summary protos (TensorBoard's HParams) into a TensorBoardLogger's event file, and flush.
+
+    Lightning 2.6.6, torch 2.14.1. Reason: `TensorBoardLogger.log_hyperparams(params, metrics)` also writes each
+    metric as a scalar (a second point on every curve), and torch's SummaryWriter takes summaries only through its
+    private `_get_file_writer()` (which also reopens a writer Lightning closed after fit).
+    Canary: test_log_hyperparams_with_metrics_adds_a_scalar_point.
+    """
+    writer = logger.experiment._get_file_writer()
+    for summary in summaries:
+        writer.add_summary(summary, step)
+    writer.flush()
+
+
+# --- EMA -------------------------------------------------------------------------------------------------------------
+
+
+class EMA(EMAWeightAveraging):
+    """EMAWeightAveraging with two fixes for how this template runs it.
+
+    - The average lives on the training device. Lightning 2.6.6. Reason: Lightning builds the average in `setup`,
+      before the strategy moves the model to its device, on `pl_module.device` unless the private `_device` is
+      set; by default it would stay on the CPU and every step would copy all weights across.
+      Canary: test_ema_average_is_built_before_the_model_moves_to_its_device.
+    - Testing a checkpoint after `fit` tests the averaged weights. Lightning 2.6.6. Reason: Lightning swaps the
+      training weights back in from `current_model_state` whenever its average still exists, which it does after
+      `fit`. Canary: test_ema_testing_a_checkpoint_after_fit_loads_the_training_weights.
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._device is None:
+            self._device = trainer.strategy.root_device
+        super().setup(trainer, pl_module, stage)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn == "fit":  # resume: restore the average and the training weights
+            super().on_load_checkpoint(trainer, pl_module, checkpoint)
+
+
+# --- Loop state in checkpoints ---------------------------------------------------------------------------------------
+
+
+class EpochProgressRepair(Callback):
+    """Repairs the epoch counter of checkpoints that Lightning writes inconsistently.
+
+    Lightning 2.6.6. Reason: after resuming from a checkpoint saved at the last batch of an epoch, Lightning starts
+    the next epoch without counting it as started in `epoch_progress`; a checkpoint saved inside that epoch then
+    looks, on the next resume, like the epoch before it, and Lightning trains the whole epoch again (measured: 32
+    steps instead of 24 after two such resumes). A checkpoint written inside `on_train_batch_end` always belongs
+    to a started epoch: this marks it so before Lightning restores its loops.
+    Canary: test_resume_after_an_epoch_end_checkpoint_leaves_the_epoch_unstarted.
+    """
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        batches = fit_loop.get("epoch_loop.batch_progress", {}).get("current", {})
+        epochs = fit_loop.get("epoch_progress")
+        saved_inside_batch_end = batches.get("completed", 0) < batches.get("ready", 0)
+        if epochs and saved_inside_batch_end and epochs["current"]["ready"] == epochs["current"]["completed"]:
+            for counts in (epochs["current"], epochs["total"]):
+                counts["ready"] = counts["started"] = counts["completed"] + 1
+
+
+def rescale_batch_progress(checkpoint: dict[str, Any], accumulation: int) -> None:
+    """Restate the fit loop's batch counters in micro-batches of `accumulation` per optimizer step.
+
+    Lightning counts an epoch's progress in loader batches (micro-batches): with accumulation a, s optimizer steps
+    are s x a batches, and the next optimizer step comes when the count is a multiple of a. The checkpoint says
+    which accumulation wrote it (its stored plan). Every counter moves by the same amount, so their relations
+    (which tell Lightning where in the batch the checkpoint was taken) hold. A checkpoint taken between the
+    micro-batches of a step (SIGTERM with accumulation) goes back to that step's start: it does not hold the
+    partial gradients, and the sampler, which counts whole optimizer steps, replays the step from its first sample.
+    """
+    previous = checkpoint.get("scaleup", {}).get("plan", {}).get("accumulate_grad_batches")
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if not previous or not progress:
+        return
+    shift = progress["current"]["ready"] // previous * accumulation - progress["current"]["ready"]
+    for counts in (progress["current"], progress["total"]):
+        for key in ("ready", "started", "processed", "completed"):
+            counts[key] += shift
+
+
+class BatchProgressRescale(Callback):
+    """Lets a run resume mid-epoch with another accumulation, which another device count with a per-device cap
+    brings: rewrites the checkpoint's micro-batch counters (`rescale_batch_progress`) before Lightning restores
+    its loops from them.
+
+    Lightning 2.6.6. Reason: Lightning restores the epoch's batch counters as micro-batches of the accumulation that
+    wrote the checkpoint, whatever accumulation the resumed run has.
+    Canary: test_resume_with_another_accumulation_keeps_the_micro_batch_count.
+
+    The accumulation is final only at `on_fit_start` (`data.max_per_device_batch_size=auto` settles it there),
+    after Lightning has handed over the checkpoint and before it restores the loops; strategies that restore
+    after setup (FSDP) hand it over later, when the accumulation is already final.
+    """
+
+    def __init__(self) -> None:
+        self._checkpoint: dict[str, Any] | None = None
+        self._fit_started = False
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self._checkpoint = checkpoint  # the dict Lightning restores its loops from
+        if self._fit_started:
+            self._rescale(trainer)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._fit_started = True
+        self._rescale(trainer)
+
+    def _rescale(self, trainer: Any) -> None:
+        if self._checkpoint is not None and trainer.state.fn == "fit":
+            rescale_batch_progress(self._checkpoint, trainer.accumulate_grad_batches)
+        self._checkpoint = None
+
+
+# --- Exact evaluation metrics on N processes -------------------------------------------------------------------------
+
+# Lightning's reductions (it refuses any other `reduce_fx`) and the collective that combines each across ranks.
+REDUCTIONS = {
+    torch.mean: "mean",
+    torch.sum: "sum",
+    sum: "sum",
+    torch.max: "max",
+    max: "max",
+    torch.min: "min",
+    min: "min",
+}
+GROUP_OF = {"mean": "sum", "sum": "sum", "max": "max", "min": "min"}
+REDUCE_GROUPS = (
+    ("sum", torch.distributed.ReduceOp.SUM, 0.0),
+    ("max", torch.distributed.ReduceOp.MAX, float("-inf")),
+    ("min", torch.distributed.ReduceOp.MIN, float("inf")),
+)
+EPOCH_END_HOOKS = ("on_validation_epoch_end", "on_test_epoch_end")
+
+
+def _plain_epoch_metrics(trainer: L.Trainer) -> Iterator[tuple[str, _ResultMetric]]:
+    """(key, metric) for this epoch's plain-tensor, epoch-level `self.log` values that Lightning keeps per rank."""
+    for key, metric in (trainer._results or {}).items():
+        meta = metric.meta
+        # rank_zero_only=True: logged by rank 0 alone, on purpose.
+        if (
+            metric.is_tensor
+            and meta.on_epoch
+            and not metric.has_reset
+            and not (meta.sync.should or meta.sync.rank_zero_only)
+        ):
+            yield key, metric
+
+
+def _reducible(metric: _ResultMetric) -> bool:
+    """Logged before the epoch's end (a step or batch hook), from the only eval dataloader."""
+    return metric.meta.dataloader_idx is None and metric.meta.fx not in EPOCH_END_HOOKS
+
+
+class ExactEvalMetrics(Callback):
+    """Makes validation and test metrics logged with a plain `self.log(name, tensor)` exact on N processes.
+
+    Lightning 2.6.6. Reason: without `sync_dist=True` Lightning keeps each rank's own epoch value and reports rank
+    0's (tests/user_modules.py LitAutoEncoder's test_loss on digits: 0.6789 on 2 processes, 0.6824 on 1; each rank's
+    ModelCheckpoint even names a different best file), and with `sync_dist=True` it averages per-rank means,
+    mis-weighting ranks with fewer samples (Lightning #21859). This reads the private ResultCollection
+    (`trainer._results`, `_ResultMetric.value`, `.cumulated_batch_size`, `.meta`).
+    Canary: test_plain_self_log_keeps_each_rank_its_own_epoch_value.
+
+    At the end of each validation/test epoch, before Lightning computes the epoch values, every rank's accumulated
+    state is summed once across ranks: for a mean, the sum of value x batch size and the sum of batch sizes (so the
+    epoch value is weighted by batch size over all samples, as on one process); sums are summed, maxima and minima
+    reduced with max and min. Metrics logged as torchmetrics objects or with `sync_dist=True` are left alone
+    (Lightning reduces them). Training-stage metrics are out of scope: each rank keeps its own. What cannot be made
+    exact is named once, loudly, at the end of the first validation or test: values logged in the module's own
+    `on_validation_epoch_end`/`on_test_epoch_end` (they are logged after this runs) and metrics of a second eval
+    dataloader. Lightning refuses any other `reduce_fx` itself.
+
+    Every rank runs the same collectives in the same order: one all_gather of the metric names (a name logged on
+    some ranks only counts zero samples, or no maximum, on the others), then one all_reduce per kind of reduction,
+    in sorted name order. Needs every rank to reach the end of the eval epoch (each rank with at least one batch:
+    Lightning skips an empty eval loop, and its collectives, on that rank alone).
+    """
+
+    def __init__(self) -> None:
+        self._warned = False
+        self._quiet: set[str] = set()
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._silence_sync_dist_advice(trainer)
+
+    def on_test_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._silence_sync_dist_advice(trainer)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._reduce(trainer)
+
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._reduce(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._warn_once(trainer)
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._warn_once(trainer)
+
+    def _reduce(self, trainer: L.Trainer) -> None:
+        if trainer.world_size == 1 or not torch.distributed.is_initialized():
+            return
+        local = {key: metric for key, metric in _plain_epoch_metrics(trainer) if _reducible(metric)}
+        gathered: list[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(gathered, [(key, REDUCTIONS[m.meta.reduce_fx]) for key, m in local.items()])
+        keys = sorted(set().union(*gathered))  # (key, reduction): the same list, in the same order, on every rank
+        device = trainer.strategy.root_device
+        for group, op, identity in REDUCE_GROUPS:
+            entries = [(key, kind) for key, kind in keys if GROUP_OF[kind] == group]
+            if not entries:
+                continue
+            # One flat float64 tensor per kind of reduction: values, then the sample counts of the means. float64
+            # carries float32 values and integer counts exactly; a rank without the metric adds the identity.
+            means = [key for key, kind in entries if kind == "mean"]
+            state = torch.tensor([identity] * len(entries) + [0.0] * len(means), dtype=torch.float64, device=device)
+            for index, (key, _) in enumerate(entries):
+                if key in local:
+                    state[index] = local[key].value.double()
+            for index, key in enumerate(means):
+                if key in local:
+                    state[len(entries) + index] = local[key].cumulated_batch_size.double()
+            torch.distributed.all_reduce(state, op=op)
+            for index, (key, _) in enumerate(entries):
+                if key in local:
+                    local[key].value = state[index].to(local[key].value)
+            for index, key in enumerate(means):
+                if key in local:
+                    counts = local[key].cumulated_batch_size
+                    local[key].cumulated_batch_size = state[len(entries) + index].to(counts)
+        for metric in local.values():
+            metric._computed = None  # Lightning computed a per-rank value after the last batch: recompute it
+
+    def _silence_sync_dist_advice(self, trainer: L.Trainer) -> None:
+        """Lightning advises `sync_dist=True` for these metrics when it first computes them, after the last batch:
+        it no longer applies (and would mis-weight uneven ranks)."""
+        if trainer.world_size == 1:
+            return
+        for _, metric in _plain_epoch_metrics(trainer):
+            name = metric.meta.name
+            if name not in self._quiet and _reducible(metric):
+                self._quiet.add(name)
+                warnings.filterwarnings("ignore", message=rf"It is recommended to use `self.log\({name!r}")
+
+    def _warn_once(self, trainer: L.Trainer) -> None:
+        if self._warned or trainer.world_size == 1:
+            return
+        self._warned = True
+        inexact = sorted({metric.meta.name for _, metric in _plain_epoch_metrics(trainer) if not _reducible(metric)})
+        if inexact and trainer.is_global_zero:
+            log.warning(
+                f"NOT EXACT on {trainer.world_size} processes: {', '.join(inexact)} (logged with a plain tensor in "
+                "on_validation_epoch_end/on_test_epoch_end, or from a second eval dataloader) is each rank's own "
+                "value, and rank 0's is reported. Log a torchmetrics Metric instead (or scaleup.engine.metrics."
+                "StageMetrics), which sums its state over all ranks once per epoch"
+            )
+
+
+# --- Pre-emption -----------------------------------------------------------------------------------------------------
+
+
+class StopOnSigterm(Callback):
+    """Takes SIGTERM over from Lightning at the start of every stage, and stops every rank at the same point.
+
+    Lightning 2.6.6. Reason: its handler runs a collective inside the signal handler (a broadcast that can
+    interleave with the training step's and hang), a signal in `test` ends with SIGTERMException, a SystemExit
+    without a code (exit 0, no results), and a signal on one rank stops that rank alone.
+    Canary: test_sigterm_in_test_ends_plain_lightning_with_exit_code_0.
+
+    Here the handler only sets a flag. Training checks it at the start of every micro-batch: an all-reduce (max)
+    of the ranks' flags, so a signal on any rank stops all of them at the same micro-batch, where
+    `PreemptionCheckpoint` writes last.ckpt. The all-reduce runs on the CPU (gloo) and in the background, read one
+    micro-batch later: no device sync and no wait in the step; the stop comes one micro-batch after the signal.
+    Evaluation batches are uneven across ranks (no per-batch collective may run there), so validation inside
+    `fit` runs to its end and training stops at its next micro-batch; `test` (and `eval.py`) stops at the next
+    batch on each rank, without saving: a test has nothing to resume. `exit_when_stopped` then exits 143.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._trainer: L.Trainer | None = None
+        self._group: Any = None  # the CPU process group the flags travel in
+        self._flag = torch.zeros(1)
+        self._pending: Any = None  # the all-reduce in flight
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.requested:
+            log.warning(f"received signal {signum}: stopping at the next step")
+            launcher = self._trainer.strategy.launcher if self._trainer is not None else None
+            if launcher is not None:  # Lightning's own launcher: pass it on to the processes it started
+                launcher.kill(signum)
+        self.requested = True
+
+    def _take_over(self, trainer: L.Trainer) -> None:
+        # Lightning registers its handler when a stage starts, after `on_fit_start`; the first hook of each
+        # stage runs after that, so this replaces it.
+        self._trainer = trainer
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
+
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._take_over(trainer)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._take_over(trainer)
+        if trainer.world_size > 1 and dist.is_initialized():
+            # Every rank gets here together. gloo runs on the CPU: NCCL's default group would sync the device.
+            self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._take_over(trainer)
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._take_over(trainer)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._agreed(trainer):
+            raise SIGTERMException
+
+    def on_test_batch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        if self.requested:
+            raise SIGTERMException
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        if self.requested and trainer.state.fn == "validate":  # inside fit, validation runs to its end
+            raise SIGTERMException
+
+    def _agreed(self, trainer: L.Trainer) -> bool:
+        """Whether any rank had been asked to stop by the previous micro-batch: the same answer on every rank."""
+        if trainer.world_size == 1 or not dist.is_initialized():
+            return self.requested
+        agreed = False
+        if self._pending is not None:
+            self._pending.wait()
+            agreed = bool(self._flag.item())  # a CPU tensor: no device sync
+        self._flag = torch.tensor([float(self.requested)])
+        self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        return agreed

@@ -1,0 +1,218 @@
+"""Canaries of src/scaleup/engine/lightning_workarounds.py: one per workaround, each on plain Lightning WITHOUT it.
+
+Each asserts the Lightning 2.6.6 behaviour (or private API) that made its workaround necessary. When one fails
+after an upgrade, Lightning changed that behaviour: delete the workaround its docstring names, and this canary.
+"""
+
+import inspect
+import os
+import queue
+import signal
+import warnings
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+from lightning.pytorch.core.optimizer import _configure_optimizers
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.environments import LightningEnvironment
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _Sync
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from scaleup.engine import lightning_workarounds as workarounds
+
+BATCHES_PER_EPOCH = 4
+
+
+class Tiny(L.LightningModule):
+    """A linear layer on 8 fixed samples, 4 batches of 2 per epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.layer(batch[0]).pow(2).mean()
+
+    def test_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("test_loss", self.layer(batch[0]).pow(2).mean())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.linspace(-1, 1, 32).view(8, 4)), batch_size=2)
+
+    test_dataloader = train_dataloader
+
+
+def trainer(tmp_path, **kwargs) -> L.Trainer:
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in kwargs.get("callbacks", [])),
+        default_root_dir=tmp_path,
+    )
+    return L.Trainer(**{**options, **kwargs})
+
+
+def save_every(steps: int, dirpath) -> ModelCheckpoint:
+    """Checkpoints `step=N.ckpt` every `steps` optimizer steps, written in on_train_batch_end."""
+    return ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=steps, save_top_k=-1)
+
+
+def loops(path) -> dict:
+    return torch.load(path, weights_only=True)["loops"]["fit_loop"]
+
+
+def test_mid_epoch_resume_warns_for_a_loader_without_state_dict(tmp_path):
+    """ignore_unresumable_loader_warning: Lightning warns on every mid-epoch resume of a loader without state_dict."""
+    trainer(tmp_path, max_steps=2, callbacks=[save_every(2, tmp_path)]).fit(Tiny())
+    with pytest.warns(UserWarning, match=workarounds.UNRESUMABLE_LOADER_WARNING):
+        trainer(tmp_path, max_epochs=1).fit(Tiny(), ckpt_path=tmp_path / "step=2.ckpt")
+
+
+def test_spawn_worker_leaves_the_process_group_up(tmp_path, monkeypatch):
+    """CleanExitLauncher: Lightning's spawn worker function returns with the process group still initialized."""
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the worker function sets it; restored after the test
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # keeps the worker function from changing torch's thread count
+    strategy = DDPStrategy(
+        start_method="spawn", parallel_devices=[torch.device("cpu")], cluster_environment=LightningEnvironment()
+    )
+    strategy._configure_launcher()
+    assert type(strategy.launcher) is _MultiProcessingLauncher
+    assert "return_queue" in inspect.signature(_MultiProcessingLauncher._wrapping_function).parameters
+
+    def worker() -> None:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+
+    try:
+        strategy.launcher._wrapping_function(0, None, worker, (), {}, queue.Queue())
+        assert dist.is_initialized()  # nothing after the worker's function took it down
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_private_configure_optimizers_parses_every_return_format():
+    """parse_configure_optimizers: Lightning's only parser of configure_optimizers' return formats is private."""
+    import lightning.pytorch.core.optimizer as optimizer_module
+
+    assert [name for name in dir(optimizer_module) if "configure_optimizers" in name] == ["_configure_optimizers"]
+    sgd = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    step = torch.optim.lr_scheduler.StepLR(sgd, step_size=1)
+    for returned in (sgd, [sgd], ([sgd], [step]), {"optimizer": sgd, "lr_scheduler": step}):
+        optimizers, schedulers, _ = _configure_optimizers(returned)
+        assert optimizers == [sgd]
+        assert len(schedulers) == (0 if returned in (sgd, [sgd]) else 1)
+
+
+def test_log_hyperparams_with_metrics_adds_a_scalar_point(tmp_path):
+    """add_summaries: log_hyperparams(params, metrics) also writes every metric as a scalar point."""
+    logger = TensorBoardLogger(tmp_path, name="", version="")
+    logger.log_hyperparams({"lr": 0.1}, metrics={"test_loss": 0.5}, step=7)
+    logger.finalize("success")
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("test_loss")] == [(7, 0.5)]
+    assert callable(logger.experiment._get_file_writer)  # the private torch method add_summaries writes through
+
+
+def test_ema_average_is_built_before_the_model_moves_to_its_device(tmp_path):
+    """EMA (device): EMAWeightAveraging builds its average in setup, before the strategy moves the model, on
+    `pl_module.device` unless the private `_device` is set."""
+    order = []
+
+    class Moving(SingleDeviceStrategy):
+        def model_to_device(self) -> None:
+            order.append("model_to_device")
+            super().model_to_device()
+
+    class Recording(EMAWeightAveraging):
+        def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+            assert self._device is None
+            super().setup(trainer, pl_module, stage)
+            order.append("average built")
+
+    strategy = Moving(device=torch.device("cpu"))
+    trainer(tmp_path, max_steps=1, strategy=strategy, callbacks=[Recording()]).fit(Tiny())
+    assert order == ["average built", "model_to_device"]
+
+
+def test_ema_testing_a_checkpoint_after_fit_loads_the_training_weights(tmp_path):
+    """EMA (test after fit): after fit, testing a checkpoint loads its training weights, not its average."""
+    model = Tiny()
+    run = trainer(tmp_path, max_steps=BATCHES_PER_EPOCH, callbacks=[EMAWeightAveraging(), save_every(2, tmp_path)])
+    run.fit(model)
+    saved = torch.load(tmp_path / "step=2.ckpt", weights_only=True)  # the average in state_dict
+    assert not torch.equal(saved["state_dict"]["layer.weight"], saved["current_model_state"]["layer.weight"])
+    run.test(model, ckpt_path=tmp_path / "step=2.ckpt", verbose=False)
+    assert torch.equal(model.layer.weight, saved["current_model_state"]["layer.weight"])
+
+
+def test_resume_after_an_epoch_end_checkpoint_leaves_the_epoch_unstarted(tmp_path):
+    """EpochProgressRepair: resumed from a checkpoint at an epoch's last batch, Lightning does not count the next
+    epoch as started, so a checkpoint inside it says the epoch before, and resuming that repeats the epoch."""
+    trainer(tmp_path, max_epochs=1, callbacks=[save_every(BATCHES_PER_EPOCH, tmp_path)]).fit(Tiny())
+    trainer(tmp_path, max_steps=6, callbacks=[save_every(2, tmp_path)]).fit(Tiny(), ckpt_path=tmp_path / "step=4.ckpt")
+    inside = loops(tmp_path / "step=6.ckpt")
+    assert inside["epoch_progress"]["current"]["ready"] == inside["epoch_progress"]["current"]["completed"] == 1
+    resumed = trainer(tmp_path, max_epochs=3)
+    resumed.fit(Tiny(), ckpt_path=tmp_path / "step=6.ckpt")
+    assert resumed.global_step > 3 * BATCHES_PER_EPOCH  # epoch 1 trained again
+
+
+def test_resume_with_another_accumulation_keeps_the_micro_batch_count(tmp_path):
+    """BatchProgressRescale: a resumed run restores the epoch's batch counter in the checkpoint's micro-batches."""
+    trainer(tmp_path, max_steps=2, callbacks=[save_every(2, tmp_path)]).fit(Tiny())  # 2 batches of accumulation 1
+    seen = []
+
+    class Count(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch, batch_idx: int) -> None:
+            seen.append(batch_idx)
+
+    resumed = trainer(tmp_path, max_epochs=1, accumulate_grad_batches=2, callbacks=[Count()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unresumable-loader warning
+        resumed.fit(Tiny(), ckpt_path=tmp_path / "step=2.ckpt")
+    # Lightning resumes at batch 2 of 4: "1 step" of the new accumulation, although 2 optimizer steps were taken.
+    assert seen == [2, 3] and resumed.global_step == 2 + (BATCHES_PER_EPOCH - 2) // 2
+
+
+def test_plain_self_log_keeps_each_rank_its_own_epoch_value():
+    """ExactEvalMetrics: `self.log(name, tensor)` without sync_dist accumulates value x batch size and batch sizes
+    per rank and computes its epoch value with a no-op sync, i.e. from this rank's batches alone."""
+    results = _ResultCollection(training=False)
+    results.log("validation_step", "val_loss", torch.tensor(1.0), batch_size=2)
+    results.log("validation_step", "val_loss", torch.tensor(4.0), batch_size=1)
+    metric = results["validation_step.val_loss"]
+    assert metric.meta.sync.should is False and metric.meta.sync.fn is _Sync.no_op
+    assert metric.meta.reduce_fx is torch.mean and metric.is_tensor and metric.meta.on_epoch
+    assert (metric.value.item(), metric.cumulated_batch_size.item()) == (6.0, 3)
+    assert metric.compute().item() == 2.0
+
+
+class SigtermInTest(L.Callback):
+    """Sends this process SIGTERM after the first test batch, as a scheduler would mid-test."""
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_in_test_ends_plain_lightning_with_exit_code_0(tmp_path):
+    """StopOnSigterm. Plain Lightning stops a test on SIGTERM with a SIGTERMException that carries no exit code:
+    a job that lets it propagate exits 0, without results."""
+    with pytest.raises(SIGTERMException) as stopped:
+        trainer(tmp_path, callbacks=[SigtermInTest()]).test(Tiny(), verbose=False)
+    assert isinstance(stopped.value, SystemExit) and stopped.value.code is None

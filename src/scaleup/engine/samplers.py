@@ -18,7 +18,7 @@ __all__ = ["GlobalBatchSampler", "UnrepeatedDistributedSampler", "resumed_steps"
 
 log = logging.getLogger(__name__)
 
-CHUNK_INDICES = 4096
+CHUNK_INDICES = 16384
 
 
 class GlobalBatchSampler(DistributedSampler):

@@ -18,6 +18,7 @@ __all__ = ["GlobalBatchSampler", "UnrepeatedDistributedSampler", "resumed_steps"
 
 log = logging.getLogger(__name__)
 
+#: Indices computed per numpy call: enough to amortise the calls (~30 ns per index), few to stay at ~1 MB.
 CHUNK_INDICES = 16384
 
 
@@ -31,8 +32,9 @@ class GlobalBatchSampler(DistributedSampler):
     device with accumulation 4, 2 devices with 2 and 4 devices with 1 all average gradients over exactly the
     same samples at every optimizer step.
 
-    A rank computes only its own slices, a few global batches at a time, as the loader asks: an epoch starts in
-    O(1) time and memory whatever the dataset size (docs/data-order.md has the figures at 1e9 samples).
+    A rank computes only its own slices, those of as many global batches as make `CHUNK_INDICES` indices at a
+    time, as the loader asks: an epoch starts in O(1) time and memory whatever the dataset size
+    (docs/data-order.md has the figures at 1e9 samples).
 
     The tail that does not fill a global batch is dropped (a different tail each epoch): a partial step would
     give ranks unequal batches, and DDP's gradient mean would then weight samples unequally.
@@ -55,7 +57,6 @@ class GlobalBatchSampler(DistributedSampler):
         self.steps_per_epoch = len(dataset) // global_batch_size
         self.total_size = self.steps_per_epoch * global_batch_size
         self.num_samples = self.steps_per_epoch * self.per_rank
-        # Global batches computed per numpy call: enough indices to amortise the calls, few enough to stay small.
         self.steps_per_chunk = max(1, CHUNK_INDICES // self.per_rank)
         self._resume_epoch = -1
         self._resume_steps = 0
@@ -68,7 +69,8 @@ class GlobalBatchSampler(DistributedSampler):
         return self._resume_steps if self.epoch == self._resume_epoch else 0
 
     def __iter__(self) -> Iterator[int]:
-        order = FeistelPermutation(len(self.dataset), self.seed, self.epoch) if self.shuffle else None
+        shuffled = self.shuffle and self.steps_per_epoch > 0  # a permutation of nothing does not exist
+        order = FeistelPermutation(len(self.dataset), self.seed, self.epoch) if shuffled else None
         # The positions of this rank's slice in one global batch; step s adds s x global batch.
         slice_positions = np.arange(self.rank * self.per_rank, (self.rank + 1) * self.per_rank, dtype=np.int64)
         for first in range(self._skipped_steps(), self.steps_per_epoch, self.steps_per_chunk):

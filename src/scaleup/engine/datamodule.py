@@ -16,7 +16,7 @@ from scaleup.engine.batch import BatchPlan, resolve_batch
 from scaleup.engine.config import lookup
 from scaleup.engine.errors import UserError
 from scaleup.engine.launch import run_id
-from scaleup.engine.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler
+from scaleup.engine.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler, resumed_steps
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,9 @@ class GlobalBatchDataModule(L.LightningDataModule):
         self.prefetch_factor = prefetch_factor
         self.seed = seed
         self.splits: dict[str, Dataset] | None = None
+        # The training order, saved with every checkpoint (state_dict) and read back on resume (load_state_dict).
+        self._order: dict[str, Any] = {}
+        self._restored_order: dict[str, Any] | None = None
 
     def build_splits(self) -> dict[str, Dataset]:
         """Return {"train": ..., "val": ..., "test": ...} map-style datasets."""
@@ -133,14 +136,25 @@ class GlobalBatchDataModule(L.LightningDataModule):
         sampler = GlobalBatchSampler(
             self.splits["train"], batch.global_, num_replicas=batch.world_size, rank=rank, seed=self.seed
         )
-        if self.trainer is not None:
-            # Resuming from a mid-epoch checkpoint: the loop state is restored before loaders are built, so the
-            # optimizer steps already taken in this epoch are known; skip exactly those global batches.
+        self._order = {"sampler": sampler.ORDER, "global_batch_size": batch.global_}
+        if self.trainer is not None and self.trainer.ckpt_path is not None:
+            # Resuming: the loop state is restored before loaders are built, so the optimizer steps already
+            # taken in this epoch are known; skip exactly those global batches.
             epoch = self.trainer.current_epoch
-            steps_done = self.trainer.global_step - epoch * sampler.steps_per_epoch
-            if 0 < steps_done < sampler.steps_per_epoch:
+            steps_done = resumed_steps(
+                self._restored_order, str(self.trainer.ckpt_path), epoch, self.trainer.global_step, sampler
+            )
+            if steps_done:
                 sampler.resume(epoch, steps_done)
         return self._loader("train", sampler, batch.per_device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved by Lightning in every checkpoint: which sampler and global batch set the order of the epochs."""
+        return dict(self._order)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Called by Lightning on resume, before the loaders are built; absent from checkpoints that predate it."""
+        self._restored_order = dict(state_dict)
 
     def _eval_loader(self, split: str) -> DataLoader:
         batch, rank = self._batch_and_rank()

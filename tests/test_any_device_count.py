@@ -34,8 +34,9 @@ from scaleup.engine.batch_probe import (
     per_device_candidates,
     training_loss,
 )
-from scaleup.engine.checkpoint import load_checkpoint, rescale_batch_progress
+from scaleup.engine.checkpoint import load_checkpoint
 from scaleup.engine.config import build_model
+from scaleup.engine.lightning_workarounds import rescale_batch_progress
 from scaleup.engine.plan import build_plan
 from scaleup.engine.topology import Topology
 

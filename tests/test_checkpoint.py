@@ -11,6 +11,7 @@ import torch
 
 from scaleup.engine.checkpoint import (
     atomic_torch_save,
+    find_checkpoint,
     load_checkpoint,
     load_weights,
     remove_interrupted_writes,
@@ -141,3 +142,24 @@ def test_kill_9_during_writes_leaves_old_or_new_file(tmp_path):
     stale = remove_interrupted_writes(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
     print(f"10 kills: last.ckpt always complete; {len(stale)} interrupted temp files removed")
+
+
+def test_a_directory_a_glob_or_best_finds_the_checkpoint(tmp_path):
+    """ckpt_path may name the run, its checkpoints/ folder, <run>/best or <run>/last, or a glob (Hydra hands
+    `key=value` over unexpanded, so `best-*.ckpt` reaches the job as typed)."""
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    best, last = folder / "best-epoch003-0.9500.ckpt", folder / "last.ckpt"
+    best.touch(), last.touch()
+    run = tmp_path / "run"
+    for given in (run, folder, run / "best", f"{folder}/best-*.ckpt"):
+        assert find_checkpoint(given, prefer="best") == best, given
+    assert find_checkpoint(run, prefer="last") == find_checkpoint(run / "last") == last
+    assert find_checkpoint(last) == last and find_checkpoint("memory://b/last.ckpt") == "memory://b/last.ckpt"
+    with pytest.raises(UserError, match=r"best-\*\.ckpt matches 2 files"):
+        (folder / "best-epoch004-0.9600.ckpt").touch()
+        find_checkpoint(run)
+    with pytest.raises(UserError, match=r"ckpt_path=.*/nothing-\*\.ckpt matches no file"):
+        find_checkpoint(f"{folder}/nothing-*.ckpt")
+    with pytest.raises(UserError, match=r"is a directory without last.ckpt in"):
+        find_checkpoint(tmp_path, prefer="last")

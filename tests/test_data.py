@@ -1,12 +1,14 @@
 """Each DataModule: split sizes, shapes, determinism, and clear errors for missing data."""
 
+import shutil
+
 import lightning as L
 import pytest
 import torch
 from PIL import Image
 
 from scaleup.data import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule, SyntheticDataModule
-from scaleup.engine.datamodule import random_split_indices
+from scaleup.engine.datamodule import random_split_indices, sizes_for_plan
 from scaleup.engine.errors import UserError
 
 
@@ -128,3 +130,13 @@ def test_pinned_memory_is_for_gpus_only():
     dm.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     assert not dm.train_dataloader().pin_memory and not dm.test_dataloader().pin_memory
     assert DigitsDataModule(global_batch_size=8, pin_memory=True).train_dataloader().pin_memory  # set, not auto
+
+
+def test_imagefolder_with_only_a_test_split_evaluates_but_does_not_train(image_tree, tmp_path):
+    """eval.py +data.root=DIR needs only the test split; training with it is refused in one message."""
+    shutil.rmtree(image_tree / "train")
+    dm = ImageFolderDataModule(root=str(image_tree), image_size=32, global_batch_size=4, num_workers=0)
+    dm.setup()
+    assert {split: len(ds) for split, ds in dm.splits.items()} == {"val": 6, "test": 6}
+    with pytest.raises(UserError, match=r"ImageFolderDataModule has no train split \(only val, test\)"):
+        sizes_for_plan(dm, run_dir=tmp_path, dry_run=False)

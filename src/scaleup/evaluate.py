@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from scaleup.engine.callbacks import MetricsFile
 from scaleup.engine.callbacks.performance import PerformanceSettings, set_tf32
-from scaleup.engine.checkpoint import load_checkpoint, load_weights
+from scaleup.engine.checkpoint import find_checkpoint, load_checkpoint, load_weights
 from scaleup.engine.components import build_datamodule
 from scaleup.engine.config import build_model, log_rows, to_plain
 from scaleup.engine.errors import UserError, config_errors
@@ -37,8 +37,9 @@ def stored_run(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Rebuild model and data from the checkpoint's own config and run the test split."""
-    checkpoint = load_checkpoint(cfg.ckpt_path)
-    stored = stored_run(checkpoint, cfg.ckpt_path)
+    ckpt_path = find_checkpoint(cfg.ckpt_path, prefer="best")
+    checkpoint = load_checkpoint(ckpt_path)
+    stored = stored_run(checkpoint, ckpt_path)
     config, plan = stored["config"], stored["plan"]
     topology = resolve_topology(cfg.trainer)
     check_launcher(topology)
@@ -74,12 +75,12 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
             enable_progress_bar=cfg.trainer.enable_progress_bar,
             default_root_dir=run_dir,
         )
-    with exit_when_stopped(stop, f"evaluate again with: python eval.py ckpt_path={cfg.ckpt_path}"):
+    with exit_when_stopped(stop, f"evaluate again with: python eval.py ckpt_path={ckpt_path}"):
         trainer.test(model, datamodule=datamodule, verbose=False)
     shut_down_process_group()
     if not trainer.is_global_zero:
         return {}
     metrics = json.loads(metrics_path.read_text())
     rows = [(name, f"{value:.4f}") for name, value in metrics.items()]
-    log_rows(f"{cfg.ckpt_path} on {topology.world_size} {topology.accelerator} process(es) ({run_dir})", rows)
+    log_rows(f"{ckpt_path} on {topology.world_size} {topology.accelerator} process(es) ({run_dir})", rows)
     return metrics

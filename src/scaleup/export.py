@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from scaleup.engine.checkpoint import atomic_torch_save, load_checkpoint, load_weights
+from scaleup.engine.checkpoint import atomic_torch_save, find_checkpoint, load_checkpoint, load_weights
 from scaleup.engine.config import build_model, lookup
 from scaleup.engine.errors import UserError
 from scaleup.evaluate import stored_run
@@ -38,10 +38,13 @@ def export(cfg: DictConfig) -> Path:
     """Rebuild the LightningModule from the checkpoint's config, load every weight strictly, and save the state_dict
     of `model.<cfg.module>` alone: keys without the module's prefix, loadable into the bare network."""
     output = Path(cfg.output_path)
+    if output.is_dir():
+        raise UserError(f"output_path={output} is a directory: name the file to write, e.g. {output / 'net.pt'}")
     if output.exists() and not cfg.overwrite:
         raise UserError(f"{output} already exists; choose another output_path or pass overwrite=true")
-    checkpoint = load_checkpoint(cfg.ckpt_path)
-    stored = stored_run(checkpoint, cfg.ckpt_path)
+    ckpt_path = find_checkpoint(cfg.ckpt_path, prefer="best")
+    checkpoint = load_checkpoint(ckpt_path)
+    stored = stored_run(checkpoint, ckpt_path)
     model_cfg = stored["config"]["model"]
     model = build_model(model_cfg, precision=stored["plan"]["precision"])  # float64 weights stay float64
     load_weights(model, checkpoint["state_dict"])  # every key fits, or the error names those that do not

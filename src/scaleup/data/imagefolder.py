@@ -68,18 +68,20 @@ class ImageFolderDataModule(ClassificationDataModule):
             )
 
     def build_splits(self) -> dict[str, Dataset]:
+        """The splits whose folders exist: all three for training, the test split alone for `eval.py`."""
         size = self.image_size
         normalize = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
         train_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
         # Resize to size/0.875 then centre-crop: 256 -> 224 for ImageNet.
         eval_tf = T.Compose([T.Resize(round(size / 0.875)), T.CenterCrop(size), T.ToTensor(), normalize])
-        test_split = "test" if (self.root / "test").is_dir() else "val"
-        classes = self._classes("train")
-        for split in ("val", test_split):
-            if self._classes(split) != classes:
-                raise UserError(f"{self.root}/{split} and {self.root}/train have different class directories")
+        folders = {"train": "train", "val": "val", "test": "test" if (self.root / "test").is_dir() else "val"}
+        present = {split: folder for split, folder in folders.items() if (self.root / folder).is_dir()}
+        if not present:
+            self._dir("train")  # the message that says where the files should be
+        classes = {folder: self._classes(folder) for folder in present.values()}
+        if len({tuple(names) for names in classes.values()}) > 1:
+            raise UserError(f"the folders under {self.root} ({', '.join(classes)}) have different class directories")
         return {
-            "train": ImageFolder(self._dir("train"), train_tf),
-            "val": ImageFolder(self._dir("val"), eval_tf),
-            "test": ImageFolder(self._dir(test_split), eval_tf),
+            split: ImageFolder(self.root / folder, train_tf if split == "train" else eval_tf)
+            for split, folder in present.items()
         }

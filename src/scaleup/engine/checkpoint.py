@@ -6,6 +6,7 @@ checkpoint IO does. Both are read with `weights_only=True`.
 
 from __future__ import annotations
 
+import glob
 import os
 import pickle
 import uuid
@@ -32,6 +33,42 @@ def is_url(path: str | Path) -> bool:
 
 def exists(path: str | Path) -> bool:
     return get_filesystem(path).isfile(str(path)) if is_url(path) else Path(path).is_file()
+
+
+def find_checkpoint(path: str | Path, prefer: str = "best") -> str | Path:
+    """The checkpoint file the user means by `ckpt_path`.
+
+    - a file or a URL: itself;
+    - a glob, e.g. `<run>/checkpoints/best-*.ckpt` (Hydra passes `key=value` to the job unexpanded, so the
+      template expands it): its one match;
+    - a run directory or its checkpoints/ directory, or `<run>/best` / `<run>/last`: the run's best checkpoint
+      (`prefer="best"`, for eval and export; its last.ckpt when it kept no best) or its last.ckpt (`prefer="last"`,
+      for resuming).
+    """
+    text = str(path)
+    if is_url(text):
+        return text
+    if any(char in text for char in "*?["):
+        return Path(only_match(text, sorted(glob.glob(text))))
+    given = Path(text)
+    if given.name in ("best", "last") and not given.exists():
+        given, prefer = given.parent, given.name
+    if not given.is_dir():
+        return given
+    folder = given / "checkpoints" if (given / "checkpoints").is_dir() else given
+    patterns = ["best-*.ckpt", "last.ckpt"] if prefer == "best" else ["last.ckpt"]
+    for pattern in patterns:
+        if matches := sorted(str(p) for p in folder.glob(pattern)):
+            return Path(only_match(str(folder / pattern), matches))
+    raise UserError(f"ckpt_path={text} is a directory without {' or '.join(patterns)} in {folder}")
+
+
+def only_match(pattern: str, matches: list[str]) -> str:
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise UserError(f"ckpt_path={pattern} matches no file")
+    raise UserError(f"ckpt_path={pattern} matches {len(matches)} files ({', '.join(matches)}): name one of them")
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -200,7 +200,13 @@ def sizes_for_plan(datamodule: GlobalBatchDataModule, *, run_dir: Path, dry_run:
             return {}
     with FileLock(Path(tempfile.gettempdir()) / f"scaleup-prepare-data-{run_id(run_dir)}.lock"):
         datamodule.prepare_data()
-    return datamodule.split_sizes()
+    sizes = datamodule.split_sizes()
+    if missing := [split for split in ("train", "val", "test") if split not in sizes]:
+        raise UserError(
+            f"{type(datamodule).__name__} has no {' or '.join(missing)} split (only {', '.join(sizes) or 'none'}): "
+            "training needs all three; check the data settings, e.g. data.root"
+        )
+    return sizes
 
 
 def split_lengths(total: int, val_size: float, test_size: float) -> tuple[int, int, int]:

@@ -13,7 +13,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
-from scaleup.engine.checkpoint import exists, is_url, load_checkpoint, strip_wrapper_prefixes
+from scaleup.engine.checkpoint import exists, find_checkpoint, is_url, load_checkpoint, strip_wrapper_prefixes
 from scaleup.engine.config import flatten
 from scaleup.engine.errors import UserError
 from scaleup.engine.plan import Plan
@@ -40,9 +40,10 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str, run_dir: Path)
     Lightning saves in the run directory on SLURM's pre-emption signal if that is newer. With none yet it starts
     from scratch, so one command both starts a job and resumes it after a restart; a directory that already
     holds another run's files but no last.ckpt is refused. Anything else must be a checkpoint file (or a URL
-    such as s3://bucket/run/last.ckpt, read through fsspec)."""
+    such as s3://bucket/run/last.ckpt, read through fsspec), or what `find_checkpoint` finds from a directory or a
+    glob."""
     if ckpt_path != "last":
-        return ckpt_path if ckpt_path is None or is_url(ckpt_path) else Path(ckpt_path)
+        return None if ckpt_path is None else find_checkpoint(ckpt_path, prefer="last")
     last = f"{checkpoint_dir.rstrip('/')}/last.ckpt"
     if is_url(last):
         return last if exists(last) else None

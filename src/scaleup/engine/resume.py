@@ -82,7 +82,7 @@ def resume_point(
         return ResumePoint(path, step, finished=True, best=best_checkpoint(checkpoint, config, path))
     if stopped_early:
         raise UserError(
-            f"{path} is from a run that early stopping ended ({stopped_early}); there is nothing to resume. To train "
+            f"{path} is from a run that early stopping ended {stopped_early}; there is nothing to resume. To train "
             "on, start a new run, e.g. from these weights or with a larger callbacks.early_stopping.patience"
         )
     if step >= plan.total_steps:
@@ -130,7 +130,7 @@ def check_same_global_batch(path: Path | str, previous: dict[str, Any], step: in
 def early_stop_reason(checkpoint: dict[str, Any]) -> str:
     for name, state in checkpoint.get("callbacks", {}).items():
         if name.startswith("EarlyStopping") and state.get("stopping_reason_message"):
-            return f"at epoch {state['stopped_epoch']}: {state['stopping_reason_message'].strip()}"
+            return f"at epoch {state['stopped_epoch']} ({state['stopping_reason_message'].strip()})"
     return ""
 
 

@@ -108,3 +108,12 @@ def test_validation_test_eval_and_export_use_the_average(uninterrupted, tmp_path
     in_process([f"ckpt_path={best}", f"output_path={exported}", f"hydra.run.dir={tmp_path / 'export'}"], job="export")
     averaged = {k.removeprefix("net."): v for k, v in load_checkpoint(best)["state_dict"].items()}
     assert_same_weights(torch.load(exported, weights_only=True), averaged, rtol=0, atol=0)
+
+
+def test_a_requeued_run_that_stopped_early_runs_its_test(uninterrupted, tmp_path):
+    """`ckpt_path=last` on a run that early stopping ended (say it was pre-empted during its final test): there
+    is nothing to train, so it tests the best checkpoint and completes."""
+    shutil.copytree(uninterrupted, tmp_path / "run")
+    (tmp_path / "run" / "metrics.json").unlink()
+    metrics = in_process([*ARGS, "ckpt_path=last", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert metrics["test/samples"] == read_json(uninterrupted / "metrics.json")["test/samples"]

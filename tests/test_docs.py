@@ -182,15 +182,15 @@ def missing_options(group: str, value: str) -> list[str]:
 
 def command_problems(job: str, args: list[str]) -> list[str]:
     """What a `python <job>.py args` command names that its composed config does not have."""
-    overrides = [split_override(arg) for arg in args if "=" in arg and not arg.startswith("-")]
+    overrides = [split_override(arg) for arg in args if ("=" in arg or arg.startswith("~")) and arg[0] != "-"]
     choices = []
     if job == "train":  # eval.py and export.py have no groups to choose
-        problems = [name for _, key, value in overrides if key in groups() for name in missing_options(key, value)]
-        if problems:
+        picked = [(key, value) for _, key, value in overrides if key in groups() and value]
+        if problems := [name for key, value in picked for name in missing_options(key, value)]:
             return problems
-        for _, key, value in overrides:
+        for key, value in picked:
             first = value if value.startswith("[") else re.split(r"[,|]", value)[0]  # a sweep: its first job
-            if key in groups() and not PLACEHOLDER.search(first):
+            if not PLACEHOLDER.search(first):
                 choices.append(f"{key}={first}")
     tree = composed(job, tuple(choices))
     return [
@@ -209,8 +209,9 @@ def commands(text: str) -> Iterator[tuple[str, list[str]]]:
         except ValueError:  # an apostrophe in prose
             tokens = segment.split()
         for i, token in enumerate(tokens):
-            job = JOBS.get(Path(token).name) if token.endswith(".py") else JOBS.get(token) if i else None
-            if job and (token.endswith(".py") or tokens[i - 1] == "-m"):
+            script = token.endswith(".py") and JOBS.get(Path(token).name)
+            module = i > 0 and tokens[i - 1] == "-m" and JOBS.get(token)
+            if job := script or module:
                 yield job, tokens[i + 1 :]
                 break
 

@@ -98,8 +98,14 @@ def test_every_cited_test_exists():
     assert not stale, "\n".join(stale)
 
 
+def anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", path.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
 def test_every_cited_path_and_link_exists():
-    """Repository paths (`configs/...`, `src/...`, ...) and relative Markdown links."""
+    """Repository paths (`configs/...`, `src/...`, ...) and relative Markdown links, with their headings."""
     stale = []
     for where, number, text, _ in texts():
         for match in REPO_PATH.finditer(text):
@@ -109,9 +115,14 @@ def test_every_cited_path_and_link_exists():
             if not (ROOT / path).exists():
                 stale.append(f"{where}:{number}: {path} does not exist")
         for target in LINK.findall(text):
-            local = not re.match(r"[a-z]+:|#", target)
-            if local and not ((ROOT / where).parent / target.split("#")[0]).exists():
+            if re.match(r"[a-z]+:", target):
+                continue  # https://...
+            file, _, anchor = target.partition("#")
+            path = (ROOT / where).parent / file if file else ROOT / where
+            if not path.exists():
                 stale.append(f"{where}:{number}: link {target} leads nowhere")
+            elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+                stale.append(f"{where}:{number}: link {target}: no such heading in {file or where}")
     assert not stale, "\n".join(stale)
 
 

@@ -24,25 +24,13 @@ log = logging.getLogger(__name__)
 class GlobalBatchDataModule(L.LightningDataModule):
     """The DataModule the jobs accept: a subclass says what the data is, this class how it is fed to N devices.
 
-    A subclass implements:
-    - `__init__(self, <your settings>, **loader_kwargs)`, passing `loader_kwargs` on to this class
-      (`global_batch_size`, `per_device_batch_size`, `num_workers`, ..., `seed`: the data config sets them, and
-      `eval.py` replaces the batch sizes with the training run's per-device batch);
-    - `build_splits()`: `{"train": ..., "val": ..., "test": ...}` map-style datasets, the same on every rank
-      (split with a fixed seed, as `random_split_indices` does, never with the global random state);
-    - optionally `prepare_data()`: downloads, run before `build_splits()` by each process in turn (the first one
-      fetches, the others must find the files and do nothing: torchvision's `download=True` behaves so);
-    - optionally `known_split_sizes()`: the split sizes without opening a file, so that a dry run plans without
-      the data (a module that cannot say returns None, and its dry-run plan shows the steps as unknown);
-    - optionally `model_settings()`: what only the data knows and the model needs (number of classes, vocabulary
-      size), filled into the model config where it says `null`;
-    - optionally `in_memory = True` when the whole set lives in memory (no warning about loader workers).
-
-    This class gives the plan its split sizes (`split_sizes()`), and gives the Trainer the loaders: the training
-    sampler that makes the global batches of an epoch depend only on (seed, epoch, global batch), whatever the
-    device count, and unpadded evaluation shards that count every sample once. Batch sizes are global-first:
-    exactly one of `global_batch_size` and `per_device_batch_size` is set, and the per-device size is derived
-    from the Trainer's world size and accumulation when loaders are built.
+    A subclass implements `build_splits()` and passes `**loader_kwargs` to `__init__`; what it must and may
+    provide is the DataModule part of docs/contract.md. This class gives the plan its split sizes
+    (`split_sizes()`), and the Trainer the loaders: the training sampler that makes the global batches of an
+    epoch depend only on (seed, epoch, global batch), whatever the device count, and unpadded evaluation shards
+    that count every sample once. Batch sizes are global-first: exactly one of `global_batch_size` and
+    `per_device_batch_size` is set, and the per-device size is derived from the Trainer's world size and
+    accumulation when loaders are built.
     """
 
     #: True when the whole data set lives in memory, so loader workers would only add start-up time.

@@ -1,4 +1,4 @@
-"""`python eval.py [key=value ...]`: see configs/eval.yaml and README.md."""
+"""`python eval.py [key=value ...]`: see configs/eval.yaml and docs/configuration.md."""
 
 import hydra
 

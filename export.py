@@ -1,4 +1,4 @@
-"""`python export.py [key=value ...]`: see configs/export.yaml and README.md."""
+"""`python export.py [key=value ...]`: see configs/export.yaml and docs/configuration.md."""
 
 import hydra
 

@@ -1,4 +1,4 @@
-"""`python train.py [key=value ...]`: see configs/train.yaml and README.md."""
+"""`python train.py [key=value ...]`: see configs/train.yaml and docs/configuration.md."""
 
 import hydra
 

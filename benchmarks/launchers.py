@@ -16,7 +16,7 @@ LAUNCHERS = {
     "1 process": [sys.executable, "train.py", "trainer.devices=1"],
     "2 x Lightning ddp": [sys.executable, "train.py", "trainer.devices=2"],
     "2 x torchrun": [*TORCHRUN, "trainer.devices=2"],
-    "2 x ddp_spawn": [sys.executable, "train.py", "trainer.devices=2", "trainer.strategy=ddp_spawn"],
+    "2 x ddp_spawn": [sys.executable, "train.py", "trainer.devices=2", "strategy.name=ddp_spawn"],
 }
 
 

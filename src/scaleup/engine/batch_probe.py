@@ -106,7 +106,7 @@ class AutoBatchSize(L.Callback):
         if agreed == 0:
             raise UserError(
                 f"data.max_per_device_batch_size=auto: not even one sample per device fits in {device}'s memory; "
-                "use trainer.precision=bf16-mixed, a smaller model, or trainer=fsdp"
+                "use trainer.precision=bf16-mixed, a smaller model, or strategy=fsdp"
             )
         trainer.accumulate_grad_batches = self.plan.global_batch_size // (trainer.world_size * agreed)
         self.plan = self.plan.with_per_device_batch(agreed)

@@ -18,7 +18,7 @@ def set_tf32(enabled: bool) -> None:
 
 
 class PerformanceSettings(L.Callback):
-    """Applies `trainer.tf32` and `trainer.channels_last` in every process.
+    """Applies `performance.tf32` and `performance.channels_last` in every process.
 
     `setup` runs in each training process, including those `ddp_spawn` starts, which inherit no global torch
     settings from the parent. channels_last converts the network's 4-d weights to NHWC before DDP wraps the

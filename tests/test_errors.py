@@ -2,18 +2,24 @@
 
 The matrix runs each job in this process, with the config composed from the same overrides a user would type, and
 turns what it raises into the message the entry point would print (`as_user_error`, what `exit_on_user_error` uses).
-A handful of cases run the real entry points, to check the exit code, the last line of stderr and that no traceback
-is printed; they run at the same time, in one fixture.
+The table of wrong values (engine/schema.py: a type or a range) and a handful of other cases run the real entry
+points, to check the exit code, the error line, that no traceback is printed and that nothing was written or
+downloaded: all of them in one interpreter (tests/entry_point_cases.py), which starts once for all.
 """
 
+import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import Annotated, Any
 
 import pytest
 import torch
+from pydantic import Field
 
-from conftest import ROOT, clean_env, in_process
-from scaleup.engine.errors import EXIT_USER_ERROR, as_user_error
+from conftest import ROOT, TESTS, clean_env, in_process
+from scaleup.engine.errors import EXIT_USER_ERROR, UserError, as_user_error
+from scaleup.engine.schema import validate_config
 from user_modules import SCHEDULER_REFUSED
 
 QUIET = [
@@ -40,10 +46,7 @@ def paths(tmp_path_factory) -> dict[str, str]:
 
 # (id, job, overrides, a piece of the expected message). {tmp} and {ckpt} are filled in from `paths`.
 CASES = [
-    # config values
-    ("negative lr", "train", ["model.optimizer.lr=-1", "dry_run=true"], "model.optimizer: Invalid learning rate: -1"),
-    ("zero global batch", "train", ["data.global_batch_size=0"], "data.global_batch_size=0 must be at least 1"),
-    ("unknown norm", "train", ["model.net.norm=layer"], "model: norm='layer' is not one of batch, group, none"),
+    # config values that pass the schema (engine/schema.py) but not the objects built from them
     ("unknown net argument", "train", ["+model.net.depth=3"], "unexpected keyword argument 'depth'"),
     (
         "unknown data argument",
@@ -60,23 +63,17 @@ CASES = [
     ("both batch sizes", "train", ["data.per_device_batch_size=8"], "set exactly one of data.global_batch_size"),
     ("batch above data", "train", ["data.global_batch_size=4096"], "larger than the training set (1257 samples)"),
     ("no training data", "train", ["data.val_size=1500"], "leave no training data out of 1797"),
-    ("scaling rule", "train", ["lr_schedule.rule=cubic"], "rule=cubic is not one of linear, sqrt, none"),
-    ("decay", "train", ["lr_schedule.decay=exp"], "decay=exp is not one of cosine, step, none"),
     ("two warmups", "train", ["lr_schedule.warmup_steps=5"], "warmup_epochs or lr_schedule.warm"),
-    ("accumulation 0", "train", ["trainer.accumulate_grad_batches=0"], "accumulate_grad_batches=0 must be at least"),
     ("shuffle", "train", ["+data.shuffle=true"], "remove data.shuffle"),
-    ("tiny limit", "train", ["+trainer.limit_train_batches=0.01"], "limit_train_batches=0.01 keeps less than one"),
+    ("tiny limit", "train", ["trainer.limit_train_batches=0.01"], "limit_train_batches=0.01 keeps less than one"),
     (
         "bad interpolation",
         "train",
         ["data.num_workers=${{nowhere}}"],
         "the config does not resolve (at data.num_workers): Interpolation key 'nowhere' not found",
     ),
-    ("trainer precision", "train", ["trainer.precision=17", *QUIET], "trainer: Precision '17' is invalid"),
     ("trainer argument", "train", ["+trainer.colour=red", *QUIET], "trainer: Trainer.__init__() got an unexpected"),
     # devices
-    ("zero devices", "train", ["trainer.devices=0"], "trainer.devices=0 and trainer.num_nodes=1 must both be at"),
-    ("accelerator", "train", ["trainer.accelerator=tpu"], "trainer.accelerator=tpu is not supported here"),
     ("fp16 on cpu", "train", ["trainer.precision=16-mixed", "trainer.accelerator=cpu"], "16-mixed needs a GPU"),
     (
         "syncbn on cpu",
@@ -116,7 +113,6 @@ CASES = [
     ("eval without checkpoint", "eval", [], "ckpt_path has no value (it is ??? in the config): pass ckpt_path="),
     ("truncated checkpoint", "eval", ["ckpt_path={tmp}/truncated.ckpt"], "is not a readable checkpoint"),
     ("foreign checkpoint", "eval", ["ckpt_path={tmp}/state_dict.pt"], "was not written by this template's train.py"),
-    ("eval precision", "eval", ["ckpt_path={ckpt}", "trainer.precision=17"], "trainer: Precision '17' is invalid"),
     # output locations
     (
         "export into /proc",
@@ -181,16 +177,6 @@ ENTRY_POINTS = {
         ["hydra.run.dir={tmp}/eval"],
         "error: ckpt_path has no value (it is ??? in the config): pass ckpt_path=<value>",
     ),
-    "negative lr": (
-        "train.py",
-        ["model.optimizer.lr=-1", "dry_run=true", "hydra.run.dir={tmp}/lr"],
-        "error: model.optimizer: Invalid learning rate: -1",
-    ),
-    "unknown norm": (
-        "train.py",
-        ["model.net.norm=layer", "dry_run=true", "hydra.run.dir={tmp}/norm"],
-        "error: model: norm='layer' is not one of batch, group, none",
-    ),
     "export into /proc": (
         "export.py",
         ["ckpt_path={ckpt}", "output_path=/proc/nope/net.pt"],
@@ -210,28 +196,419 @@ ENTRY_POINTS = {
     ),
 }
 
+MAX_EPOCHS = "an integer >= 1 (or -1 for no limit, null for Lightning's default); 0 would train nothing"
+DEVICES = (
+    "an integer >= 1 (devices per node), -1 or auto (every visible device), or device ids as a list ([0, 1]) or a "
+    'string with commas ("0,1")'
+)
+PRECISIONS = (
+    "auto, 64, 32, 16, transformer-engine, transformer-engine-float16, 16-true, 16-mixed, bf16-true, "
+    "bf16-mixed, 32-true, 64-true, bf16"
+)
+EPOCH_SHARE = "null, an integer >= 1 (batches) or a number in (0, 1] (of the epoch); 0 would train nothing"
+
+# A wrong type or range in every section: (script, overrides, the whole error line after "error: "). Each one must
+# stop before anything is written, downloaded or started. The eval and export cases name checkpoints that do not
+# exist: the values are checked first.
+WRONG_VALUES = {
+    # the issue's examples
+    "global batch abc": (
+        "train.py",
+        ["data.global_batch_size=abc"],
+        "data.global_batch_size=abc must be an integer >= 1 or null",
+    ),
+    "max_epochs abc": ("train.py", ["trainer.max_epochs=abc"], f"trainer.max_epochs=abc must be {MAX_EPOCHS}"),
+    "base batch 0": (
+        "train.py",
+        ["lr_schedule.base_batch_size=0"],
+        "lr_schedule.base_batch_size=0 must be an integer >= 1",
+    ),
+    "workers -1": ("train.py", ["data.num_workers=-1"], "data.num_workers=-1 must be an integer >= 0"),
+    "max_epochs -2": ("train.py", ["trainer.max_epochs=-2"], f"trainer.max_epochs=-2 must be {MAX_EPOCHS}"),
+    "max_epochs 0": ("train.py", ["trainer.max_epochs=0"], f"trainer.max_epochs=0 must be {MAX_EPOCHS}"),
+    "lr abc": ("train.py", ["model.optimizer.lr=abc"], "model.optimizer.lr=abc must be a number > 0"),
+    # the top level and the template's own sections
+    "seed abc": ("train.py", ["seed=abc"], "seed=abc must be an integer in [0, 4294967295]"),
+    "dry_run maybe": ("train.py", ["dry_run=maybe"], "dry_run=maybe must be true or false"),
+    "ckpt_path number": ("train.py", ["ckpt_path=5"], "ckpt_path=5 must be a checkpoint path, last, or null"),
+    "monitor mode": ("train.py", ["monitor.mode=up"], "monitor.mode=up must be one of min, max"),
+    "tf32 yes": ("train.py", ["performance.tf32=yes"], "performance.tf32=yes must be true or false"),
+    "scaling rule": (
+        "train.py",
+        ["lr_schedule.rule=cubic"],
+        "lr_schedule.rule=cubic must be one of linear, sqrt, none",
+    ),
+    "warmup epochs -1": (
+        "train.py",
+        ["lr_schedule.warmup_epochs=-1"],
+        "lr_schedule.warmup_epochs=-1 must be a number >= 0 or null",
+    ),
+    "decay": ("train.py", ["lr_schedule.decay=exp"], "lr_schedule.decay=exp must be one of cosine, step, none"),
+    "milestones": (
+        "train.py",
+        ["lr_schedule.milestones=[30,-5]"],
+        "lr_schedule.milestones=[30, -5] must be a list of numbers >= 0 or null",
+    ),
+    "gamma 0": ("train.py", ["lr_schedule.gamma=0"], "lr_schedule.gamma=0 must be a number > 0"),
+    "strategy name": (
+        "train.py",
+        ["strategy.name=horovod"],
+        "strategy.name=horovod must be one of ddp, ddp_spawn, fsdp",
+    ),
+    "bucket abc": ("train.py", ["strategy.bucket_cap_mb=abc"], "strategy.bucket_cap_mb=abc must be a number > 0"),
+    "fsdp state dict": (
+        "train.py",
+        ["strategy=fsdp", "strategy.state_dict_type=partial"],
+        "strategy.state_dict_type=partial must be one of full, sharded",
+    ),
+    "pin memory": (
+        "train.py",
+        ["loader.pin_memory=sometimes"],
+        "loader.pin_memory=sometimes must be true, false or auto",
+    ),
+    "prefetch 0": (
+        "train.py",
+        ["loader.prefetch_factor=0"],
+        "loader.prefetch_factor=0 must be an integer >= 1 or null",
+    ),
+    "cap big": (
+        "train.py",
+        ["data.max_per_device_batch_size=big"],
+        "data.max_per_device_batch_size=big must be an integer >= 1, auto or null",
+    ),
+    "momentum 1": (
+        "train.py",
+        ["model.optimizer.momentum=1.0"],
+        "model.optimizer.momentum=1.0 must be a number in [0, 1)",
+    ),
+    "betas": (
+        "train.py",
+        ["model/optimizer=adamw", "model.optimizer.betas=[0.9,1.5]"],
+        "model.optimizer.betas=[0.9, 1.5] must be two numbers in [0, 1), e.g. [0.9, 0.999]",
+    ),
+    # the Trainer's arguments
+    "devices 0": ("train.py", ["trainer.devices=0"], f"trainer.devices=0 must be {DEVICES}"),
+    "devices abc": ("train.py", ["trainer.devices=abc"], f"trainer.devices=abc must be {DEVICES}"),
+    "nodes abc": ("train.py", ["trainer.num_nodes=abc"], "trainer.num_nodes=abc must be an integer >= 1"),
+    "accelerator": (
+        "train.py",
+        ["trainer.accelerator=tpu"],
+        "trainer.accelerator=tpu must be one of auto, cpu, gpu, cuda",
+    ),
+    "precision": ("train.py", ["trainer.precision=17"], f"trainer.precision=17 must be one of {PRECISIONS}"),
+    "sync batchnorm": (
+        "train.py",
+        ["trainer.sync_batchnorm=maybe"],
+        "trainer.sync_batchnorm=maybe must be true, false, auto or null",
+    ),
+    "accumulation 0": (
+        "train.py",
+        ["trainer.accumulate_grad_batches=0"],
+        "trainer.accumulate_grad_batches=0 must be an integer >= 1 or null",
+    ),
+    "max_steps 0": (
+        "train.py",
+        ["trainer.max_steps=0"],
+        "trainer.max_steps=0 must be an integer >= 1 (or -1 for no limit); 0 would train nothing",
+    ),
+    "train share 1.5": (
+        "train.py",
+        ["trainer.limit_train_batches=1.5"],
+        f"trainer.limit_train_batches=1.5 must be {EPOCH_SHARE}",
+    ),
+    "overfit abc": (
+        "train.py",
+        ["trainer.overfit_batches=abc"],
+        "trainer.overfit_batches=abc must be an integer >= 0 or a number in [0, 1]",
+    ),
+    "max time": (
+        "train.py",
+        ["trainer.max_time=12h"],
+        'trainer.max_time=12h must be null, "DD:HH:MM:SS" or a mapping such as {hours: 12}',
+    ),
+    # data and model keys, from their constructors' type hints
+    "width 0": ("train.py", ["model.net.width=0"], "model.net.width=0 must be an integer >= 1"),
+    "dropout 1": ("train.py", ["model.net.dropout=1.0"], "model.net.dropout=1.0 must be a number in [0, 1)"),
+    "unknown norm": ("train.py", ["model.net.norm=layer"], "model.net.norm=layer must be one of batch, group, none"),
+    "val size -1": ("train.py", ["data.val_size=-1"], "data.val_size=-1 must be a number >= 0"),
+    "cifar val size, before the download": (
+        "train.py",
+        ["data=cifar10", "data.val_size=abc"],
+        "data.val_size=abc must be a number >= 0",
+    ),
+    "synthetic shape": (
+        "train.py",
+        ["data=synthetic", "data.image_shape=[3,32]"],
+        "data.image_shape=[3, 32] must be [channels, height, width], each an integer >= 1",
+    ),
+    "two mistakes, one line": (
+        "train.py",
+        ["trainer.max_epochs=abc", "lr_schedule.gamma=0"],
+        f"lr_schedule.gamma=0 must be a number > 0; trainer.max_epochs=abc must be {MAX_EPOCHS}",
+    ),
+    # eval.py and export.py
+    "eval batch 0": (
+        "eval.py",
+        ["ckpt_path=nope.ckpt", "batch_size=0"],
+        "batch_size=0 must be an integer >= 1 or null",
+    ),
+    "eval ckpt number": ("eval.py", ["ckpt_path=5"], "ckpt_path=5 must be a string"),
+    "eval devices 0": ("eval.py", ["ckpt_path=nope.ckpt", "trainer.devices=0"], f"trainer.devices=0 must be {DEVICES}"),
+    "eval precision": (
+        "eval.py",
+        ["ckpt_path=nope.ckpt", "trainer.precision=17"],
+        f"trainer.precision=17 must be {PRECISIONS} or null",
+    ),
+    "eval workers": (
+        "eval.py",
+        ["ckpt_path=nope.ckpt", "+data.num_workers=-1"],
+        "data.num_workers=-1 must be an integer >= 0",
+    ),
+    "export overwrite": (
+        "export.py",
+        ["ckpt_path=nope.ckpt", "overwrite=maybe"],
+        "overwrite=maybe must be true or false",
+    ),
+    "export module": ("export.py", ["ckpt_path=nope.ckpt", "module=5"], "module=5 must be a string"),
+}
+# What none of them may leave in the run directory: the plan, the resolved config, checkpoints, metrics, the data
+# (paths.data_dir points there), an export.
+NOT_WRITTEN = ("plan.json", "config.yaml", "checkpoints", "metrics.json", "data", "net.pt")
+# A value that must work as typed: a share of each epoch, which the dry run plans as half the steps.
+HALF_EPOCHS = ["train.py", ["trainer.limit_train_batches=0.5", "dry_run=true"]]
+
+
+def case_run_dir(tmp: Path, name: str) -> Path:
+    return tmp / "values" / name.replace(" ", "_").replace(",", "")
+
+
+def overrides_in(run_dir: Path, script: str, overrides: list[str]) -> list[str]:
+    """The case's overrides, with its own run directory, data directory (train) and export file (export)."""
+    placed = {
+        "train.py": [f"paths.data_dir={run_dir}/data"],
+        "eval.py": [],
+        "export.py": [f"output_path={run_dir}/net.pt"],
+    }
+    given = {arg.split("=", 1)[0] for arg in overrides}
+    own = [arg for arg in placed[script] if arg.split("=", 1)[0] not in given]
+    return [*own, *overrides, f"hydra.run.dir={run_dir}"]
+
 
 @pytest.fixture(scope="module")
-def entry_point_results(paths) -> dict[str, subprocess.CompletedProcess]:
-    """All entry-point cases at once: their interpreters start in parallel."""
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, script, *(arg.format(**paths) for arg in args)],
-            cwd=ROOT,
-            env=clean_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name, (script, args, _) in ENTRY_POINTS.items()
+def entry_point_results(paths) -> dict[str, tuple[dict[str, Any], Path]]:
+    """Every entry-point case in one interpreter: each result ({rc, stdout, stderr}) with the case's run directory."""
+    tmp = Path(paths["tmp"])
+    cases = {
+        name: (script, [arg.format(**paths) for arg in args], None) for name, (script, args, _) in ENTRY_POINTS.items()
     }
-    return {name: subprocess.CompletedProcess(p.args, p.wait(120), *p.communicate()) for name, p in procs.items()}
+    for name, (script, args, _) in {**WRONG_VALUES, "half epochs": (*HALF_EPOCHS, "")}.items():
+        run_dir = case_run_dir(tmp, name)
+        cases[name] = (script, overrides_in(run_dir, script, args), run_dir)
+    (tmp / "cases.json").write_text(json.dumps([[script, args] for script, args, _ in cases.values()]))
+    subprocess.run(
+        [sys.executable, str(TESTS / "entry_point_cases.py"), str(tmp / "cases.json"), str(tmp / "results.json")],
+        cwd=ROOT,
+        env=clean_env(),
+        check=True,
+        timeout=600,
+    )
+    results = json.loads((tmp / "results.json").read_text())
+    return {name: (result, run_dir) for (name, (_, _, run_dir)), result in zip(cases.items(), results, strict=True)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_entry_point_exits_2_with_one_line(name, entry_point_results):
-    result = entry_point_results[name]
-    assert result.returncode == EXIT_USER_ERROR, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr and "HYDRA_FULL_ERROR" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == ENTRY_POINTS[name][2]
+    result, _ = entry_point_results[name]
+    assert result["rc"] == EXIT_USER_ERROR, result["stderr"][-3000:]
+    assert "Traceback" not in result["stderr"] and "HYDRA_FULL_ERROR" not in result["stderr"]
+    assert result["stderr"].strip().splitlines()[-1] == ENTRY_POINTS[name][2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", WRONG_VALUES)
+def test_wrong_value_is_one_line_before_anything_starts(name, entry_point_results):
+    result, run_dir = entry_point_results[name]
+    output = result["stdout"] + result["stderr"]
+    assert result["rc"] == EXIT_USER_ERROR, output[-3000:]
+    assert "Traceback" not in output
+    assert [line for line in output.splitlines() if line.startswith("error:")] == [f"error: {WRONG_VALUES[name][2]}"]
+    assert [path for path in NOT_WRITTEN if (run_dir / path).exists()] == []
+
+
+@pytest.mark.slow
+def test_a_share_of_each_epoch_works_as_typed(entry_point_results):
+    result, run_dir = entry_point_results["half epochs"]
+    assert result["rc"] == 0, result["stderr"][-3000:]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    # 1257 training samples fill 19 global batches of 64; half of them, rounded down, in each of the 12 epochs.
+    assert (plan["steps_per_epoch"], plan["total_steps"], plan["epoch_limit"]) == (
+        9,
+        108,
+        "trainer.limit_train_batches=0.5",
+    )
+
+
+class Widget:
+    """A user's own class, for the constructor checks: hints with and without ranges, and ones that cannot be
+    checked (a tensor) or need not be (no hint)."""
+
+    def __init__(
+        self,
+        size: Annotated[int, Field(ge=1)] = 1,
+        scale: Annotated[float, Field(gt=0, le=10)] = 1.0,
+        root: Path = Path("."),
+        pair: tuple[float, float] = (0.0, 1.0),
+        weights: torch.Tensor | None = None,
+        anything=None,
+        mode: str = "fast",
+    ) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("config", "job", "message"),
+    [
+        ({"trainer": {"max_epochs": "abc"}}, "train", f"trainer.max_epochs=abc must be {MAX_EPOCHS}"),
+        ({"lr_schedule": {"base_batch_size": 0}}, "train", "lr_schedule.base_batch_size=0 must be an integer >= 1"),
+        ({"data": {"global_batch_size": 8.0}}, "train", "data.global_batch_size=8.0 must be an integer >= 1 or null"),
+        ({"data": {"num_workers": True}}, "train", "data.num_workers=true must be an integer >= 0"),
+        ({"trainer": {"devices": "3"}}, "train", f"trainer.devices=3 must be {DEVICES}"),
+        ({"model": {"optimizer": {"lr": "1e-3"}}}, "train", "model.optimizer.lr=1e-3 must be a number > 0"),
+        (
+            {"lr_schedule": None, "monitor": "val/acc"},
+            "train",
+            "monitor=val/acc must be a mapping of keys (one per line in its YAML file)",
+        ),
+        (
+            {"data": {"max_per_device_batch_size": 0}},
+            "train",
+            "data.max_per_device_batch_size=0 must be an integer >= 1, auto or null",
+        ),
+        (
+            {"batch_size": -1, "trainer": {"precision": "17"}},
+            "eval",
+            f"batch_size=-1 must be an integer >= 1 or null; trainer.precision=17 must be {PRECISIONS} or null",
+        ),
+        ({"overwrite": "no"}, "export", "overwrite=no must be true or false"),
+        ({"output_path": 5, "module": None}, "export", "output_path=5 must be a string; module=null must be a string"),
+        (
+            {"compile": 1, "trainer": {"num_nodes": 0, "enable_progress_bar": None}},
+            "eval",
+            "compile=1 must be true or false; trainer.num_nodes=0 must be an integer >= 1; "
+            "trainer.enable_progress_bar=null must be true or false",
+        ),
+        ({"seed": 2**32}, "train", "seed=4294967296 must be an integer in [0, 4294967295]"),
+        (
+            {"checkpoint": {"every_n_train_steps": 0}},
+            "train",
+            "checkpoint.every_n_train_steps=0 must be an integer >= 1 or null",
+        ),
+        (
+            {"lr_schedule": {"base_bn_batch_size": 0, "warmup_steps": 1.5}},
+            "train",
+            "lr_schedule.base_bn_batch_size=0 "
+            "must be an integer >= 1 or null; lr_schedule.warmup_steps=1.5 must be an integer >= 0 or null",
+        ),
+        (
+            {"strategy": {"timeout_minutes": 0, "find_unused_parameters": 2}},
+            "train",
+            "strategy.timeout_minutes=0 must be a number > 0; strategy.find_unused_parameters=2 must be true or false",
+        ),
+        ({"loader": {"persistent_workers": 1}}, "train", "loader.persistent_workers=1 must be true or false"),
+        (
+            {"data": {"per_device_batch_size": 0}},
+            "train",
+            "data.per_device_batch_size=0 must be an integer >= 1 or null",
+        ),
+        (
+            {"model": {"optimizer": {"_target_": "torch.optim.SGD", "weight_decay": -0.1, "nesterov": "maybe"}}},
+            "train",
+            "model.optimizer.weight_decay=-0.1 must be a number >= 0; "
+            "model.optimizer.nesterov=maybe must be true or false",
+        ),
+        (
+            {"trainer": {"min_epochs": -1, "log_every_n_steps": 0, "check_val_every_n_epoch": 0}},
+            "train",
+            "trainer.min_epochs=-1 must be an integer >= 0 or null; "
+            "trainer.log_every_n_steps=0 must be an integer >= 1 or null; "
+            "trainer.check_val_every_n_epoch=0 must be an integer >= 1 or null",
+        ),
+        (
+            {"trainer": {"num_sanity_val_steps": -2, "limit_train_batches": 0, "limit_val_batches": -1}},
+            "train",
+            f"trainer.num_sanity_val_steps=-2 must be an integer >= -1 or null; trainer.limit_train_batches=0 must be "
+            f"{EPOCH_SHARE}; trainer.limit_val_batches=-1 must be an integer >= 0, a number in [0, 1] or null",
+        ),
+        (
+            {"trainer": {"gradient_clip_val": -1, "gradient_clip_algorithm": "max", "fast_dev_run": -1}},
+            "train",
+            "trainer.gradient_clip_val=-1 must be a number >= 0 or null; trainer.gradient_clip_algorithm=max must be "
+            "norm, value or null; trainer.fast_dev_run=-1 must be true, false or an integer >= 0",
+        ),
+        (
+            {"trainer": {"enable_progress_bar": "abc"}},
+            "train",
+            "trainer.enable_progress_bar=abc must be true, false or null",
+        ),
+        (
+            {
+                "model": {
+                    "_target_": "scaleup.models.ImageClassifier",
+                    "label_smoothing": "abc",
+                    "net": {"_target_": "scaleup.models.resnet", "small_input": 3, "num_classes": None},
+                }
+            },
+            "train",
+            "model.label_smoothing=abc must be a number; model.net.small_input=3 must be true or false",
+        ),
+        (
+            {"model": {"net": {"_target_": "scaleup.models.CharTransformer", "depth": "abc", "width": 1.5}}},
+            "train",
+            "model.net.width=1.5 must be an integer; model.net.depth=abc must be an integer",
+        ),
+        (
+            {"data": {"_target_": "scaleup.data.CharTextDataModule", "block_size": 0, "val_size": "abc"}},
+            "train",
+            "data.block_size=0 must be an integer >= 1; data.val_size=abc must be a number >= 0",
+        ),
+        (
+            {
+                "model": {
+                    "_target_": f"{__name__}.Widget",
+                    "size": 0,
+                    "scale": 11,
+                    "root": 3,
+                    "pair": [1, "x"],
+                    "mode": 2,
+                }
+            },
+            "train",
+            "model.size=0 must be an integer >= 1; model.scale=11 must be a number in (0, 10]; model.root=3 must be a "
+            "path; model.pair=[1, x] must be a list of numbers; model.mode=2 must be a string",
+        ),
+    ],
+)
+def test_schema_messages(config, job, message):
+    with pytest.raises(UserError) as raised:
+        validate_config(config, job)
+    assert str(raised.value) == message
+
+
+ACCEPTED = [
+    *({"trainer": {"devices": devices}} for devices in (1, 8, -1, "-1", "auto", [0, 1], "0,1", "3,")),
+    *({"trainer": {"precision": precision}} for precision in ("auto", "64-true", 16, "bf16-mixed")),
+    {"trainer": {"max_epochs": -1, "max_steps": 100, "limit_train_batches": 0.5, "limit_val_batches": 0}},
+    {"trainer": {"max_time": "00:12:00:00", "val_check_interval": {"minutes": 30}, "fast_dev_run": True}},
+    # a string for a Path, a list for a tuple, a tensor and an argument without a hint unchecked
+    {"model": {"_target_": f"{__name__}.Widget", "root": "data", "pair": [0, 0.5], "weights": [1], "anything": 1}},
+    # null (the data fills it in) and what Hydra builds pass; so does a target that does not import (its
+    # construction says so)
+    {"model": {"_target_": f"{__name__}.Widget", "size": None, "scale": {"_target_": "math.sqrt"}}},
+    {"model": {"_target_": "no.such.module.Model", "width": "abc"}},
+]
+
+
+@pytest.mark.parametrize("config", ACCEPTED)
+def test_schema_accepts(config):
+    validate_config(config)

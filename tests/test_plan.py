@@ -176,7 +176,6 @@ def test_cap_with_the_same_accumulation_spelled_out_is_fine():
         ),
         ((None, 16, 2, None, 32), "data.per_device_batch_size=16 fixes the per-device batch itself"),
         ((64, None, 3, None, 8), "data.global_batch_size=64 does not split evenly over 3 device"),
-        ((64, None, 1, None, 0), "data.max_per_device_batch_size=0 must be at least 1"),
     ],
 )
 def test_contradictory_cap_settings_name_the_conflict(args, message):

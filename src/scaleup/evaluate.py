@@ -19,6 +19,7 @@ from scaleup.engine.config import build_model, log_rows, to_plain
 from scaleup.engine.errors import UserError, config_errors
 from scaleup.engine.launch import check_launcher, shut_down_process_group
 from scaleup.engine.lightning_workarounds import ExactEvalMetrics, StopOnSigterm
+from scaleup.engine.schema import validate_config
 from scaleup.engine.stop import exit_when_stopped
 from scaleup.engine.topology import resolve_precision, resolve_topology
 
@@ -37,6 +38,7 @@ def stored_run(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Rebuild model and data from the checkpoint's own config and run the test split."""
+    validate_config(cfg, "eval")
     ckpt_path = find_checkpoint(cfg.ckpt_path, prefer="best")
     checkpoint = load_checkpoint(ckpt_path)
     stored = stored_run(checkpoint, ckpt_path)

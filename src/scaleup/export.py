@@ -12,6 +12,7 @@ from torch import nn
 from scaleup.engine.checkpoint import atomic_torch_save, find_checkpoint, load_checkpoint, load_weights
 from scaleup.engine.config import build_model, lookup
 from scaleup.engine.errors import UserError
+from scaleup.engine.schema import validate_config
 from scaleup.evaluate import stored_run
 
 log = logging.getLogger("scaleup")
@@ -37,6 +38,7 @@ def config_at(model_cfg: dict[str, Any], path: str) -> dict[str, Any] | None:
 def export(cfg: DictConfig) -> Path:
     """Rebuild the LightningModule from the checkpoint's config, load every weight strictly, and save the state_dict
     of `model.<cfg.module>` alone: keys without the module's prefix, loadable into the bare network."""
+    validate_config(cfg, "export")
     output = Path(cfg.output_path)
     if output.is_dir():
         raise UserError(f"output_path={output} is a directory: name the file to write, e.g. {output / 'net.pt'}")

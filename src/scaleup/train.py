@@ -29,6 +29,7 @@ from scaleup.engine.lightning_workarounds import StopOnSigterm, ignore_unresumab
 from scaleup.engine.loggers import close_loggers
 from scaleup.engine.plan import Plan, build_plan, early_stopping_entry
 from scaleup.engine.resume import resume_point
+from scaleup.engine.schema import validate_config
 from scaleup.engine.stop import exit_when_stopped
 from scaleup.engine.topology import resolve_topology
 from scaleup.engine.trainer import build_trainer
@@ -41,6 +42,7 @@ ignore_unresumable_loader_warning()
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Plan the run, print and save the plan, then fit, test on the best checkpoint and summarise."""
+    validate_config(cfg, "train")  # every value's type and range, before the seed and the topology read theirs
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     topology = resolve_topology(cfg.trainer, dry_run=cfg.dry_run)
     if not cfg.dry_run:

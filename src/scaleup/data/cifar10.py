@@ -1,7 +1,9 @@
 """CIFAR-10 through torchvision, downloaded once by rank 0 of each node (Lightning's `prepare_data`)."""
 
 from pathlib import Path
+from typing import Annotated
 
+from pydantic import Field
 from torch.utils.data import Dataset, Subset
 from torchvision import transforms as T
 from torchvision.datasets import CIFAR10
@@ -18,7 +20,12 @@ class CIFAR10DataModule(ClassificationDataModule):
     TRAIN_SIZE, TEST_SIZE = 50_000, 10_000  # the data set's own splits: a dry run plans without the files
 
     def __init__(
-        self, root: str, download: bool = True, val_size: float = 5000, split_seed: int = 0, **loader_kwargs
+        self,
+        root: str,
+        download: bool = True,
+        val_size: Annotated[float, Field(ge=0)] = 5000,  # a count, or a fraction (< 1) of the training set
+        split_seed: int = 0,
+        **loader_kwargs,
     ) -> None:
         super().__init__(**loader_kwargs)
         self.root, self.download, self.val_size, self.split_seed = Path(root), download, val_size, split_seed

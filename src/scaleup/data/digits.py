@@ -1,6 +1,9 @@
 """scikit-learn's bundled handwritten digits: 1,797 real 8x8 images, no download."""
 
+from typing import Annotated
+
 import torch
+from pydantic import Field
 from sklearn.datasets import load_digits
 from torch.utils.data import Dataset, TensorDataset
 
@@ -15,7 +18,13 @@ class DigitsDataModule(ClassificationDataModule):
     in_channels = 1
     in_memory = True
 
-    def __init__(self, val_size: float = 180, test_size: float = 360, split_seed: int = 0, **loader_kwargs) -> None:
+    def __init__(
+        self,
+        val_size: Annotated[float, Field(ge=0)] = 180,  # a count, or a fraction (< 1) of the data set
+        test_size: Annotated[float, Field(ge=0)] = 360,
+        split_seed: int = 0,
+        **loader_kwargs,
+    ) -> None:
         super().__init__(**loader_kwargs)
         self.val_size, self.test_size, self.split_seed = val_size, test_size, split_seed
 

@@ -1,7 +1,9 @@
 """Any `root/{train,val}/<class>/<image>` tree (the ImageNet layout), with the standard ImageNet transforms."""
 
 from pathlib import Path
+from typing import Annotated
 
+from pydantic import Field
 from torch.utils.data import Dataset
 from torchvision import transforms as T
 from torchvision.datasets import ImageFolder
@@ -23,7 +25,12 @@ class ImageFolderDataModule(ClassificationDataModule):
     """
 
     def __init__(
-        self, root: str, image_size: int = 224, url: str | None = None, md5: str | None = None, **loader_kwargs
+        self,
+        root: str,
+        image_size: Annotated[int, Field(ge=1)] = 224,
+        url: str | None = None,
+        md5: str | None = None,
+        **loader_kwargs,
     ) -> None:
         super().__init__(**loader_kwargs)
         self.root, self.image_size, self.url, self.md5 = Path(root), image_size, url, md5

@@ -1,9 +1,11 @@
 """Synthetic images of any size and count, generated on the fly: a 1.28M-sample set costs no memory."""
 
 from collections.abc import Sequence
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch.utils.data import Dataset
 
 from scaleup.data.classification import ClassificationDataModule
@@ -40,12 +42,15 @@ class SyntheticImages(Dataset):
 class SyntheticDataModule(ClassificationDataModule):
     def __init__(
         self,
-        train_size: int = 4096,
-        val_size: int = 512,
-        test_size: int = 512,
-        image_shape: Sequence[int] = (3, 32, 32),
-        num_classes: int = 10,
-        noise: float = 1.0,
+        train_size: Annotated[int, Field(ge=1)] = 4096,
+        val_size: Annotated[int, Field(ge=0)] = 512,
+        test_size: Annotated[int, Field(ge=0)] = 512,
+        image_shape: Annotated[
+            Sequence[Annotated[int, Field(ge=1)]],
+            Field(min_length=3, max_length=3, description="[channels, height, width], each an integer >= 1"),
+        ] = (3, 32, 32),
+        num_classes: Annotated[int, Field(ge=1)] = 10,
+        noise: Annotated[float, Field(ge=0)] = 1.0,
         data_seed: int = 0,
         **loader_kwargs,
     ) -> None:

@@ -1,9 +1,10 @@
 """Characters of text that ships with scikit-learn (its data sets' descriptions): language modelling, no download."""
 
 from importlib.resources import files
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import Field
 from torch.utils.data import Dataset
 
 from scaleup.engine.datamodule import GlobalBatchDataModule, split_lengths
@@ -42,7 +43,13 @@ class CharTextDataModule(GlobalBatchDataModule):
 
     in_memory = True
 
-    def __init__(self, block_size: int = 64, val_size: float = 0.1, test_size: float = 0.1, **loader_kwargs) -> None:
+    def __init__(
+        self,
+        block_size: Annotated[int, Field(ge=1)] = 64,
+        val_size: Annotated[float, Field(ge=0)] = 0.1,  # blocks: a count, or a fraction (< 1)
+        test_size: Annotated[float, Field(ge=0)] = 0.1,
+        **loader_kwargs,
+    ) -> None:
         super().__init__(**loader_kwargs)
         self.block_size, self.val_size, self.test_size = block_size, val_size, test_size
         self.text = bundled_text()

@@ -41,9 +41,6 @@ def resolve_batch(
             f"got global={global_batch_size}, per_device={per_device_batch_size}. "
             "To switch, pass e.g. data.global_batch_size=null data.per_device_batch_size=64"
         )
-    for key, size in (("global_batch_size", global_batch_size), ("per_device_batch_size", per_device_batch_size)):
-        if size is not None and size < 1:
-            raise UserError(f"data.{key}={size} must be at least 1")
     if max_per_device is not None:
         accumulation = accumulation_for_cap(
             global_batch_size, per_device_batch_size, world_size, accumulation, max_per_device
@@ -80,8 +77,6 @@ def accumulation_for_cap(
             f"data.per_device_batch_size={per_device_batch_size} fixes the per-device batch itself; set "
             "data.global_batch_size instead (and data.per_device_batch_size=null), or drop the cap"
         )
-    if cap < 1:
-        raise UserError(f"data.max_per_device_batch_size={cap} must be at least 1 (or null for no cap, or auto)")
     if global_batch_size % world_size:
         raise UserError(
             f"data.global_batch_size={global_batch_size} does not split evenly over {world_size} device(s), so no "

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from scaleup.engine.batch import check_auto_cap, epoch_steps, resolve_batch, run_steps
-from scaleup.engine.callbacks.lr_scaling import DECAYS, SCALING_RULES, LRSchedule, lr_factor
+from scaleup.engine.callbacks.lr_scaling import LRSchedule, lr_factor
 from scaleup.engine.errors import UserError
 from scaleup.engine.topology import Topology, resolve_precision
 
@@ -160,20 +160,10 @@ def known(value: Any) -> str:
 def check_plan_inputs(
     *, trainer_cfg: Mapping[str, Any], data_cfg: Mapping[str, Any], lr_cfg: Mapping[str, Any], strategy: str
 ) -> None:
-    """Refuse settings that contradict each other, before anything is derived from them."""
-    accumulation = trainer_cfg.get("accumulate_grad_batches")
-    if accumulation is not None and int(accumulation) < 1:
-        raise UserError(f"trainer.accumulate_grad_batches={accumulation} must be at least 1")
-    cap = data_cfg.get("max_per_device_batch_size")
-    if cap == "auto":
-        check_auto_cap(data_cfg.get("per_device_batch_size"), accumulation, strategy)
-    elif cap is not None and not isinstance(cap, int):
-        raise UserError(f"data.max_per_device_batch_size={cap} must be a number, auto, or null (no cap)")
-    rule, decay = lr_cfg.get("rule", "linear"), lr_cfg.get("decay", "none")
-    if rule not in SCALING_RULES:
-        raise UserError(f"lr_schedule.rule={rule} is not one of {', '.join(SCALING_RULES)}")
-    if decay not in DECAYS:
-        raise UserError(f"lr_schedule.decay={decay} is not one of {', '.join(DECAYS)}")
+    """Refuse settings that contradict each other, before anything is derived from them (each value's own type and
+    range is checked before the job starts: engine/schema.py)."""
+    if data_cfg.get("max_per_device_batch_size") == "auto":
+        check_auto_cap(data_cfg.get("per_device_batch_size"), trainer_cfg.get("accumulate_grad_batches"), strategy)
     warmup_epochs, warmup_steps = lr_cfg.get("warmup_epochs"), lr_cfg.get("warmup_steps")
     if warmup_epochs and warmup_steps:
         raise UserError(

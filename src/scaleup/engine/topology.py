@@ -41,8 +41,6 @@ def resolve_topology(trainer_cfg: dict[str, Any], *, dry_run: bool = False) -> T
         devices = torch.cuda.device_count() if accelerator == "gpu" and not dry_run else 1
     devices = int(devices)
     num_nodes = int(trainer_cfg.get("num_nodes", 1))
-    if devices < 1 or num_nodes < 1:
-        raise UserError(f"trainer.devices={devices} and trainer.num_nodes={num_nodes} must both be at least 1")
     if accelerator == "gpu" and not dry_run:
         visible = torch.cuda.device_count()
         if visible == 0:

@@ -1,14 +1,19 @@
 """Plain `nn.Module` networks: no Lightning inside, so exported weights load anywhere."""
 
 from collections.abc import Callable
+from typing import Annotated, Literal, get_args
 
 import torchvision
+from pydantic import Field
 from torch import nn
 
-NORMS = ("batch", "group", "none")
+# The hints say what each argument may be; the training job checks the config against them before it starts.
+Norm = Literal["batch", "group", "none"]
+NORMS = get_args(Norm)
+Count = Annotated[int, Field(ge=1)]
 
 
-def norm_layer(kind: str) -> Callable[[int], nn.Module]:
+def norm_layer(kind: Norm) -> Callable[[int], nn.Module]:
     """BatchNorm (batch statistics: per device unless synced), GroupNorm (per sample: any batch, any device
     count) or nothing."""
     if kind == "batch":
@@ -25,11 +30,11 @@ class DigitsCNN(nn.Sequential):
 
     def __init__(
         self,
-        num_classes: int = 10,
-        in_channels: int = 1,
-        width: int = 32,
-        norm: str = "batch",
-        dropout: float = 0.0,
+        num_classes: Count = 10,
+        in_channels: Count = 1,
+        width: Count = 32,
+        norm: Norm = "batch",
+        dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0,
     ) -> None:
         make_norm = norm_layer(norm)
 
@@ -53,7 +58,7 @@ class DigitsCNN(nn.Sequential):
 
 
 def resnet(
-    name: str, num_classes: int, in_channels: int = 3, norm: str = "batch", small_input: bool = False
+    name: str, num_classes: Count, in_channels: Count = 3, norm: Norm = "batch", small_input: bool = False
 ) -> nn.Module:
     """torchvision's ResNet by name (`resnet18`, `resnet50`, ...), randomly initialised.
 

@@ -405,13 +405,8 @@ def entry_point_results(paths) -> dict[str, tuple[dict[str, Any], Path]]:
         run_dir = case_run_dir(tmp, name)
         cases[name] = (script, overrides_in(run_dir, script, args), run_dir)
     (tmp / "cases.json").write_text(json.dumps([[script, args] for script, args, _ in cases.values()]))
-    subprocess.run(
-        [sys.executable, str(TESTS / "entry_point_cases.py"), str(tmp / "cases.json"), str(tmp / "results.json")],
-        cwd=ROOT,
-        env=clean_env(),
-        check=True,
-        timeout=600,
-    )
+    driver = [sys.executable, str(TESTS / "entry_point_cases.py"), str(tmp / "cases.json"), str(tmp / "results.json")]
+    subprocess.run(driver, cwd=ROOT, env=clean_env(), check=True, timeout=600)
     results = json.loads((tmp / "results.json").read_text())
     return {name: (result, run_dir) for (name, (_, _, run_dir)), result in zip(cases.items(), results, strict=True)}
 

@@ -10,6 +10,7 @@ downloaded: all of them in one interpreter (tests/entry_point_cases.py), which s
 import json
 import subprocess
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -444,12 +445,19 @@ def test_a_share_of_each_epoch_works_as_typed(entry_point_results):
     )
 
 
+class Colour(Enum):
+    red = "red"
+    blue = "blue"
+
+
 class Widget:
-    """A user's own class, for the constructor checks: hints with and without ranges, and ones that cannot be
-    checked (a tensor) or need not be (no hint)."""
+    """A user's own class, for the constructor checks: hints with and without ranges, types YAML cannot write (a
+    path, a tuple, an enum), and hints that cannot be checked (a tensor) or need not be (none)."""
 
     def __init__(
         self,
+        fast: bool = False,
+        colour: Colour = Colour.red,
         size: Annotated[int, Field(ge=1)] = 1,
         scale: Annotated[float, Field(gt=0, le=10)] = 1.0,
         root: Path = Path("."),
@@ -582,6 +590,18 @@ class Widget:
             "model.size=0 must be an integer >= 1; model.scale=11 must be a number in (0, 10]; model.root=3 must be a "
             "path; model.pair=[1, x] must be a list of numbers; model.mode=2 must be a string",
         ),
+        (
+            # lax conversions stay refused: a string read as a number or a boolean, a float as an integer
+            {"model": {"_target_": f"{__name__}.Widget", "size": "5", "fast": "yes", "pair": [1.0, True]}},
+            "train",
+            "model.fast=yes must be true or false; model.size=5 must be an integer >= 1; model.pair=[1.0, true] must "
+            "be a list of numbers",
+        ),
+        (
+            {"model": {"_target_": f"{__name__}.Widget", "size": 2.0, "colour": "green"}},
+            "train",
+            "model.colour=green must be one of red, blue; model.size=2.0 must be an integer >= 1",
+        ),
     ],
 )
 def test_schema_messages(config, job, message):
@@ -597,6 +617,7 @@ ACCEPTED = [
     {"trainer": {"max_time": "00:12:00:00", "val_check_interval": {"minutes": 30}, "fast_dev_run": True}},
     # a string for a Path, a list for a tuple, a tensor and an argument without a hint unchecked
     {"model": {"_target_": f"{__name__}.Widget", "root": "data", "pair": [0, 0.5], "weights": [1], "anything": 1}},
+    {"model": {"_target_": f"{__name__}.Widget", "colour": "blue", "fast": True, "scale": 10}},
     # null (the data fills it in) and what Hydra builds pass; so does a target that does not import (its
     # construction says so)
     {"model": {"_target_": f"{__name__}.Widget", "size": None, "scale": {"_target_": "math.sqrt"}}},

@@ -23,12 +23,11 @@ import functools
 import inspect
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from enum import Enum
 from pathlib import PurePath
 from typing import Annotated, Any, Literal, Union
 
-import annotated_types as at
 from hydra.utils import get_object
 from lightning.fabric.connector import _PRECISION_INPUT
 from omegaconf import DictConfig
@@ -245,12 +244,12 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], job: str = "train") -> 
     config = to_plain(cfg) if isinstance(cfg, DictConfig) else cfg
     problems: dict[str, str] = {}
     for path, schema in SECTIONS[job].items():
-        for key, message in section_problems(config, path, schema):
-            problems.setdefault(key, message)
+        for key, text in section_problems(config, path, schema):
+            problems.setdefault(key, text)
     for root in BUILT[job]:
         for path, node in targets(config.get(root), root):
-            for key, message in constructor_problems(path, node):
-                problems.setdefault(key, message)
+            for key, text in constructor_problems(path, node):
+                problems.setdefault(key, text)
     if problems:
         raise UserError("; ".join(problems.values()))
 
@@ -320,15 +319,31 @@ def argument_hints(target: str) -> dict[str, tuple[Any, TypeAdapter]]:
 
 
 def fits(adapter: TypeAdapter, value: Any) -> bool:
-    """Whether `value` fits strictly; a string or a list also where pydantic's lax mode converts it (to a Path, an
-    Enum member, a tuple: what YAML cannot write)."""
-    for strict in (True, False) if isinstance(value, str | list) else (True,):
-        try:
-            adapter.validate_python(value, strict=strict)
-        except ValidationError:
-            continue
+    """Whether `value` fits strictly, or as what YAML cannot write: a list for a tuple, a string for a Path or an
+    enum member (pydantic's lax mode, without its readings of a string as a number or a boolean)."""
+    try:
+        adapter.validate_python(value, strict=True)
         return True
-    return False
+    except ValidationError:
+        pass
+    try:
+        return kept(value, adapter.validate_python(value))
+    except ValidationError:
+        return False
+
+
+def kept(value: Any, out: Any) -> bool:
+    """Whether lax validation only re-wrapped `value`: read no string as a number or a boolean, no number as a
+    boolean (or the reverse), no float as an integer."""
+    if isinstance(value, list) and isinstance(out, Collection) and not isinstance(out, str | Mapping):
+        return not isinstance(out, list | tuple) or (len(out) == len(value) and all(map(kept, value, out)))
+    if isinstance(value, Mapping) and isinstance(out, Mapping):
+        return all(kept(item, out[key]) for key, item in value.items() if key in out)
+    if isinstance(value, bool) or isinstance(out, bool):
+        return isinstance(value, bool) and isinstance(out, bool)
+    if isinstance(value, str):
+        return not isinstance(out, int | float)
+    return isinstance(out, type(value)) or (type(value) is int and isinstance(out, float))
 
 
 def message(key: str, value: Any, field: FieldInfo) -> str:
@@ -372,7 +387,7 @@ def describe(hint: Any) -> str:
     if origin in (dict, Mapping) or hint in (dict, Mapping):
         return "a mapping"
     if isinstance(hint, type) and issubclass(hint, Enum):
-        return f"one of {', '.join(member.name for member in hint)}"
+        return f"one of {', '.join(render(member.value) for member in hint)}"  # pydantic reads members by value
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Any: "anything"}
     if hint in names:
         return names[hint]
@@ -410,13 +425,15 @@ def plural(description: str) -> str:
 def bounds(metadata: Sequence[Any]) -> str:
     """ " >= 1", " > 0", " in [0, 1)" from the Field / annotated_types constraints of a hint ("" for none)."""
     constraints = [c for m in metadata for c in (m.metadata if isinstance(m, FieldInfo) else [m])]
-    lower = next(((c.ge, "[", ">=") for c in constraints if isinstance(c, at.Ge)), None) or next(
-        ((c.gt, "(", ">") for c in constraints if isinstance(c, at.Gt)), None
-    )
-    upper = next(((c.le, "]", "<=") for c in constraints if isinstance(c, at.Le)), None) or next(
-        ((c.lt, ")", "<") for c in constraints if isinstance(c, at.Lt)), None
-    )
+
+    def bound(*kinds: str) -> tuple[str, Any] | None:
+        return next(((k, getattr(c, k)) for c in constraints for k in kinds if getattr(c, k, None) is not None), None)
+
+    lower, upper = bound("ge", "gt"), bound("le", "lt")
     if lower and upper:
-        return f" in {lower[1]}{lower[0]}, {upper[0]}{upper[1]}"
-    bound = lower or upper
-    return f" {bound[2]} {bound[0]}" if bound else ""
+        opening, closing = "[" if lower[0] == "ge" else "(", "]" if upper[0] == "le" else ")"
+        return f" in {opening}{lower[1]}, {upper[1]}{closing}"
+    if lower or upper:
+        kind, limit = lower or upper
+        return f" {dict(ge='>=', gt='>', le='<=', lt='<')[kind]} {limit}"
+    return ""

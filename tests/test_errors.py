@@ -342,6 +342,11 @@ WRONG_VALUES = {
         ["data=synthetic", "data.image_shape=[3,32]"],
         "data.image_shape=[3, 32] must be [channels, height, width], each an integer >= 1",
     ),
+    "early stopping patience": (
+        "train.py",
+        ["callbacks=[default,early_stopping]", "callbacks.early_stopping.patience=abc"],
+        "callbacks.early_stopping.patience=abc must be an integer",
+    ),
     "two mistakes, one line": (
         "train.py",
         ["trainer.max_epochs=abc", "lr_schedule.gamma=0"],
@@ -569,6 +574,14 @@ class Widget:
             {"model": {"net": {"_target_": "scaleup.models.CharTransformer", "depth": "abc", "width": 1.5}}},
             "train",
             "model.net.width=1.5 must be an integer; model.net.depth=abc must be an integer",
+        ),
+        (
+            {
+                "callbacks": {"ema": {"_target_": "scaleup.engine.callbacks.ema.EMA", "decay": "abc"}},
+                "logger": {"tb": {"_target_": "lightning.pytorch.loggers.TensorBoardLogger", "default_hp_metric": 3}},
+            },
+            "train",
+            "callbacks.ema.decay=abc must be a number; logger.tb.default_hp_metric=3 must be true or false",
         ),
         (
             {"data": {"_target_": "scaleup.data.CharTextDataModule", "block_size": 0, "val_size": "abc"}},

@@ -3,18 +3,19 @@
 Two sources of types:
 - the sections the template itself reads (`seed`, `trainer`, `lr_schedule`, `strategy`, `loader`, the batch keys
   of `data`, `model.optimizer`, ...): the pydantic models below, one per section;
-- the constructors the config builds (each `_target_` under `data` and `model`: the data module, the
-  LightningModule, its net and optimizer): their own type hints. `Annotated[int, Field(ge=1)]` on an argument of
-  your own module is checked like the template's keys, with no code here. Arguments without a hint, hints pydantic
-  cannot check (a tensor, a module), values Hydra instantiates (a dict with a `_target_`) and values the data fills
-  in (null) pass through, to be checked by the constructor itself.
+- the constructors the config builds (each `_target_` under `data`, `model`, `callbacks` and `logger`: the data
+  module, the LightningModule, its net and optimizer, callbacks, loggers): their own type hints.
+  `Annotated[int, Field(ge=1)]` on an argument of your own module is checked like the template's keys, with no
+  code here. Arguments without a hint, hints pydantic cannot check (a tensor, a module), values Hydra instantiates
+  (a dict with a `_target_`) and values the data fills in (null) pass through, to be checked by the constructor.
 
 Values are checked strictly, as YAML and the command line give them: `abc` stays a string and `1.5` is no
 integer, so a value that passes reaches the code as it was checked. (Against a constructor's hints a string may
-also stand for what strings name, e.g. a `Path`, and a list for a tuple: YAML has neither.) Each wrong value is
-`key=value must be <what is allowed>`, all of them in one UserError. Keys a section does not declare pass; a
-declared key that is absent is not checked (the code has its default). What depends on several keys (exactly one
-batch size, divisibility, warmup in epochs or steps) is checked where it is derived: engine/plan.py, engine/batch.py.
+also stand for what strings name, a `Path` or an enum member, and a list for a tuple: YAML has neither.) Each
+wrong value is `key=value must be <what is allowed>`, all of them in one UserError. Keys a section does not
+declare pass; a declared key that is absent is not checked (the code has its default). What depends on several
+keys (exactly one batch size, divisibility, warmup in epochs or steps) is checked where it is derived:
+engine/plan.py, engine/batch.py.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[float, Field(ge=0)]
 Fraction = Annotated[float, Field(ge=0, le=1)]
-BelowOne = Annotated[float, Field(ge=0, lt=1)]  # momentum, Adam's betas, dropout
+BelowOne = Annotated[float, Field(ge=0, lt=1)]  # momentum, Adam's betas
 # Lightning's Timer and time-based validation: "DD:HH:MM:SS" or timedelta's keyword arguments.
 Duration = Annotated[str, Field(pattern=r"^\s*\d+:\d\d:\d\d:\d\d\s*$")] | dict[str, NonNegative]
 BatchLimit = NonNegativeInt | Fraction  # a count of batches, or a share of them
@@ -218,7 +219,7 @@ class ExportKeys(Section):
 
 
 # Per job: the sections by dotted path ("" is the top level), and the subtrees whose `_target_`s are checked
-# against their constructors (eval and export build what the checkpoint's stored config says).
+# against their constructors (eval and export build what the checkpoint's stored config says, checked in training).
 SECTIONS: dict[str, dict[str, type[Section]]] = {
     "train": {
         "": TrainKeys,
@@ -235,7 +236,7 @@ SECTIONS: dict[str, dict[str, type[Section]]] = {
     "eval": {"": EvalKeys, "data": DataBatches, "trainer": EvalTrainer},
     "export": {"": ExportKeys},
 }
-BUILT = {"train": ("data", "model"), "eval": (), "export": ()}
+BUILT = {"train": ("data", "model", "callbacks", "logger"), "eval": (), "export": ()}
 
 
 def validate_config(cfg: DictConfig | Mapping[str, Any], job: str = "train") -> None:

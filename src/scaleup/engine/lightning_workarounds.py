@@ -369,8 +369,8 @@ class StopOnSigterm(Callback):
     without a code (exit 0, no results), and a signal on one rank stops that rank alone.
     Canary: test_sigterm_in_test_ends_plain_lightning_with_exit_code_0.
 
-    Here the handler only sets a flag. Training checks it at the start of every micro-batch: an all-reduce (max)
-    of the ranks' flags, so a signal on any rank stops all of them at the same micro-batch, where
+    Here the handler only sets a flag. Training checks it at the end of every micro-batch: an all-reduce (max)
+    of the ranks' flags, so a signal on any rank stops all of them after the same micro-batch, where
     `PreemptionCheckpoint` writes last.ckpt. The all-reduce runs on the CPU (gloo) and in the background, read one
     micro-batch later: no device sync and no wait in the step; the stop comes one micro-batch after the signal.
     Evaluation batches are uneven across ranks (no per-batch collective may run there), so validation inside
@@ -420,9 +420,8 @@ class StopOnSigterm(Callback):
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._take_over(trainer)
 
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        # At a batch's end, where a mid-epoch ModelCheckpoint saves too: the resume path proven exact.
         if self._agreed(trainer):
             raise SIGTERMException
 

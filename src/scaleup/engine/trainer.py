@@ -63,7 +63,6 @@ def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> lis
     """The machinery every run has, in the order it must run (Lightning calls callbacks in list order)."""
     checkpoint_dir = config["checkpoint"]["dirpath"]
     return [
-        StopOnSigterm(),  # first: a stop leaves the batch before anything else starts it
         # The LR must be set before LearningRateMonitor reads it.
         LRScaling(plan.schedule()),
         PerRankSeed(plan.seed),
@@ -81,6 +80,7 @@ def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> lis
         MetricsFile(run_dir / "metrics.json"),
         PlanHParams(plan.to_dict(), run_dir / "metrics.json"),  # after MetricsFile: reads the names it wrote
         PerformanceSettings(plan.tf32, plan.channels_last),
+        StopOnSigterm(),  # last: the others finish the batch it stops after
     ]
 
 

@@ -5,14 +5,17 @@ per step show.
 1. Side by side, in alternating fresh processes (plain, Lightning, train.py, plain, ...): a plain PyTorch loop, a
    bare Lightning script and `python train.py` as users run it (progress bar, TensorBoard, diagnostics,
    checkpoints, metrics), with the same data, network and optimizer. Each run times the 73 steps after the
-   first 5 of one epoch (78 steps), logging steps included. Printed: median, min and spread of the runs'
-   mean s/step, and each one's ratio to bare Lightning.
+   first 5 of each of 3 epochs (78 steps each), logging steps included, validation between epochs not.
+   Printed: median, min and spread of the runs' mean s/step, and each one's ratio to bare Lightning.
 2. The parts, in one process: bare Lightning plus one part (a callback of train.py or of the default callbacks,
    the TensorBoard logger, or the template's LightningModule with its metrics and logging), each against bare
-   Lightning alone, in alternating rounds. Printed: the extra ms per step of each part and its share of bare
-   Lightning's step.
+   Lightning alone, in alternating rounds (one epoch of the digits three times over, 219 steps timed).
+   Printed: the extra ms per step of each part and its share of bare Lightning's step, and, timed alone, the
+   diagnostics' hooks and what Lightning spends calling a callback that does nothing in a step.
 
-    python benchmarks/step_overhead.py [--repeats 5] [--rounds 5] [--json FILE]
+Wall time is what users wait for; CPU time (all the process's threads) is steadier on a shared machine.
+
+    python benchmarks/step_overhead.py [--repeats 5] [--rounds 3] [--override KEY=VALUE ...] [--json FILE]
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
-from torch.utils.data import DataLoader
+from lightning.pytorch.trainer import call
+from torch.utils.data import ConcatDataset, DataLoader
 
-from overhead import STEP_TIMES, StepTimer, compare, now, seconds_per_step
+from overhead import STEP_TIMES, StepTimer, compare, diagnostics_seconds_per_step, now, seconds_per_step
 from scaleup.data import DigitsDataModule
 from scaleup.engine.callbacks import (
     ConfigInCheckpoint,
@@ -55,21 +59,24 @@ from scaleup.engine.checkpoint import BatchProgressRescale, EpochProgressRepair
 from scaleup.engine.checks import MonitorCheck, TrainLoaderCheck
 from scaleup.engine.seeding import PerRankSeed
 from scaleup.models import DigitsCNN, ImageClassifier
+from scaleup.models.figures import ClassificationFigures
 from scaleup.models.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
-BATCH, WARMUP, STEPS = 16, 5, 73  # 1,257 training digits: 78 steps of 16 in one epoch
+BATCH, WARMUP, STEPS, EPOCHS = 16, 5, 73, 3  # 1,257 training digits: 78 steps of 16 in an epoch
 SGD = {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4, "nesterov": True}
 NET = {"_target_": "scaleup.models.DigitsCNN", "num_classes": 10, "in_channels": 1, "width": 32}
 # Rich draws as it would in a terminal (the output goes to a pipe here), where it costs what users pay.
 TERMINAL = {"FORCE_COLOR": "1", "TTY_COMPATIBLE": "1", "COLUMNS": "120"}
 
 
-def digits_loader() -> DataLoader:
+def digits_loader(repeat: int = 1) -> DataLoader:
+    """The training digits in batches of 16, `repeat` times over in one epoch."""
     datamodule = DigitsDataModule(global_batch_size=BATCH)
     datamodule.setup()
     torch.manual_seed(0)
-    return DataLoader(datamodule.splits["train"], batch_size=BATCH, shuffle=True, drop_last=True)
+    data = ConcatDataset([datamodule.splits["train"]] * repeat)
+    return DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True)
 
 
 class Bare(L.LightningModule):
@@ -92,18 +99,19 @@ def run_plain() -> None:
     opt = build_optimizer(SGD, net)
     net.train()
     times = []
-    for x, y in loader:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(net(x), y).backward()
-        opt.step()
-        times.extend(now())
+    for _ in range(EPOCHS):
+        for x, y in loader:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+            times.extend(now())
     print(STEP_TIMES, *times, flush=True)
 
 
 def bare_trainer(callbacks: list[L.Callback], logger: Any = False, **kwargs: Any) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
-        max_epochs=1,
+        max_epochs=EPOCHS,
         logger=logger,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         enable_progress_bar=any(isinstance(c, RichProgressBar) for c in callbacks),
@@ -117,16 +125,17 @@ def run_lightning() -> None:
     bare_trainer([StepTimer()]).fit(Bare(), digits_loader())
 
 
-def template_command(run_dir: str) -> list[str]:
+def template_command(run_dir: str, overrides: list[str]) -> list[str]:
     """train.py with its defaults: only the batch, one epoch on CPU, and the step timer added."""
     return [
         sys.executable,
         "train.py",
         f"data.global_batch_size={BATCH}",
-        "trainer.max_epochs=1",
+        f"trainer.max_epochs={EPOCHS}",
         "trainer.accelerator=cpu",
         "+callbacks.step_timer._target_=overhead.StepTimer",
         f"hydra.run.dir={run_dir}",
+        *overrides,
     ]
 
 
@@ -142,12 +151,12 @@ class PartTimer(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.marks.append(now())
-        if len(self.marks) == WARMUP + STEPS:
+        if len(self.marks) == WARMUP + EPOCHS * STEPS:
             raise StopTiming
 
     def per_step(self) -> dict[str, float]:
         (wall0, cpu0), (wall1, cpu1) = self.marks[WARMUP - 1], self.marks[-1]
-        return {"wall": (wall1 - wall0) / STEPS, "cpu": (cpu1 - cpu0) / STEPS}
+        return {"wall": (wall1 - wall0) / (EPOCHS * STEPS), "cpu": (cpu1 - cpu0) / (EPOCHS * STEPS)}
 
 
 def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.Callback], Any]]]:
@@ -160,29 +169,35 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
     def tensorboard() -> TensorBoardLogger:
         return TensorBoardLogger(tmp, name="tb", version="", default_hp_metric=False)
 
-    table = {
-        "bare Lightning": lambda: (Bare(), [], False),
-        "LRScaling": callback(lambda: LRScaling(schedule)),
-        "PerRankSeed": callback(lambda: PerRankSeed(42)),
-        "PrivateMetricStates": callback(PrivateMetricStates),
-        "MonitorCheck": callback(lambda: MonitorCheck("val/acc", "max")),
-        "TrainLoaderCheck": callback(TrainLoaderCheck),
-        "ConfigInCheckpoint": callback(lambda: ConfigInCheckpoint({}, {})),
-        "PreemptionCheckpoint": callback(lambda: PreemptionCheckpoint(tmp / "ckpt")),
-        "EpochProgressRepair": callback(EpochProgressRepair),
-        "BatchProgressRescale": callback(BatchProgressRescale),
-        "MetricsFile": callback(lambda: MetricsFile(tmp / "metrics.json")),
-        "PlanHParams": callback(lambda: PlanHParams({}, tmp / "metrics.json")),
-        "PerformanceSettings": callback(lambda: PerformanceSettings(tf32=True, channels_last=False)),
-        "ModelCheckpoint (best)": callback(lambda: ModelCheckpoint(tmp / "ckpt", monitor="val/acc", mode="max")),
-        "ModelCheckpoint (last)": callback(lambda: ModelCheckpoint(tmp / "ckpt", filename="last")),
-        "TrainingDiagnostics": callback(TrainingDiagnostics),
-        "RichProgressBar (Lightning's)": callback(RichProgressBar),
-        "ThrottledRichProgressBar": callback(ThrottledRichProgressBar),
+    template = {  # train.py's own callbacks (build_trainer), in its order
+        "LRScaling": lambda: LRScaling(schedule),
+        "PerRankSeed": lambda: PerRankSeed(42),
+        "PrivateMetricStates": PrivateMetricStates,
+        "MonitorCheck": lambda: MonitorCheck("val/acc", "max"),
+        "TrainLoaderCheck": TrainLoaderCheck,
+        "ConfigInCheckpoint": lambda: ConfigInCheckpoint({}, {}),
+        "PreemptionCheckpoint": lambda: PreemptionCheckpoint(tmp / "ckpt"),
+        "EpochProgressRepair": EpochProgressRepair,
+        "BatchProgressRescale": BatchProgressRescale,
+        "MetricsFile": lambda: MetricsFile(tmp / "metrics.json"),
+        "PlanHParams": lambda: PlanHParams({}, tmp / "metrics.json"),
+        "PerformanceSettings": lambda: PerformanceSettings(tf32=True, channels_last=False),
+    }
+    defaults = {  # configs/callbacks/default.yaml
+        "ModelCheckpoint (best)": lambda: ModelCheckpoint(tmp / "ckpt", monitor="val/acc", mode="max"),
+        "ModelCheckpoint (last)": lambda: ModelCheckpoint(tmp / "ckpt", filename="last"),
+        "TrainingDiagnostics": TrainingDiagnostics,
+        "RichProgressBar (Lightning's)": RichProgressBar,
+        "ThrottledRichProgressBar": ThrottledRichProgressBar,
+        "ClassificationFigures (model config)": ClassificationFigures,
+    }
+    table = {"bare Lightning": lambda: (Bare(), [], False)}
+    table |= {name: callback(make) for name, make in (template | defaults).items()}
+    table |= {
         "TensorBoard logger": lambda: (Bare(), [], tensorboard()),
         "LearningRateMonitor (+ TensorBoard)": lambda: (Bare(), [LearningRateMonitor("step")], tensorboard()),
         "ImageClassifier (metrics, logging)": lambda: (ImageClassifier(NET, SGD), [], False),
-        "ImageClassifier + TensorBoard": lambda: (ImageClassifier(NET, SGD), [], tensorboard()),
+        "all 12 of train.py's callbacks": lambda: (Bare(), [make() for make in template.values()], False),
     }
     return table
 
@@ -192,12 +207,12 @@ def time_part(make: Callable[[], tuple[L.LightningModule, list[L.Callback], Any]
     timer = PartTimer()
     trainer = bare_trainer([*callbacks, timer], logger=logger, log_every_n_steps=10)
     with contextlib.suppress(StopTiming):
-        trainer.fit(module, digits_loader())
+        trainer.fit(module, digits_loader(repeat=EPOCHS))  # one long epoch: no epoch end in the timed steps
     return timer.per_step()
 
 
-def run_parts(rounds: int) -> None:
-    """All parts, `rounds` times in alternating order; prints one JSON line of their per-step seconds."""
+def run_parts(rounds: int, out: Path) -> None:
+    """All parts, `rounds` times in alternating order; writes their per-step seconds to `out` as JSON."""
     results: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         table = parts(Path(tmp))
@@ -205,7 +220,7 @@ def run_parts(rounds: int) -> None:
         for _ in range(rounds):
             for name, make in table.items():
                 results.setdefault(name, []).append(time_part(make))
-    print("PARTS", json.dumps(results), flush=True)
+    out.write_text(json.dumps(results))
 
 
 def part_costs(results: dict[str, list[dict[str, float]]], clock: str) -> dict[str, dict[str, float]]:
@@ -229,17 +244,44 @@ def print_parts(costs: dict[str, dict[str, float]], bare: float, clock: str) -> 
         print(f"{name:38s} {row['extra_s'] * 1e3:+13.3f} {spread:>15s} {row['share_of_bare']:+8.1%}")
 
 
+STEP_HOOKS = {  # the callback hooks Lightning calls in every training step, with their arguments after the module
+    "on_train_batch_start": (None, 0),
+    "on_before_backward": (None,),
+    "on_after_backward": (),
+    "on_before_optimizer_step": (None,),
+    "on_before_zero_grad": (None,),
+    "on_train_batch_end": (None, None, 0),
+}
+
+
+def dispatch_seconds_per_callback(repeats: int = 2_000) -> float:
+    """What Lightning spends per training step calling one callback that overrides nothing: it calls each step
+    hook on every callback, inside a profiler context named after the callback's state key."""
+    timings = {}
+    for count in (0, 20):
+        trainer = bare_trainer([PrivateMetricStates() for _ in range(count)])  # a callback without step hooks
+        trainer.strategy.connect(Bare())
+        start = time.perf_counter()
+        for _ in range(repeats):
+            for hook, args in STEP_HOOKS.items():
+                call._call_callback_hooks(trainer, hook, *args)
+        timings[count] = (time.perf_counter() - start) / repeats
+    return (timings[20] - timings[0]) / 20
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="alternating runs of each variant")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds over the parts")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the parts")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--override", action="append", default=[], help="a train.py override (repeatable)")
     parser.add_argument("--variant", choices=["lightning", "plain", "parts"], help=argparse.SUPPRESS)  # internal
+    parser.add_argument("--parts-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
         torch.set_num_threads(1)
         if args.variant == "parts":
-            run_parts(args.rounds)
+            run_parts(args.rounds, args.parts_out)
         else:
             {"lightning": run_lightning, "plain": run_plain}[args.variant]()
         return
@@ -258,29 +300,33 @@ def main() -> None:
             commands = {
                 "plain loop": [*itself, "plain"],
                 "bare Lightning": [*itself, "lightning"],
-                "train.py": template_command(f"{tmp}/run{i}"),
+                "train.py": template_command(f"{tmp}/run{i}", args.override),
             }
             for name, command in commands.items():
-                results[name].append(seconds_per_step(command, env, WARMUP, STEPS))
+                results[name].append(seconds_per_step(command, env, WARMUP, STEPS, epochs=EPOCHS))
                 last = results[name][-1]
                 print(f"  run {i + 1}/{args.repeats} {name:15s} {last['wall'] * 1e3:.2f} ms/step wall")
-    load.append(os.getloadavg())
-    out = subprocess.run(
-        [*itself, "parts", "--rounds", str(args.rounds)], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    if out.returncode != 0:
-        raise SystemExit(f"parts failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    load.append(os.getloadavg())
-    part_runs = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PARTS"))[6:])
+        load.append(os.getloadavg())
+        parts_out = Path(tmp) / "parts.json"
+        command = [*itself, "parts", "--rounds", str(args.rounds), "--parts-out", str(parts_out)]
+        out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"parts failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+        load.append(os.getloadavg())
+        part_runs = json.loads(parts_out.read_text())
 
     print(
-        f"\ndigits, DigitsCNN width 32, batch {BATCH}, CPU, 1 thread; {STEPS} steps after {WARMUP}, "
+        f"\ndigits, DigitsCNN width 32, batch {BATCH}, CPU, 1 thread; {STEPS} steps after {WARMUP} in {EPOCHS} epochs, "
         f"{args.repeats} alternating runs; load average {load[0][0]:.2f} .. {load[-1][0]:.2f} (1 min)"
     )
     summary = {
         clock: compare({name: [r[clock] for r in runs] for name, runs in results.items()}, clock, "bare Lightning")
         for clock in ("wall", "cpu")
     }
+    bare = summary["wall"]["bare Lightning"]["median"]
+    hooks, dispatch = diagnostics_seconds_per_step(BATCH), dispatch_seconds_per_callback()
+    print(f"\nTrainingDiagnostics hooks alone: {hooks * 1e6:.1f} us per step = {hooks / bare:.3%} of the bare step")
+    print(f"Lightning's hook calls per callback: {dispatch * 1e6:.1f} us per step = {dispatch / bare:.3%} of the step")
     costs = {}
     for clock in ("wall", "cpu"):
         costs[clock] = part_costs(part_runs, clock)
@@ -293,6 +339,8 @@ def main() -> None:
             "config": {"batch": BATCH, "warmup": WARMUP, "steps": STEPS, "threads": 1} | vars(args) | {"json": None},
             "results": summary,
             "parts": {"runs": part_runs, "cost_over_bare_lightning": costs},
+            "diagnostics_hooks_s_per_step": hooks,
+            "lightning_dispatch_s_per_callback_per_step": dispatch,
         }
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
 

@@ -79,9 +79,9 @@ class StageMetrics(nn.Module):
     objects to Lightning on the stage's first update after Lightning's epoch-end reset and does nothing on the other
     steps (each `LightningModule.log` call costs about 1.5 ms of Python, mostly moving the metric to the device);
     Lightning computes and resets the objects it holds at the epoch's end, so the value covers every step.
-    No update reads a value back from the device, so GPU steps never wait for the host: `loss` and `samples` are
-    StageMetrics' own sums, and the wrapped metrics should do the same (`scaleup.models.TopKAccuracy` does;
-    torchmetrics' classification metrics count with `bincount`, which waits for the GPU).
+    No update reads a value back from the device, so the host never waits for a GPU step: `loss` and `samples`
+    are StageMetrics' own sums, and the wrapped metrics should read nothing either (torchmetrics' MulticlassAccuracy
+    does not; tests/test_host_sync.py shows how to check one).
 
     Why it is exact: torchmetrics keeps per-process states (correct counts, loss sums, sample counts) and
     all-gathers them once, at epoch end, so the result counts every sample once however unevenly the samples fall

@@ -9,9 +9,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
+from torchmetrics.classification import MulticlassAccuracy
 
 from scaleup.engine.metrics import StageMetrics
-from scaleup.models.accuracy import TopKAccuracy
 from scaleup.models.optim import build_optimizer
 
 
@@ -27,7 +27,7 @@ class CharLanguageModel(L.LightningModule):
         self.save_hyperparameters()
         self.net = instantiate(dict(net))
         # micro average: correct and total counts, summed over every character of every process.
-        self.metrics = StageMetrics({"acc": TopKAccuracy()})
+        self.metrics = StageMetrics({"acc": MulticlassAccuracy(net["vocab_size"], average="micro")})
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.net(ids)

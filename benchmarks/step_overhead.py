@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -144,19 +145,19 @@ class StopTiming(Exception):
 
 
 class PartTimer(L.Callback):
-    """Wall and CPU seconds per step over the steps after `WARMUP`, then stops the fit."""
+    """Wall and CPU seconds per step over the `STEPS` steps after `WARMUP` of one epoch, then stops the fit."""
 
     def __init__(self) -> None:
         self.marks: list[tuple[float, float]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.marks.append(now())
-        if len(self.marks) == WARMUP + EPOCHS * STEPS:
+        if len(self.marks) == WARMUP + STEPS:
             raise StopTiming
 
     def per_step(self) -> dict[str, float]:
         (wall0, cpu0), (wall1, cpu1) = self.marks[WARMUP - 1], self.marks[-1]
-        return {"wall": (wall1 - wall0) / (EPOCHS * STEPS), "cpu": (cpu1 - cpu0) / (EPOCHS * STEPS)}
+        return {"wall": (wall1 - wall0) / STEPS, "cpu": (cpu1 - cpu0) / STEPS}
 
 
 def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.Callback], Any]]]:
@@ -207,32 +208,39 @@ def time_part(make: Callable[[], tuple[L.LightningModule, list[L.Callback], Any]
     timer = PartTimer()
     trainer = bare_trainer([*callbacks, timer], logger=logger, log_every_n_steps=10)
     with contextlib.suppress(StopTiming):
-        trainer.fit(module, digits_loader(repeat=EPOCHS))  # one long epoch: no epoch end in the timed steps
+        trainer.fit(module, digits_loader())
+    if logger:
+        logger.finalize("success")  # its writer thread stops: nothing left running into the next timing
+    gc.collect()
     return timer.per_step()
 
 
 def run_parts(rounds: int, out: Path) -> None:
-    """All parts, `rounds` times in alternating order; writes their per-step seconds to `out` as JSON."""
+    """Each part timed next to its own bare Lightning run (bare first in even rounds, the part first in odd ones,
+    so a machine getting busier or the process aging cancels out), `rounds` times; writes the per-step seconds
+    of both to `out` as JSON."""
     results: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         table = parts(Path(tmp))
-        time_part(table["bare Lightning"])  # imports and first-call costs, untimed
-        for _ in range(rounds):
+        bare = table.pop("bare Lightning")
+        time_part(bare)  # imports and first-call costs, untimed
+        for i in range(rounds):
             for name, make in table.items():
-                results.setdefault(name, []).append(time_part(make))
+                pair = [bare, make] if i % 2 == 0 else [make, bare]
+                times = dict(zip(("first", "second"), map(time_part, pair), strict=True))
+                part, reference = (times["second"], times["first"]) if i % 2 == 0 else (times["first"], times["second"])
+                results.setdefault(name, []).append(part | {f"bare_{k}": v for k, v in reference.items()})
     out.write_text(json.dumps(results))
 
 
 def part_costs(results: dict[str, list[dict[str, float]]], clock: str) -> dict[str, dict[str, float]]:
-    """Each part's extra seconds per step over bare Lightning in the same round, median over rounds."""
-    bare = [r[clock] for r in results["bare Lightning"]]
+    """Each part's extra seconds per step over its paired bare Lightning run, median over rounds."""
     costs = {}
     for name, runs in results.items():
-        if name == "bare Lightning":
-            continue
-        extra = [r[clock] - b for r, b in zip(runs, bare, strict=True)]
+        extra = [r[clock] - r[f"bare_{clock}"] for r in runs]
+        bare = statistics.median(r[f"bare_{clock}"] for r in runs)
         costs[name] = {"extra_s": statistics.median(extra), "min_s": min(extra), "max_s": max(extra)}
-        costs[name]["share_of_bare"] = costs[name]["extra_s"] / statistics.median(bare)
+        costs[name]["share_of_bare"] = costs[name]["extra_s"] / bare
     return costs
 
 
@@ -274,6 +282,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="alternating runs of each variant")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the parts")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--only", choices=["variants", "parts"], help="run one half of the benchmark")
     parser.add_argument("--override", action="append", default=[], help="a train.py override (repeatable)")
     parser.add_argument("--variant", choices=["lightning", "plain", "parts"], help=argparse.SUPPRESS)  # internal
     parser.add_argument("--parts-out", type=Path, help=argparse.SUPPRESS)
@@ -293,7 +302,23 @@ def main() -> None:
         "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]),
     }
     itself = [sys.executable, str(Path(__file__).resolve()), "--variant"]
-    load = [os.getloadavg()]
+    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "load_average": {}}
+    report["config"] = {"batch": BATCH, "warmup": WARMUP, "steps": STEPS, "epochs": EPOCHS} | vars(args)
+    report["config"] |= {"json": str(args.json), "threads": 1}
+    report["load_average"]["start"] = os.getloadavg()
+    if args.only != "parts":
+        report["variants"] = compare_variants(args, env, itself)
+        report["load_average"]["after_variants"] = os.getloadavg()
+    if args.only != "variants":
+        report["parts"] = compare_parts(args, env, itself)
+        report["load_average"]["end"] = os.getloadavg()
+    print(f"\nload average (1, 5, 15 min): {report['load_average']}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def compare_variants(args: argparse.Namespace, env: dict[str, str], itself: list[str]) -> dict[str, Any]:
+    """plain loop, bare Lightning and train.py, alternating, each run a fresh process."""
     results: dict[str, list[dict[str, float]]] = {"plain loop": [], "bare Lightning": [], "train.py": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
@@ -306,43 +331,40 @@ def main() -> None:
                 results[name].append(seconds_per_step(command, env, WARMUP, STEPS, epochs=EPOCHS))
                 last = results[name][-1]
                 print(f"  run {i + 1}/{args.repeats} {name:15s} {last['wall'] * 1e3:.2f} ms/step wall")
-        load.append(os.getloadavg())
+    print(
+        f"\ndigits, DigitsCNN width 32, batch {BATCH}, CPU, 1 thread; {STEPS} steps after {WARMUP} in each of {EPOCHS}"
+        f" epochs, {args.repeats} alternating runs; train.py overrides: {args.override or 'none'}"
+    )
+    return {
+        clock: compare({name: [r[clock] for r in runs] for name, runs in results.items()}, clock, "bare Lightning")
+        for clock in ("wall", "cpu")
+    }
+
+
+def compare_parts(args: argparse.Namespace, env: dict[str, str], itself: list[str]) -> dict[str, Any]:
+    """Each part against bare Lightning in one fresh process; the diagnostics' hooks and Lightning's per-callback
+    dispatch timed alone."""
+    with tempfile.TemporaryDirectory() as tmp:
         parts_out = Path(tmp) / "parts.json"
         command = [*itself, "parts", "--rounds", str(args.rounds), "--parts-out", str(parts_out)]
         out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(f"parts failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-        load.append(os.getloadavg())
-        part_runs = json.loads(parts_out.read_text())
-
-    print(
-        f"\ndigits, DigitsCNN width 32, batch {BATCH}, CPU, 1 thread; {STEPS} steps after {WARMUP} in {EPOCHS} epochs, "
-        f"{args.repeats} alternating runs; load average {load[0][0]:.2f} .. {load[-1][0]:.2f} (1 min)"
-    )
-    summary = {
-        clock: compare({name: [r[clock] for r in runs] for name, runs in results.items()}, clock, "bare Lightning")
-        for clock in ("wall", "cpu")
-    }
-    bare = summary["wall"]["bare Lightning"]["median"]
+        runs = json.loads(parts_out.read_text())
+    costs = {}
+    for clock in ("wall", "cpu"):
+        costs[clock] = part_costs(runs, clock)
+        print_parts(costs[clock], statistics.median(r[f"bare_{clock}"] for rs in runs.values() for r in rs), clock)
+    bare = statistics.median(r["bare_wall"] for rs in runs.values() for r in rs)
     hooks, dispatch = diagnostics_seconds_per_step(BATCH), dispatch_seconds_per_callback()
     print(f"\nTrainingDiagnostics hooks alone: {hooks * 1e6:.1f} us per step = {hooks / bare:.3%} of the bare step")
     print(f"Lightning's hook calls per callback: {dispatch * 1e6:.1f} us per step = {dispatch / bare:.3%} of the step")
-    costs = {}
-    for clock in ("wall", "cpu"):
-        costs[clock] = part_costs(part_runs, clock)
-        print_parts(costs[clock], statistics.median(r[clock] for r in part_runs["bare Lightning"]), clock)
-    if args.json:
-        report = {
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-            "load_average_1_5_15min": {"start": load[0], "after_variants": load[1], "end": load[2]},
-            "cpus": os.cpu_count(),
-            "config": {"batch": BATCH, "warmup": WARMUP, "steps": STEPS, "threads": 1} | vars(args) | {"json": None},
-            "results": summary,
-            "parts": {"runs": part_runs, "cost_over_bare_lightning": costs},
-            "diagnostics_hooks_s_per_step": hooks,
-            "lightning_dispatch_s_per_callback_per_step": dispatch,
-        }
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return {
+        "runs": runs,
+        "cost_over_bare_lightning": costs,
+        "diagnostics_hooks_s_per_step": hooks,
+        "lightning_dispatch_s_per_callback_per_step": dispatch,
+    }
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ so the host stops running ahead and the GPU idles while the next step is prepare
 On CPU nothing waits, so the reads themselves are recorded: a TorchFunctionMode sees every Python-level `.item()`,
 `float()`, `int()`, `bool()`, `.tolist()`, `.numpy()` and `.cpu()` of a tensor, the functions whose output shape
 depends on the values (`bincount`, `nonzero`, `unique`, boolean-mask indexing), and host data copied onto a device
-(`torch.tensor(x, device=...)`). tests/test_gpu.py proves the same on a GPU with torch's sync debug mode.
+(`torch.tensor(x, device=...)`). tests/test_gpu.py checks the same on a GPU with torch's sync debug mode.
 """
 
 from __future__ import annotations

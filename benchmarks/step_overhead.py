@@ -200,6 +200,23 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
         "ImageClassifier (metrics, logging)": lambda: (ImageClassifier(NET, SGD), [], False),
         "all 12 of train.py's callbacks": lambda: (Bare(), [make() for make in template.values()], False),
     }
+
+    def everything(bar: str) -> Callable[[], tuple[L.LightningModule, list[L.Callback], Any]]:
+        """What train.py puts together (its model, its callbacks, the default ones with `bar`, TensorBoard)."""
+        config = [name for name in defaults if "ProgressBar" not in name]
+        return lambda: (
+            ImageClassifier(NET, SGD),
+            [
+                *(make() for make in template.values()),
+                *(defaults[name]() for name in config),
+                LearningRateMonitor("step"),
+                defaults[bar](),
+            ],
+            tensorboard(),
+        )
+
+    table["all of it, ThrottledRichProgressBar"] = everything("ThrottledRichProgressBar")
+    table["all of it, Lightning's RichProgressBar"] = everything("RichProgressBar (Lightning's)")
     return table
 
 

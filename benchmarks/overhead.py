@@ -52,8 +52,8 @@ class StepTimer(L.Callback):
         self.times.extend(now())
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if trainer.is_global_zero:
-            print(STEP_TIMES, *self.times, flush=True)
+        if trainer.is_global_zero:  # past a progress bar's redirection of sys.stdout, which would wrap the line
+            print(STEP_TIMES, *self.times, file=sys.__stdout__, flush=True)
 
 
 def data_and_net(train_size: int, batch: int) -> tuple[DataLoader, torch.nn.Module]:
@@ -128,17 +128,26 @@ def template_command(steps: int, batch: int, run_dir: str) -> list[str]:
 
 
 def seconds_per_step(
-    command: list[str], env: dict[str, str], warmup: int, steps: int, timeout: float | None = None
+    command: list[str],
+    env: dict[str, str],
+    warmup: int,
+    steps: int,
+    timeout: float | None = None,
+    epochs: int = 1,
 ) -> dict[str, float]:
-    """Wall and CPU seconds per step over the `steps` steps after `warmup`."""
+    """Wall and CPU seconds per step over the `steps` steps after `warmup`, in each of `epochs` epochs of
+    `warmup + steps` steps: what happens between epochs (validation, checkpoints) is not counted."""
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    line = next(line for line in out.stdout.splitlines() if line.startswith(STEP_TIMES))
-    pairs = [float(t) for t in line.split()[1:]]
+    line = next(line for line in out.stdout.splitlines() if STEP_TIMES in line)  # a progress bar may precede it
+    pairs = [float(t) for t in line[line.index(STEP_TIMES) :].split()[1:]]
     wall, cpu = pairs[0::2], pairs[1::2]
-    first, last = warmup - 1, warmup + steps - 1
-    return {"wall": (wall[last] - wall[first]) / steps, "cpu": (cpu[last] - cpu[first]) / steps}
+    spans = [(e * (warmup + steps) + warmup - 1, (e + 1) * (warmup + steps) - 1) for e in range(epochs)]
+    return {
+        "wall": sum(wall[last] - wall[first] for first, last in spans) / (steps * epochs),
+        "cpu": sum(cpu[last] - cpu[first] for first, last in spans) / (steps * epochs),
+    }
 
 
 def diagnostics_seconds_per_step(batch: int, repeats: int = 20_000) -> float:
@@ -215,22 +224,23 @@ CLOCKS = {
 }
 
 
-def compare(times: dict[str, list[float]], clock: str) -> dict[str, dict]:
-    """Median, min and spread per variant, speed relative to the plain loop, and whether the difference from the
-    plain loop exceeds the run-to-run spread of either."""
+def compare(times: dict[str, list[float]], clock: str, baseline: str = "plain loop") -> dict[str, dict]:
+    """Median, min and spread per variant, its time per step relative to `baseline` (and speed, the inverse),
+    and whether the difference from the baseline exceeds the run-to-run spread of either."""
     summary = {name: summarise(values) for name, values in times.items()}
-    plain = summary["plain loop"]
+    base = summary[baseline]
     print(f"\n{CLOCKS[clock]}")
-    print(f"{'':15s} {'median s/step':>13s} {'min':>8s} {'spread':>7s} {'speed vs plain':>15s}")
+    print(f"{'':15s} {'median s/step':>13s} {'min':>8s} {'spread':>7s} {'x ' + baseline:>16s}")
     for name, row in summary.items():
-        row["speed_vs_plain"] = plain["median"] / row["median"]
-        print(f"{name:15s} {row['median']:13.4f} {row['min']:8.4f} {row['spread']:7.1%} {row['speed_vs_plain']:15.3f}")
-    for name in ("train.py", "bare Lightning"):
-        difference = abs(1 - summary[name]["speed_vs_plain"])
-        noise = max(summary[name]["spread"], plain["spread"])
+        row["time_ratio"] = row["median"] / base["median"]
+        row["speed_vs_baseline"] = 1 / row["time_ratio"]
+        print(f"{name:15s} {row['median']:13.4f} {row['min']:8.4f} {row['spread']:7.1%} {row['time_ratio']:16.3f}")
+    for name in [name for name in summary if name != baseline]:
+        difference = abs(1 - summary[name]["time_ratio"])
+        noise = max(summary[name]["spread"], base["spread"])
         summary[name]["within_noise"] = difference <= noise
         verdict = "within" if difference <= noise else "larger than"
-        print(f"{name} vs plain loop: {difference:.1%} apart, {verdict} the run-to-run spread ({noise:.1%})")
+        print(f"{name} vs {baseline}: {difference:.1%} apart, {verdict} the run-to-run spread ({noise:.1%})")
     return summary
 
 

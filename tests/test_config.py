@@ -108,7 +108,7 @@ def test_loggers_and_callbacks_instantiate(logger):
     cfg = composed(f"logger={logger}")
     assert len(instantiate_each(cfg["logger"])) == {"none": 0, "many": 2}.get(logger, 1)
     names = [type(cb).__name__ for cb in instantiate_each(cfg["callbacks"])]
-    assert names == ["LearningRateMonitor", "TrainingDiagnostics", "RichProgressBar"]
+    assert names == ["LearningRateMonitor", "TrainingDiagnostics", "ThrottledRichProgressBar"]
 
 
 def test_trainer_group_holds_every_trainer_argument_the_template_does_not_set():

@@ -5,7 +5,8 @@ still imports, so a broken import fails on any machine).
 - `16-mixed` trains with a gradient scaler whose state is checkpointed; `bf16-mixed` computes in bfloat16;
 - FSDP on one device writes an ordinary checkpoint that loads and evaluates on a CPU;
 - `model.compile=true` compiles on CUDA and keeps plain parameter names;
-- the loaders pin host memory when the Trainer runs on a GPU.
+- the loaders pin host memory when the Trainer runs on a GPU;
+- a steady-state training step never waits for the GPU (torch's sync debug mode raises on any host sync).
 """
 
 import json
@@ -14,6 +15,7 @@ from typing import ClassVar
 import lightning as L
 import pytest
 import torch
+from test_host_sync import SteadySteps
 
 from conftest import check, in_process, run, weights
 from scaleup.data import SyntheticDataModule
@@ -136,3 +138,37 @@ def test_loaders_pin_memory_for_a_gpu_trainer():
     images, _ = next(iter(loader))
     assert loader.pin_memory and images.is_pinned()
     assert datamodule.test_dataloader().pin_memory
+
+
+class NoSyncProbe(SteadySteps):
+    """Runs steady-state training steps under `torch.cuda.set_sync_debug_mode("error")`: any CUDA call that makes
+    the host wait for the GPU (`.item()`, a device-to-host copy, a blocking host-to-device copy, `bincount`,
+    `nonzero`, ...) raises, with the traceback of the line that asked for it."""
+
+    last: ClassVar["NoSyncProbe | None"] = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        NoSyncProbe.last = self
+
+    def start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        torch.cuda.set_sync_debug_mode("error")
+
+    def stop(self) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_gpus(1)
+def test_steady_state_training_steps_never_wait_for_the_gpu(tmp_path):
+    """train.py's defaults (TensorBoard, diagnostics, checkpoints, LR monitor, metrics, bf16 where supported); only
+    the logging steps (every 10th, when the loggers read the values) and the epoch's end may wait."""
+    in_process(
+        [
+            "data.global_batch_size=32",  # 39 steps of 1,257 digits
+            "trainer.max_epochs=1",
+            "callbacks.progress_bar._target_=scaleup.engine.callbacks.progress.ThrottledRichProgressBar",
+            f"+callbacks.no_sync._target_={__name__}.NoSyncProbe",
+            f"hydra.run.dir={tmp_path}",
+        ]
+    )
+    assert NoSyncProbe.last.steps == 30  # 39 less the first 2, the last, and steps 9, 10, 19, 20, 29, 30

@@ -12,6 +12,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops, measure_flops
+from lightning.pytorch.utilities.data import extract_batch_size
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class TrainingDiagnostics(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self.flops and self._flops_per_sample is None:
-            self._flops_per_sample = model_flops_per_sample(pl_module, batch[0])
+            self._flops_per_sample = model_flops_per_sample(pl_module, batch)
         self._marks.append(self._clock.mark())  # the batch is on the device: fetch and copy are behind us
         self._fold(wait_for_all=False)
 
@@ -97,7 +98,7 @@ class TrainingDiagnostics(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._marks.append(self._clock.mark())
-        self._samples += len(batch[0])
+        self._samples += extract_batch_size(batch)  # Lightning's reading: the first tensor's length, any structure
 
     def _fold(self, wait_for_all: bool) -> None:
         """Add the finished steps to the sums, keeping the queue as short as the host's lead over the GPU."""
@@ -152,14 +153,16 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 
 @torch.no_grad()
-def model_flops_per_sample(pl_module: L.LightningModule, inputs: torch.Tensor) -> float:
-    """Training FLOPs per sample: one forward pass counted by torch's FlopCounterMode, times 3 (the backward pass
-    costs about twice the forward). Counted in eval mode without gradients, so no BatchNorm statistic, gradient
-    or random stream of the run changes."""
+def model_flops_per_sample(pl_module: L.LightningModule, batch: Any) -> float:
+    """Training FLOPs per sample: one forward pass on the batch's inputs (its first element for a tuple or list,
+    else the batch itself) counted by torch's FlopCounterMode, times 3 (the backward pass costs about twice the
+    forward). Counted in eval mode without gradients, so no BatchNorm statistic, gradient or random stream of the
+    run changes."""
+    inputs = batch[0] if isinstance(batch, tuple | list) else batch
     was_training = pl_module.training
     pl_module.eval()
     try:
         forward = measure_flops(pl_module, lambda: pl_module(inputs))
     finally:
         pl_module.train(was_training)
-    return 3 * forward / len(inputs)
+    return 3 * forward / extract_batch_size(batch)

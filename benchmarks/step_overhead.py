@@ -1,0 +1,388 @@
+"""Per-step overhead at steps small enough that the framework, not the model, sets the pace: digits (8x8), DigitsCNN
+width 32, batch 16, one torch thread, CPU. About 10 ms a step, the range of GPU steps, where a few ms of Python
+per step show.
+
+1. Side by side, in alternating fresh processes (plain, Lightning, train.py, plain, ...): a plain PyTorch loop, a
+   bare Lightning script and `python train.py` as users run it (progress bar, TensorBoard, diagnostics,
+   checkpoints, metrics), with the same data, network and optimizer. Each run times the 73 steps after the
+   first 5 of each of 3 epochs (78 steps each), logging steps included, validation between epochs not.
+   Printed: median, min and spread of the runs' mean s/step, and each one's ratio to bare Lightning.
+2. The parts, in one process: bare Lightning plus one part (a callback of train.py or of the default callbacks,
+   the TensorBoard logger, or the template's LightningModule with its metrics and logging), each against bare
+   Lightning alone, in alternating rounds (one epoch of the digits three times over, 219 steps timed).
+   Printed: the extra ms per step of each part and its share of bare Lightning's step, and, timed alone, the
+   diagnostics' hooks and what Lightning spends calling a callback that does nothing in a step.
+
+Wall time is what users wait for; CPU time (all the process's threads) is steadier on a shared machine.
+
+    python benchmarks/step_overhead.py [--repeats 5] [--rounds 3] [--override KEY=VALUE ...] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.trainer import call
+from torch.utils.data import ConcatDataset, DataLoader
+
+from overhead import STEP_TIMES, StepTimer, compare, diagnostics_seconds_per_step, now, seconds_per_step
+from scaleup.data import DigitsDataModule
+from scaleup.engine.callbacks import (
+    ConfigInCheckpoint,
+    LRScaling,
+    MetricsFile,
+    PreemptionCheckpoint,
+    PrivateMetricStates,
+    TrainingDiagnostics,
+)
+from scaleup.engine.callbacks.hparams import PlanHParams
+from scaleup.engine.callbacks.lr_scaling import LRSchedule
+from scaleup.engine.callbacks.performance import PerformanceSettings
+from scaleup.engine.callbacks.progress import ThrottledRichProgressBar
+from scaleup.engine.checkpoint import BatchProgressRescale, EpochProgressRepair
+from scaleup.engine.checks import MonitorCheck, TrainLoaderCheck
+from scaleup.engine.seeding import PerRankSeed
+from scaleup.models import DigitsCNN, ImageClassifier
+from scaleup.models.figures import ClassificationFigures
+from scaleup.models.optim import build_optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH, WARMUP, STEPS, EPOCHS = 16, 5, 73, 3  # 1,257 training digits: 78 steps of 16 in an epoch
+SGD = {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4, "nesterov": True}
+NET = {"_target_": "scaleup.models.DigitsCNN", "num_classes": 10, "in_channels": 1, "width": 32}
+# Rich draws as it would in a terminal (the output goes to a pipe here), where it costs what users pay.
+TERMINAL = {"FORCE_COLOR": "1", "TTY_COMPATIBLE": "1", "COLUMNS": "120"}
+
+
+def digits_loader(repeat: int = 1) -> DataLoader:
+    """The training digits in batches of 16, `repeat` times over in one epoch."""
+    datamodule = DigitsDataModule(global_batch_size=BATCH)
+    datamodule.setup()
+    torch.manual_seed(0)
+    data = ConcatDataset([datamodule.splits["train"]] * repeat)
+    return DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True)
+
+
+class Bare(L.LightningModule):
+    """The network, loss and optimizer of train.py's default model, nothing logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = DigitsCNN(num_classes=10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return build_optimizer(SGD, self)
+
+
+def run_plain() -> None:
+    loader, net = digits_loader(), DigitsCNN(num_classes=10)
+    opt = build_optimizer(SGD, net)
+    net.train()
+    times = []
+    for _ in range(EPOCHS):
+        for x, y in loader:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+            times.extend(now())
+    print(STEP_TIMES, *times, flush=True)
+
+
+def bare_trainer(callbacks: list[L.Callback], logger: Any = False, **kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        max_epochs=EPOCHS,
+        logger=logger,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=any(isinstance(c, RichProgressBar) for c in callbacks),
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **kwargs,
+    )
+
+
+def run_lightning() -> None:
+    bare_trainer([StepTimer()]).fit(Bare(), digits_loader())
+
+
+def template_command(run_dir: str, overrides: list[str]) -> list[str]:
+    """train.py with its defaults: only the batch, one epoch on CPU, and the step timer added."""
+    return [
+        sys.executable,
+        "train.py",
+        f"data.global_batch_size={BATCH}",
+        f"trainer.max_epochs={EPOCHS}",
+        "trainer.accelerator=cpu",
+        "+callbacks.step_timer._target_=overhead.StepTimer",
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    ]
+
+
+class StopTiming(Exception):
+    """Raised after the timed steps of a part: no epoch end, validation or checkpoint is timed."""
+
+
+class PartTimer(L.Callback):
+    """Wall and CPU seconds per step over the `STEPS` steps after `WARMUP` of one epoch, then stops the fit."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[float, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.marks.append(now())
+        if len(self.marks) == WARMUP + STEPS:
+            raise StopTiming
+
+    def per_step(self) -> dict[str, float]:
+        (wall0, cpu0), (wall1, cpu1) = self.marks[WARMUP - 1], self.marks[-1]
+        return {"wall": (wall1 - wall0) / STEPS, "cpu": (cpu1 - cpu0) / STEPS}
+
+
+def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.Callback], Any]]]:
+    """Each part as (module, extra callbacks, logger), built fresh for every timed run."""
+    schedule = LRSchedule(peak=0.25, warmup_steps=78, total_steps=936)  # batch 16 of base 64, 1 epoch warmup
+
+    def callback(make: Callable[[], L.Callback]):
+        return lambda: (Bare(), [make()], False)
+
+    def tensorboard() -> TensorBoardLogger:
+        return TensorBoardLogger(tmp, name="tb", version="", default_hp_metric=False)
+
+    template = {  # train.py's own callbacks (build_trainer), in its order
+        "LRScaling": lambda: LRScaling(schedule),
+        "PerRankSeed": lambda: PerRankSeed(42),
+        "PrivateMetricStates": PrivateMetricStates,
+        "MonitorCheck": lambda: MonitorCheck("val/acc", "max"),
+        "TrainLoaderCheck": TrainLoaderCheck,
+        "ConfigInCheckpoint": lambda: ConfigInCheckpoint({}, {}),
+        "PreemptionCheckpoint": lambda: PreemptionCheckpoint(tmp / "ckpt"),
+        "EpochProgressRepair": EpochProgressRepair,
+        "BatchProgressRescale": BatchProgressRescale,
+        "MetricsFile": lambda: MetricsFile(tmp / "metrics.json"),
+        "PlanHParams": lambda: PlanHParams({}, tmp / "metrics.json"),
+        "PerformanceSettings": lambda: PerformanceSettings(tf32=True, channels_last=False),
+    }
+    defaults = {  # configs/callbacks/default.yaml
+        "ModelCheckpoint (best)": lambda: ModelCheckpoint(tmp / "ckpt", monitor="val/acc", mode="max"),
+        "ModelCheckpoint (last)": lambda: ModelCheckpoint(tmp / "ckpt", filename="last"),
+        "TrainingDiagnostics": TrainingDiagnostics,
+        "RichProgressBar (Lightning's)": RichProgressBar,
+        "ThrottledRichProgressBar": ThrottledRichProgressBar,
+        "ClassificationFigures (model config)": ClassificationFigures,
+    }
+    table = {"bare Lightning": lambda: (Bare(), [], False)}
+    table |= {name: callback(make) for name, make in (template | defaults).items()}
+    table |= {
+        "TensorBoard logger": lambda: (Bare(), [], tensorboard()),
+        "LearningRateMonitor (+ TensorBoard)": lambda: (Bare(), [LearningRateMonitor("step")], tensorboard()),
+        "ImageClassifier (metrics, logging)": lambda: (ImageClassifier(NET, SGD), [], False),
+        "all 12 of train.py's callbacks": lambda: (Bare(), [make() for make in template.values()], False),
+    }
+
+    def everything(bar: str) -> Callable[[], tuple[L.LightningModule, list[L.Callback], Any]]:
+        """What train.py puts together (its model, its callbacks, the default ones with `bar`, TensorBoard)."""
+        config = [name for name in defaults if "ProgressBar" not in name]
+        return lambda: (
+            ImageClassifier(NET, SGD),
+            [
+                *(make() for make in template.values()),
+                *(defaults[name]() for name in config),
+                LearningRateMonitor("step"),
+                defaults[bar](),
+            ],
+            tensorboard(),
+        )
+
+    table["all of it, ThrottledRichProgressBar"] = everything("ThrottledRichProgressBar")
+    table["all of it, Lightning's RichProgressBar"] = everything("RichProgressBar (Lightning's)")
+    return table
+
+
+def time_part(make: Callable[[], tuple[L.LightningModule, list[L.Callback], Any]]) -> dict[str, float]:
+    module, callbacks, logger = make()
+    timer = PartTimer()
+    trainer = bare_trainer([*callbacks, timer], logger=logger, log_every_n_steps=10)
+    with contextlib.suppress(StopTiming):
+        trainer.fit(module, digits_loader())
+    if logger:
+        logger.finalize("success")  # its writer thread stops: nothing left running into the next timing
+    gc.collect()
+    return timer.per_step()
+
+
+def run_parts(rounds: int, out: Path) -> None:
+    """Each part timed next to its own bare Lightning run (bare first in even rounds, the part first in odd ones,
+    so a machine getting busier or the process aging cancels out), `rounds` times; writes the per-step seconds
+    of both to `out` as JSON."""
+    results: dict[str, list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        table = parts(Path(tmp))
+        bare = table.pop("bare Lightning")
+        time_part(bare)  # imports and first-call costs, untimed
+        for i in range(rounds):
+            for name, make in table.items():
+                pair = [bare, make] if i % 2 == 0 else [make, bare]
+                times = dict(zip(("first", "second"), map(time_part, pair), strict=True))
+                part, reference = (times["second"], times["first"]) if i % 2 == 0 else (times["first"], times["second"])
+                results.setdefault(name, []).append(part | {f"bare_{k}": v for k, v in reference.items()})
+    out.write_text(json.dumps(results))
+
+
+def part_costs(results: dict[str, list[dict[str, float]]], clock: str) -> dict[str, dict[str, float]]:
+    """Each part's extra seconds per step over its paired bare Lightning run, median over rounds."""
+    costs = {}
+    for name, runs in results.items():
+        extra = [r[clock] - r[f"bare_{clock}"] for r in runs]
+        bare = statistics.median(r[f"bare_{clock}"] for r in runs)
+        costs[name] = {"extra_s": statistics.median(extra), "min_s": min(extra), "max_s": max(extra)}
+        costs[name]["share_of_bare"] = costs[name]["extra_s"] / bare
+    return costs
+
+
+def print_parts(costs: dict[str, dict[str, float]], bare: float, clock: str) -> None:
+    print(f"\nper-step cost of each part over bare Lightning ({bare * 1e3:.2f} ms/step), {clock} time")
+    print(f"{'':38s} {'extra ms/step':>13s} {'range':>15s} {'of bare':>8s}")
+    for name, row in costs.items():
+        spread = f"{row['min_s'] * 1e3:+.2f}..{row['max_s'] * 1e3:+.2f}"
+        print(f"{name:38s} {row['extra_s'] * 1e3:+13.3f} {spread:>15s} {row['share_of_bare']:+8.1%}")
+
+
+STEP_HOOKS = {  # the callback hooks Lightning calls in every training step, with their arguments after the module
+    "on_train_batch_start": (None, 0),
+    "on_before_backward": (None,),
+    "on_after_backward": (),
+    "on_before_optimizer_step": (None,),
+    "on_before_zero_grad": (None,),
+    "on_train_batch_end": (None, None, 0),
+}
+
+
+def dispatch_seconds_per_callback(repeats: int = 2_000) -> float:
+    """What Lightning spends per training step calling one callback that overrides nothing: it calls each step
+    hook on every callback, inside a profiler context named after the callback's state key."""
+    timings = {}
+    for count in (0, 20):
+        trainer = bare_trainer([PrivateMetricStates() for _ in range(count)])  # a callback without step hooks
+        trainer.strategy.connect(Bare())
+        start = time.perf_counter()
+        for _ in range(repeats):
+            for hook, args in STEP_HOOKS.items():
+                call._call_callback_hooks(trainer, hook, *args)
+        timings[count] = (time.perf_counter() - start) / repeats
+    return (timings[20] - timings[0]) / 20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5, help="alternating runs of each variant")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the parts")
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--only", choices=["variants", "parts"], help="run one half of the benchmark")
+    parser.add_argument("--override", action="append", default=[], help="a train.py override (repeatable)")
+    parser.add_argument("--variant", choices=["lightning", "plain", "parts"], help=argparse.SUPPRESS)  # internal
+    parser.add_argument("--parts-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.variant:
+        torch.set_num_threads(1)
+        if args.variant == "parts":
+            run_parts(args.rounds, args.parts_out)
+        else:
+            {"lightning": run_lightning, "plain": run_plain}[args.variant]()
+        return
+
+    env = {
+        **os.environ,
+        **TERMINAL,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]),
+    }
+    itself = [sys.executable, str(Path(__file__).resolve()), "--variant"]
+    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "load_average": {}}
+    report["config"] = {"batch": BATCH, "warmup": WARMUP, "steps": STEPS, "epochs": EPOCHS} | vars(args)
+    report["config"] |= {"json": str(args.json), "threads": 1}
+    report["load_average"]["start"] = os.getloadavg()
+    if args.only != "parts":
+        report["variants"] = compare_variants(args, env, itself)
+        report["load_average"]["after_variants"] = os.getloadavg()
+    if args.only != "variants":
+        report["parts"] = compare_parts(args, env, itself)
+        report["load_average"]["end"] = os.getloadavg()
+    print(f"\nload average (1, 5, 15 min): {report['load_average']}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def compare_variants(args: argparse.Namespace, env: dict[str, str], itself: list[str]) -> dict[str, Any]:
+    """plain loop, bare Lightning and train.py, alternating, each run a fresh process."""
+    results: dict[str, list[dict[str, float]]] = {"plain loop": [], "bare Lightning": [], "train.py": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            commands = {
+                "plain loop": [*itself, "plain"],
+                "bare Lightning": [*itself, "lightning"],
+                "train.py": template_command(f"{tmp}/run{i}", args.override),
+            }
+            for name, command in commands.items():
+                results[name].append(seconds_per_step(command, env, WARMUP, STEPS, epochs=EPOCHS))
+                last = results[name][-1]
+                print(f"  run {i + 1}/{args.repeats} {name:15s} {last['wall'] * 1e3:.2f} ms/step wall")
+    print(
+        f"\ndigits, DigitsCNN width 32, batch {BATCH}, CPU, 1 thread; {STEPS} steps after {WARMUP} in each of {EPOCHS}"
+        f" epochs, {args.repeats} alternating runs; train.py overrides: {args.override or 'none'}"
+    )
+    return {
+        clock: compare({name: [r[clock] for r in runs] for name, runs in results.items()}, clock, "bare Lightning")
+        for clock in ("wall", "cpu")
+    }
+
+
+def compare_parts(args: argparse.Namespace, env: dict[str, str], itself: list[str]) -> dict[str, Any]:
+    """Each part against bare Lightning in one fresh process; the diagnostics' hooks and Lightning's per-callback
+    dispatch timed alone."""
+    with tempfile.TemporaryDirectory() as tmp:
+        parts_out = Path(tmp) / "parts.json"
+        command = [*itself, "parts", "--rounds", str(args.rounds), "--parts-out", str(parts_out)]
+        out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"parts failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+        runs = json.loads(parts_out.read_text())
+    costs = {}
+    for clock in ("wall", "cpu"):
+        costs[clock] = part_costs(runs, clock)
+        print_parts(costs[clock], statistics.median(r[f"bare_{clock}"] for rs in runs.values() for r in rs), clock)
+    bare = statistics.median(r["bare_wall"] for rs in runs.values() for r in rs)
+    hooks, dispatch = diagnostics_seconds_per_step(BATCH), dispatch_seconds_per_callback()
+    print(f"\nTrainingDiagnostics hooks alone: {hooks * 1e6:.1f} us per step = {hooks / bare:.3%} of the bare step")
+    print(f"Lightning's hook calls per callback: {dispatch * 1e6:.1f} us per step = {dispatch / bare:.3%} of the step")
+    return {
+        "runs": runs,
+        "cost_over_bare_lightning": costs,
+        "diagnostics_hooks_s_per_step": hooks,
+        "lightning_dispatch_s_per_callback_per_step": dispatch,
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -38,10 +38,11 @@ def last_step(run_dir) -> int:
     return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
 
 
-@pytest.mark.parametrize(("phase", "stopped_at"), [("val", STEPS_PER_EPOCH), ("test", 2 * STEPS_PER_EPOCH)])
+# A signal during validation stops training after the next step; during the final test, with the steps all done.
+@pytest.mark.parametrize(("phase", "stopped_at"), [("val", STEPS_PER_EPOCH + 1), ("test", 2 * STEPS_PER_EPOCH)])
 def test_one_process_stops_with_143_and_the_requeued_run_completes(phase, stopped_at, tmp_path):
-    """Validation runs to its end and training stops at the next step (after epoch 0, with last.ckpt there); a
-    signal in the final test leaves no test results and exit 143, and the requeue runs just the test."""
+    """Validation runs to its end and training stops after the next step (writing last.ckpt there); a signal in
+    the final test leaves no test results and exit 143, and the requeue runs just the test."""
     args = [*TWO_EPOCHS, *sigterm_in(phase, tmp_path), f"hydra.run.dir={tmp_path / 'run'}"]
     with pytest.raises(SystemExit) as stopped:
         in_process(args)
@@ -86,7 +87,7 @@ def test_two_processes_stop_together_in_every_phase_and_resume(trained_run, tmp_
         assert "Traceback" not in result.stdout, f"{phase}\n{result.stdout[-3000:]}"
     assert not (eval_dir / "metrics.json").exists()
     # The ranks agree on a stop one micro-batch after the signal (the flags travel in the background).
-    assert last_step(runs["val"]) == STEPS_PER_EPOCH + 1 and last_step(runs["test"]) == 2 * STEPS_PER_EPOCH
+    assert last_step(runs["val"]) == STEPS_PER_EPOCH + 2 and last_step(runs["test"]) == 2 * STEPS_PER_EPOCH
     assert not has_test_results(runs["test"])
 
     requeued = {

@@ -369,13 +369,15 @@ class StopOnSigterm(Callback):
     without a code (exit 0, no results), and a signal on one rank stops that rank alone.
     Canary: test_sigterm_in_test_ends_plain_lightning_with_exit_code_0.
 
-    Here the handler only sets a flag. Training checks it at the end of every micro-batch: an all-reduce (max)
-    of the ranks' flags, so a signal on any rank stops all of them after the same micro-batch, where
-    `PreemptionCheckpoint` writes last.ckpt. The all-reduce runs on the CPU (gloo) and in the background, read one
-    micro-batch later: no device sync and no wait in the step; the stop comes one micro-batch after the signal.
-    Evaluation batches are uneven across ranks (no per-batch collective may run there), so validation inside
-    `fit` runs to its end and training stops at its next micro-batch; `test` (and `eval.py`) stops at the next
-    batch on each rank, without saving: a test has nothing to resume. `exit_when_stopped` then exits 143.
+    Here the handler only sets a flag. Training checks it at the end of every micro-batch (the last callback, so
+    the others finish that batch; where a mid-epoch ModelCheckpoint saves too): on one process the flag itself,
+    on several an all-reduce (max) of the ranks' flags, so a signal on any rank stops all of them after the same
+    micro-batch, where `PreemptionCheckpoint` writes last.ckpt. The all-reduce runs on the CPU (gloo) and in the
+    background, read one micro-batch later: no device sync and no wait in the step, and the stop comes one
+    micro-batch later. Evaluation batches are uneven across ranks (no per-batch collective may run there), so
+    validation inside `fit` runs to its end and training stops after its next micro-batch; `test` (and
+    `eval.py`) stops at the next batch on each rank, without saving: a test has nothing to resume.
+    `exit_when_stopped` then exits 143.
     """
 
     def __init__(self) -> None:

@@ -80,7 +80,6 @@ def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> lis
         MetricsFile(run_dir / "metrics.json"),
         PlanHParams(plan.to_dict(), run_dir / "metrics.json"),  # after MetricsFile: reads the names it wrote
         PerformanceSettings(plan.tf32, plan.channels_last),
-        StopOnSigterm(),  # last: the others finish the batch it stops after
     ]
 
 
@@ -89,6 +88,7 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
     callbacks = template_callbacks(config, plan, run_dir)
     with config_errors("callbacks"):
         callbacks += instantiate_each(config.get("callbacks"))
+    callbacks.append(StopOnSigterm())  # last: every other callback finishes the batch it stops after
     with config_errors("logger"):
         loggers = instantiate_each(config["logger"])
     # Lightning refuses a progress bar it was told not to show, and an LR monitor with nowhere to log.

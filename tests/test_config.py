@@ -7,6 +7,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -154,3 +155,30 @@ def test_missing_imagefolder_data_is_one_clear_message(tmp_path):
     assert (
         str(raised.value) == f"no train/ directory under data.root={missing}: expected {missing}/train/<class>/<image>"
     )
+
+
+# The input each image data option yields: (channels, height, width).
+IMAGE_SHAPES = {
+    "cifar10": (3, 32, 32),
+    "digits": (1, 8, 8),
+    "imagefolder": (3, 224, 224),
+    "synthetic": (3, 32, 32),
+    "synthetic_imagenet": (3, 224, 224),
+}
+
+
+@pytest.mark.slow  # 30 dry runs: about 10 s
+@pytest.mark.parametrize("data", sorted(IMAGE_SHAPES))
+def test_every_image_data_option_fits_every_image_model(data, tmp_path):
+    """Each data= with each image model= plans, and the model the plan made takes the data's images: the data
+    fills in the input channels and the classes (a forward pass on the meta device checks the shapes)."""
+    for model in [name for name in options("model") if name != "char_transformer"]:
+        plan = in_process([f"data={data}", f"model={model}", "dry_run=true", f"hydra.run.dir={tmp_path / model}"])
+        cfg = OmegaConf.to_container(OmegaConf.load(tmp_path / model / "config.yaml"))
+        net_cfg = cfg["model"]["net"]
+        if net_cfg["num_classes"] is None:  # an image folder states its classes only from its files
+            net_cfg["num_classes"] = 2
+        assert net_cfg["in_channels"] == IMAGE_SHAPES[data][0], (data, model)
+        with torch.device("meta"):
+            logits = instantiate(net_cfg)(torch.empty(2, *IMAGE_SHAPES[data]))
+        assert logits.shape == (2, net_cfg["num_classes"]) and plan["global_batch_size"] > 0, (data, model)

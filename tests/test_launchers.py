@@ -4,6 +4,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -242,3 +243,10 @@ def test_fsdp_is_planned_anywhere_and_refused_on_cpu(tmp_path):
         in_process(
             ["strategy=fsdp", "trainer.devices=2", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path / 'cpu'}"]
         )
+
+
+def test_an_unwritable_working_directory_is_one_line():
+    """The default run directory is ./outputs/train/<stamp>: where it cannot be created, one line names it."""
+    result = run(["dry_run=true"], cwd=Path("/proc"))  # nothing can be created under /proc, not even by root
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: cannot create the run directory /proc/outputs/train/"), result.stderr

@@ -66,6 +66,7 @@ def test_the_probe_finds_the_limit_and_leaves_no_trace():
         precision="64-true",
     )
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="64-true", logger=False, enable_progress_bar=False)
+    model.trainer = trainer  # as in fit, where the probe runs: the training step may ask the Trainer
     plan = build_plan(
         topology=Topology("cpu", 1, 1),
         trainer_cfg={"max_epochs": 1},

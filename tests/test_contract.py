@@ -58,7 +58,7 @@ def test_stage_metrics_wrap_any_metric_per_stage_and_add_loss_and_samples():
 
 
 def test_monitor_mode_must_be_min_or_max(tmp_path):
-    with pytest.raises(UserError, match=r"monitor\.mode=lowest must be min or max"):
+    with pytest.raises(UserError, match=r"monitor\.mode=lowest must be one of min, max"):
         in_process([*QUICK, "monitor.mode=lowest", f"hydra.run.dir={tmp_path}"])
 
 

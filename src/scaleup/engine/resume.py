@@ -20,8 +20,9 @@ from scaleup.engine.plan import Plan
 
 log = logging.getLogger("scaleup")
 
-# What a run directory holds once a run has started there (besides Hydra's own files).
-RUN_FILES = ("plan.json", "metrics.json")
+# What a run that trained leaves besides its checkpoints. (Not plan.json: this run's rank 0 may have written it
+# already when another rank looks.)
+RUN_FILES = ("metrics.json",)
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,7 @@ def test_auto_takes_the_largest_batch_every_device_fits(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_between_micro_batches_on_one_device_resumes_on_two(reference, tmp_path):
+def test_sigterm_between_micro_batches_resumes_with_another_accumulation(reference, tmp_path):
     """Pre-empted on 1 device with 1 of a step's 2 micro-batches done, resumed on 2 processes (accumulation 2 ->
     1): the checkpoint holds no partial gradients, so the resumed run replays that step whole, and its ranks draw
     the dropout masks the 1-device run drew for the same micro-batches."""

@@ -87,7 +87,7 @@ def test_sample_order_per_epoch(baseline):
             assert two_step == sorted(one["epochs"][epoch][step * 64 : (step + 1) * 64])
 
 
-def test_identical_init_and_random_numbers_by_position_not_by_rank(baseline):
+def test_per_rank_streams_and_identical_init(baseline):
     """Ranks draw different dropout masks and augmentations (they hold other samples), but micro-batch j of rank r
     draws what micro-batch r x 1 + j draws on 1 device accumulating 2: the same stream for the same global-batch
     offset at the same step, and the same augmented inputs, loaded by a worker or by the main process."""
@@ -191,7 +191,7 @@ def test_equivalence_verdict_in_float64_and_float32():
     assert code == 0 and lines[-1].startswith("EQUIVALENT in float32")
 
 
-def test_equivalence_verdict_names_what_the_plans_explain_and_the_generators_drawn():
+def test_equivalence_verdict_names_what_the_plans_explain():
     """The default model's BatchNorm (64 samples per statistic in the whole batch, 32 per micro-batch) and dropout
     make the whole batch differ from its micro-batches by design; a generator of the user's own that training drew
     from is named when 2 processes differ from the same micro-batches on 1."""

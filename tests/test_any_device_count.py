@@ -178,6 +178,7 @@ def test_auto_takes_the_largest_batch_every_device_fits(reference, tmp_path):
     log = (tmp_path / "train.log").read_text()
     assert "32 per device fits here, 8 on every device -> per-device batch 8, accumulation 4" in log
     plan = read_json(tmp_path / "plan.json")  # rewritten with the settled split
+    assert plan["world_size"] == 2
     assert (plan["max_per_device_batch_size"], plan["per_device_batch_size"], plan["accumulate_grad_batches"]) == (
         "auto",
         8,

@@ -83,6 +83,7 @@ def test_mid_epoch_resume_on_two_processes_equals_uninterrupted(baseline, tmp_pa
     """From the 2-process baseline's checkpoint at step 13 (5 of epoch 1's 8 steps), on 2 processes again."""
     ckpt = baseline("two") / "steps/at-13.ckpt"
     check(run([*EXACT, "trainer.devices=2", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path}"]))
+    assert read_json(tmp_path / "plan.json")["world_size"] == 2
     assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == TOTAL_STEPS
     worst = assert_same_weights(last_weights(baseline("two")), last_weights(tmp_path), rtol=0, atol=TOLERANCE)
     print(f"2 processes: resumed vs uninterrupted, largest weight difference {worst:.1e}")

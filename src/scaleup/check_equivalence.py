@@ -250,6 +250,10 @@ def main(argv: list[str]) -> int:
         if any(w is None for w in weights.values()):
             return 2
         plans = {name: json.loads((run_dirs[name] / "plan.json").read_text()) for name in RUNS}
+        ran = {name: (plans[name]["world_size"], plans[name]["accumulate_grad_batches"]) for name in RUNS}
+        if ran != RUNS:  # e.g. a config of the user's that sets the accumulation or the device count its own way
+            print(f"error: the runs were meant as (processes, accumulation) {RUNS} but ran as {ran}", file=sys.stderr)
+            return 2
         model_cfg = OmegaConf.to_container(OmegaConf.load(run_dirs["1"] / "config.yaml"))["model"]
         drawn = json.loads((run_dirs["2"] / GENERATORS).read_text())
     code, lines = verdict(weights, precision, explanations(plans, model_cfg), drawn)

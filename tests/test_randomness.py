@@ -26,7 +26,9 @@ from conftest import (
     weights,
 )
 from scaleup.data import DigitsDataModule
+from scaleup.engine.plan import build_plan
 from scaleup.engine.seeding import SeededSamples, micro_batch_offset, mixed_seed, seed_generators
+from scaleup.engine.topology import Topology
 
 
 def test_a_micro_batch_offset_is_its_place_in_the_global_batch():
@@ -97,3 +99,22 @@ def test_the_equivalence_check_names_a_generator_of_the_users_own(tmp_path):
         ]
     )
     assert json.loads(path.read_text()) == ["model.noise"]
+
+
+@pytest.mark.parametrize(("cap", "micro"), [(32, "32"), ("auto", "the probed micro-batch")])
+def test_the_plan_says_which_random_numbers_are_topology_invariant(cap, micro):
+    plan = build_plan(
+        topology=Topology("cpu", 1, 1),
+        trainer_cfg={"max_epochs": 1},
+        data_cfg={"global_batch_size": 64, "max_per_device_batch_size": cap},
+        lr_cfg={},
+        base_lrs={"SGD": 0.1},
+        seed=0,
+        dataset_sizes={"train": 64},
+        has_batchnorm=False,
+        strategy="auto",
+    )
+    assert dict(plan.rows())["random numbers"] == (
+        "augmentation by (seed, epoch, sample): any topology; dropout and other in-model draws by (seed, step, "
+        f"micro-batch offset): any topology with micro-batches of {micro}"
+    )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -46,25 +47,52 @@ QUICK = [
 
 # The float64 runs behind the equivalence and resume guarantees. float32 results differ between CPUs (rounding
 # depends on the kernels, and training amplifies it), so weights are compared in float64, to TOLERANCE (absolute).
-# GroupNorm and no dropout: nothing in the model depends on how the global batch is split. 513 training samples
-# leave 8 global batches of 64 per epoch (one sample short of a ninth): 24 optimizer steps in 3 epochs.
+# With randomness on: dropout 0.5 and a random shift and rotation of every training image, both drawn by
+# (seed, step or epoch, position), never by rank or worker (engine/seeding.py). Dropout masks are drawn per
+# micro-batch, so every topology runs micro-batches of 32: the cap splits the global batch of 64 into 2 x 32 on
+# one device, and does not bite on two. AdamW (stateful) and a warmup that ramps (base batch 32: peak = 2 x base,
+# over epochs 0 and 1), so that a resume must restore the optimizer's moments and a ramping LR exactly.
+# GroupNorm: nothing in the model depends on how the global batch is split. 513 training samples leave 8 global
+# batches of 64 per epoch (one sample short of a ninth): 24 optimizer steps in 3 epochs, warmup the first 16.
 # val 129 -> 2 ranks get 65/64 samples = 3/2 batches of 32 (one rank a batch short); test 1155 -> 578/577.
 EXACT = [
     *QUICK,
     "trainer.max_epochs=3",
     "trainer.precision=64-true",
     "model.net.norm=group",
+    "model.net.dropout=0.5",
+    "+data.augment=true",
+    "data.max_per_device_batch_size=32",
+    "model/optimizer=adamw",
+    "lr_schedule.base_batch_size=32",
+    "lr_schedule.warmup_epochs=2",
     "data.val_size=129",
     "data.test_size=1155",
     "trainer.log_every_n_steps=1",
 ]
 EXACT_TRAIN, EXACT_VAL, EXACT_TEST, EXACT_STEPS_PER_EPOCH, EXACT_EPOCHS = 513, 129, 1155, 8, 3
+EXACT_WARMUP_STEPS = 16
+LR_TAG = "lr-AdamW/decay"  # the logged LR of the param group with weight decay
 TOLERANCE = 1e-10
+# Every topology with micro-batches of 32. "two" also loads with 2 workers per rank (the others in the main
+# process): augmentation must not depend on who loads a sample.
 TOPOLOGIES = {
-    "one": ["trainer.devices=1"],
-    "two": ["trainer.devices=2"],
-    "accum": ["trainer.devices=1", "trainer.accumulate_grad_batches=2"],
+    "one": ["trainer.devices=1"],  # accumulation 2, derived from the cap
+    "two": ["trainer.devices=2", "data.num_workers=2"],
+    "accum": ["trainer.devices=1", "trainer.accumulate_grad_batches=2"],  # the same, set by hand
 }
+# The same recipe at a global batch of 192 in micro-batches of 16: 2 steps per epoch, 6 in all, on 1 device
+# (accumulation 12), 3 devices (4) or 4 devices (3): the same micro-batches everywhere.
+WIDE = [*EXACT, "data.global_batch_size=192", "data.max_per_device_batch_size=16"]
+
+
+def warmup_cosine(step: int, base: float, peak: float, warmup: int, total: int) -> float:
+    """The LR the plan promises at an optimizer step, written out here rather than taken from LRSchedule: a linear
+    ramp from the base LR (step 0) to the peak (step `warmup`), then a half cosine from the peak to 0 (step `total`)."""
+    if step < warmup:
+        return base + (peak - base) * step / warmup
+    return peak * (1 + math.cos(math.pi * (step - warmup) / (total - warmup))) / 2
+
 
 # Variables a parent launcher may have left behind; a stray LOCAL_RANK makes Lightning wait for ranks that never come.
 LAUNCHER_VARIABLES = (
@@ -211,6 +239,15 @@ def trained_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def wide_reference(tmp_path_factory) -> Path:
+    """The WIDE recipe on 1 process: what its 3-process (test_randomness) and 2 x 2 torchrun (test_launchers)
+    runs must end with."""
+    run_dir = tmp_path_factory.mktemp("wide") / "one"
+    in_process([*WIDE, "trainer.devices=1", f"hydra.run.dir={run_dir}"])
+    return run_dir
+
+
 def save_every(name: str, steps: int, dirpath: str = "${hydra:runtime.output_dir}/steps") -> list[str]:
     """Overrides for an extra ModelCheckpoint `callbacks.<name>` that writes `at-<N>.ckpt` every `steps` optimizer
     steps, also in the middle of an epoch."""
@@ -232,10 +269,11 @@ def baseline(tmp_path_factory) -> Callable[[str], Path]:
     (a resumed run must end with the same weights and LR curve) and the LR-curve tests. Each run records what
     every rank saw under probe/ (tests/probes.py RankProbe). The 2-process run also holds 1 GiB on rank 1
     (probes.MemoryHog), which changes no number but must show in the uneven-memory warning, and saves mid-run
-    checkpoints for the resume tests: steps/at-13.ckpt (5 of epoch 1's 8 steps) and steps/at-16.ckpt (the last
-    batch of epoch 1). "one" and "accum" run in this process; "two" runs `python train.py trainer.devices=2`
-    with Lightning's launcher, which starts the second process, and names its own run directory (under
-    paths.log_dir): the Lightning-launcher test in test_launchers checks that both processes found the same one.
+    checkpoints for the resume tests: steps/at-13.ckpt (5 of epoch 1's 8 steps, in the warmup) and
+    steps/at-16.ckpt (the last batch of epoch 1). "one" and "accum" run in this process; "two" runs
+    `python train.py trainer.devices=2` with Lightning's launcher, which starts the second process, and names its
+    own run directory (under paths.log_dir): the Lightning-launcher test in test_launchers checks that both
+    processes found the same one.
     """
     root = tmp_path_factory.mktemp("baseline")
     probe = ["+callbacks.probe._target_=probes.RankProbe", "+callbacks.probe.out_dir=${hydra:runtime.output_dir}/probe"]

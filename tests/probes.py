@@ -25,11 +25,14 @@ def parameter_checksum(net: nn.Module) -> float:
 
 
 class RankProbe(L.Callback):
-    """Writes rank<r>.json: initial weights checksum, a dropout draw, and the sample indices of each epoch."""
+    """Writes rank<r>.json: initial weights checksum, the sample indices of each epoch, and for each micro-batch of
+    the first `draw_steps` optimizer steps its step, a checksum of its (augmented) inputs and a draw from the
+    stream dropout draws from."""
 
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self, out_dir: str, draw_steps: int = 2) -> None:
         self.out_dir = Path(out_dir)
-        self.record: dict = {"epochs": {}}
+        self.draw_steps = draw_steps
+        self.record: dict = {"epochs": {}, "micro_batches": []}
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Before DDP wraps the model (and broadcasts rank 0's weights): what this rank built by itself.
@@ -40,12 +43,18 @@ class RankProbe(L.Callback):
         self.record["local_rank"] = trainer.local_rank
         self.record["node_rank"] = trainer.node_rank
         self.record["world_size"] = trainer.world_size
-        # After PerRankSeed: the stream dropout and augmentation draw from on this rank.
-        self.record["dropout_mask"] = torch.nn.functional.dropout(torch.ones(64), p=0.5).nonzero().flatten().tolist()
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_step >= self.draw_steps:
+            return
+        with torch.random.fork_rng(devices=[]):  # after StepSeed, and leaving the model's stream as it found it
+            draw = torch.rand(8, dtype=torch.float64).tolist()
+        inputs = float(batch[0].double().sum())
+        self.record["micro_batches"].append({"step": trainer.global_step, "draw": draw, "inputs": inputs})
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         sampler = trainer.train_dataloader.sampler  # the sampler this rank's loader iterates, after set_epoch
-        self.record["epochs"][str(trainer.current_epoch)] = list(iter(sampler))
+        self.record["epochs"][str(trainer.current_epoch)] = [index for _, index in sampler]  # (epoch, index) pairs
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -167,3 +176,16 @@ class SigtermDigits(DigitsDataModule):
         splits = super().build_splits()
         splits[self.split] = SigtermOnLoad(splits[self.split], self.index, self.marker)
         return splits
+
+
+class OwnGeneratorNoise(ImageClassifier):
+    """Scales its loss by noise from a generator of its own: seeded once per process (as `torch.Generator()` and
+    `np.random.default_rng()` in user code are), so its numbers depend on the process, not on the samples."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.noise = torch.Generator().manual_seed(int(os.environ.get("RANK", 0)))
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        scale = 1 + 0.1 * torch.rand((), generator=self.noise)
+        return torch.nn.functional.cross_entropy(logits, target) * scale.to(logits.dtype)

@@ -1,9 +1,10 @@
 """One command on any device count: a per-device cap (a number or auto) derives the accumulation, and a run
-pre-empted on 2 processes resumes mid-epoch on 1, all ending with the 2-process run's float64 weights.
+pre-empted on 2 processes resumes mid-epoch on 1, and one pre-empted on 1 resumes on 2, all ending with the
+2-process run's float64 weights.
 
 The reference is the recipe as written for 2 devices: the shared 2-process float64 baseline (conftest.baseline),
-2 processes x 32 samples, where a cap of 32 would not bite. On one device the same recipe with the cap accumulates
-2 micro-batches of 32 per step.
+2 processes x 32 samples, where the baseline's cap of 32 does not bite. On one device the same recipe with the
+cap accumulates 2 micro-batches of 32 per step: the same micro-batches, so the same dropout masks.
 """
 
 import copy
@@ -40,7 +41,6 @@ from scaleup.engine.lightning_workarounds import rescale_batch_progress
 from scaleup.engine.plan import build_plan
 from scaleup.engine.topology import Topology
 
-CAP_32 = [*EXACT, "data.max_per_device_batch_size=32"]
 STEPS = EXACT_EPOCHS * EXACT_STEPS_PER_EPOCH
 
 
@@ -137,20 +137,21 @@ def assert_equals_reference(reference, run_dir):
 
 
 @pytest.mark.slow
-def test_cap_runs_the_two_device_recipe_on_one_device(reference, tmp_path):
-    in_process([*CAP_32, "trainer.devices=1", f"hydra.run.dir={tmp_path}"])
-    plan, reference_plan = read_json(tmp_path / "plan.json"), read_json(reference / "plan.json")
+def test_cap_runs_the_two_device_recipe_on_one_device(baseline, reference):
+    """The 1-process baseline is the recipe with the cap on one device."""
+    one = baseline("one")
+    plan, reference_plan = read_json(one / "plan.json"), read_json(reference / "plan.json")
     assert (reference_plan["per_device_batch_size"], reference_plan["accumulate_grad_batches"]) == (32, 1)
     assert (plan["per_device_batch_size"], plan["accumulate_grad_batches"], plan["global_batch_size"]) == (32, 2, 64)
-    assert "accumulation          2 (derived from the per-device cap)" in (tmp_path / "train.log").read_text()
-    assert_equals_reference(reference, tmp_path)
+    assert "accumulation          2 (derived from the per-device cap)" in (one / "train.log").read_text()
+    assert_equals_reference(reference, one)
 
 
 @pytest.mark.slow
 def test_two_process_mid_epoch_checkpoint_resumes_on_one_device(reference, tmp_path):
     mid_epoch = tmp_path / "step13.ckpt"
     shutil.copy(reference / "steps/at-13.ckpt", mid_epoch)
-    in_process([*CAP_32, "trainer.devices=1", f"ckpt_path={mid_epoch}", f"hydra.run.dir={tmp_path}"])
+    in_process([*EXACT, "trainer.devices=1", f"ckpt_path={mid_epoch}", f"hydra.run.dir={tmp_path}"])
     log = (tmp_path / "train.log").read_text()
     assert "world_size 2 -> 1" in log and "accumulate_grad_batches 1 -> 2" in log
     assert_equals_reference(reference, tmp_path)
@@ -159,7 +160,9 @@ def test_two_process_mid_epoch_checkpoint_resumes_on_one_device(reference, tmp_p
 @pytest.mark.slow
 def test_auto_takes_the_largest_batch_every_device_fits(reference, tmp_path):
     """Rank 0 fits 32, rank 1 only 10 (simulated out-of-memory above): both settle on 8, the largest exact split
-    of 32 that rank 1 holds, and accumulate 4 micro-batches per step."""
+    of 32 that rank 1 holds, and accumulate 4 micro-batches per step. Micro-batches of 8 draw other dropout masks
+    than micro-batches of 32 (a mask is drawn per micro-batch tensor), so the weights are not the reference's:
+    the run trains its full schedule with the settled split."""
     check(
         run(
             [
@@ -175,33 +178,41 @@ def test_auto_takes_the_largest_batch_every_device_fits(reference, tmp_path):
     log = (tmp_path / "train.log").read_text()
     assert "32 per device fits here, 8 on every device -> per-device batch 8, accumulation 4" in log
     plan = read_json(tmp_path / "plan.json")  # rewritten with the settled split
+    assert plan["world_size"] == 2
     assert (plan["max_per_device_batch_size"], plan["per_device_batch_size"], plan["accumulate_grad_batches"]) == (
         "auto",
         8,
         4,
     )
-    stored = load_checkpoint(tmp_path / "checkpoints/last.ckpt")["scaleup"]["plan"]
-    assert (stored["per_device_batch_size"], stored["accumulate_grad_batches"]) == (8, 4)
-    assert_equals_reference(reference, tmp_path)
+    last = load_checkpoint(tmp_path / "checkpoints/last.ckpt")
+    assert (last["scaleup"]["plan"]["per_device_batch_size"], last["scaleup"]["plan"]["accumulate_grad_batches"]) == (
+        8,
+        4,
+    )
+    assert last["global_step"] == STEPS
 
 
 @pytest.mark.slow
 def test_sigterm_between_micro_batches_resumes_with_another_accumulation(reference, tmp_path):
-    """Pre-empted with 2 of a step's 4 micro-batches done (cap 16: accumulation 4), resumed with cap 32
-    (accumulation 2): the checkpoint holds no partial gradients, so the resumed run replays that step whole."""
+    """Pre-empted on 1 device with 1 of a step's 2 micro-batches done, resumed on 2 processes (accumulation 2 ->
+    1): the checkpoint holds no partial gradients, so the resumed run replays that step whole, and its ranks draw
+    the dropout masks the 1-device run drew for the same micro-batches."""
     stopped = run(
         [
             *EXACT,
-            "data.max_per_device_batch_size=16",
+            "trainer.devices=1",
             "+callbacks.sigterm._target_=probes.SigtermAtBatch",
             "+callbacks.sigterm.epoch=1",
-            "+callbacks.sigterm.batch_idx=21",  # micro-batches 20 and 21 of step 6 in epoch 1
+            "+callbacks.sigterm.batch_idx=10",  # micro-batch 10 of epoch 1: the first of its step 5
             f"hydra.run.dir={tmp_path}",
         ]
     )
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == 8 + 5
-    in_process([*CAP_32, "ckpt_path=last", f"hydra.run.dir={tmp_path}"])
+    check(run([*EXACT, "trainer.devices=2", "ckpt_path=last", f"hydra.run.dir={tmp_path}"]))
+    log = (tmp_path / "train.log").read_text()
+    assert "world_size 1 -> 2" in log and "accumulate_grad_batches 2 -> 1" in log
+    assert read_json(tmp_path / "plan.json")["world_size"] == 2
     assert_equals_reference(reference, tmp_path)
 
 

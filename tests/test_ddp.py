@@ -1,7 +1,10 @@
-"""1 vs N devices on CPU with 2 real processes (gloo): same weights, exact metrics, per-rank seeds, LR plan.
+"""1 vs N devices on CPU with 2 real processes (gloo): same weights, exact metrics, random numbers by position,
+LR plan.
 
-The runs are the shared float64 baselines (conftest `baseline`): 3 epochs, 24 optimizer steps, on 1 process,
-on 2 processes and on 1 process with accumulation 2, all with the same global batch of 64.
+The runs are the shared float64 baselines (conftest `baseline`): 3 epochs, 24 optimizer steps of AdamW, with
+dropout 0.5 and random augmentation, on 1 process (accumulating 2 micro-batches of 32, from the cap), on 2
+processes x 32 loading with 2 workers each, and on 1 process with accumulation 2 set by hand, all with the same
+global batch of 64.
 """
 
 import math
@@ -16,6 +19,8 @@ from conftest import (
     EXACT_TEST,
     EXACT_TRAIN,
     EXACT_VAL,
+    EXACT_WARMUP_STEPS,
+    LR_TAG,
     ROOT,
     TOLERANCE,
     TOPOLOGIES,
@@ -23,11 +28,11 @@ from conftest import (
     clean_env,
     in_process,
     read_json,
+    warmup_cosine,
     weights,
 )
 from scaleup.check_equivalence import explanations, verdict
 from scaleup.check_equivalence import main as check_equivalence
-from scaleup.engine.callbacks.lr_scaling import LRSchedule
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +43,9 @@ def probe(baseline, name, rank=0):
 
 @pytest.mark.parametrize("other", ["two", "accum"])
 def test_one_device_equals_two_devices_and_accumulation(baseline, other):
-    """In float64, to TOLERANCE (absolute) after 3 full epochs. In float32 the same runs agree only to rounding,
-    and rounding differs between CPUs (measured 1e-7 on one machine, 1.4e-4 on another)."""
+    """In float64, to TOLERANCE (absolute) after 3 full epochs, with dropout and augmentation drawing their random
+    numbers: the same ones for the same samples at the same step. In float32 the same runs agree only to
+    rounding, and rounding differs between CPUs (measured 1e-7 on one machine, 1.4e-4 on another)."""
     one, two = weights(baseline("one") / "checkpoints/last.ckpt"), weights(baseline(other) / "checkpoints/last.ckpt")
     worst = assert_same_weights(one, two, rtol=0, atol=TOLERANCE)
     print(f"1 device vs {other}: largest weight difference {worst:.1e} after {EXACT_EPOCHS} epochs (float64)")
@@ -47,7 +53,8 @@ def test_one_device_equals_two_devices_and_accumulation(baseline, other):
 
 def test_plan_records_the_topology(baseline):
     plans = [read_json(baseline(name) / "plan.json") for name in TOPOLOGIES]
-    assert [plan["per_device_batch_size"] for plan in plans] == [64, 32, 32]
+    assert [(plan["world_size"], plan["per_device_batch_size"]) for plan in plans] == [(1, 32), (2, 32), (1, 32)]
+    assert [plan["accumulate_grad_batches"] for plan in plans] == [2, 1, 2]
     assert {plan["global_batch_size"] for plan in plans} == {64}
     assert {plan["precision"] for plan in plans} == {"64-true"}
 
@@ -81,26 +88,40 @@ def test_sample_order_per_epoch(baseline):
 
 
 def test_per_rank_streams_and_identical_init(baseline):
+    """Ranks draw different dropout masks and augmentations (they hold other samples), but micro-batch j of rank r
+    draws what micro-batch r x 1 + j draws on 1 device accumulating 2: the same stream for the same global-batch
+    offset at the same step, and the same augmented inputs, loaded by a worker or by the main process."""
     r0, r1 = probe(baseline, "two", 0), probe(baseline, "two", 1)
+    assert [r["world_size"] for r in (r0, r1)] == [2, 2]
     assert r0["initial_checksum"] == r1["initial_checksum"] == probe(baseline, "one")["initial_checksum"]
-    assert r0["dropout_mask"] != r1["dropout_mask"]  # each rank draws its own dropout / augmentation
+    ranks = [r0["micro_batches"], r1["micro_batches"]]
+    assert [[m["step"] for m in rank] for rank in ranks] == [[0, 1], [0, 1]]
+    assert r0["micro_batches"][0]["draw"] != r1["micro_batches"][0]["draw"]
+    assert r0["micro_batches"][0]["draw"] != r0["micro_batches"][1]["draw"]  # and per step
+    interleaved = [ranks[rank][step] for step in range(2) for rank in range(2)]  # step 0: offsets 0, 32; step 1
+    for name in ("one", "accum"):
+        assert probe(baseline, name)["micro_batches"] == interleaved
 
 
 def logged_lr(run_dir):
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
-    return {e.step: e.value for e in events.Scalars("lr-SGD/decay")}
+    return {e.step: e.value for e in events.Scalars(LR_TAG)}
 
 
 def test_lr_curve_logged_per_step_matches_the_plan(baseline):
-    """Read back from TensorBoard: warmup from the base LR, then cosine, per optimizer step (test_resume checks
-    that a resumed run logs the same curve)."""
+    """Read back from TensorBoard: warmup from the base LR 1e-3 to the peak 2e-3 (global batch 64 over the base
+    32, linear rule) over 16 steps, then cosine to 0 at step 24, per optimizer step (test_resume checks that a
+    resumed run logs the same curve)."""
+    steps = EXACT_EPOCHS * EXACT_STEPS_PER_EPOCH
     for name in TOPOLOGIES:
         plan = read_json(baseline(name) / "plan.json")
-        schedule = LRSchedule(plan["lr_factor"], plan["warmup_steps"], plan["total_steps"], plan["decay"])
+        assert (plan["warmup_steps"], plan["total_steps"], plan["lr"]) == (EXACT_WARMUP_STEPS, steps, 2e-3)
         logged = logged_lr(baseline(name))
-        assert sorted(logged) == list(range(plan["total_steps"]))
-        assert logged == pytest.approx({step: plan["base_lr"] * schedule.factor_at(step) for step in logged}, rel=1e-6)
+        assert sorted(logged) == list(range(steps))
+        expected = {step: warmup_cosine(step, 1e-3, 2e-3, EXACT_WARMUP_STEPS, steps) for step in logged}
+        assert logged == pytest.approx(expected, rel=1e-6)
+        assert [logged[step] for step in (0, 8, 16, 20)] == pytest.approx([1e-3, 1.5e-3, 2e-3, 1e-3], rel=1e-6)
 
 
 def test_ddp_checkpoint_evaluates_on_one_device(baseline, tmp_path):
@@ -121,53 +142,75 @@ def test_uneven_memory_across_ranks_is_reported(baseline):
     assert rank1 - rank0 > 0.5  # most of the 1 GiB held on rank 1 (peak RSS, in GB)
 
 
-def test_equivalence_check_catches_a_global_count_loss(capsys, monkeypatch):
-    """The tool's own 1- and 2-process runs, in float64, on the seeds' pitfall: a loss divided by the global batch.
-    (That the template itself passes is test_one_device_equals_two_devices_and_accumulation, over 3 epochs.)"""
+def equivalence_check(monkeypatch, overrides):
     monkeypatch.chdir(ROOT)
     for name in ("PYTHONPATH", "OMP_NUM_THREADS"):  # its runs find tests/probes.py and share the 2 cores
         monkeypatch.setenv(name, clean_env()[name])
-    assert check_equivalence(["model.net.norm=group", "model._target_=probes.GlobalCountLoss"]) == 1
+    return check_equivalence(overrides)
+
+
+def test_equivalence_check_catches_a_global_count_loss(capsys, monkeypatch):
+    """The tool's own runs, in float64, on the seeds' pitfall: a loss divided by the global batch. Accumulating 2
+    micro-batches on one process halves its gradient, as 2 processes would."""
+    assert equivalence_check(monkeypatch, ["model.net.norm=group", "model._target_=probes.GlobalCountLoss"]) == 1
     out = capsys.readouterr().out
-    assert (
-        out.startswith("comparing 1 vs 2 CPU processes after 8 steps in float64") and "NOT EQUIVALENT in float64" in out
-    )
+    assert out.startswith("comparing 2 CPU processes, 1 accumulating 2 micro-batches and 1 with the whole batch")
+    assert "NOT EQUIVALENT in float64: splitting the batch into micro-batches changes the result" in out
     print(out)
+
+
+def test_equivalence_check_passes_the_template_with_dropout_and_augmentation(capsys, monkeypatch):
+    """The template's own module and data, randomness on: 2 processes equal 1 accumulating 2 (the same
+    micro-batches draw the same masks), and the whole batch differs only as dropout explains."""
+    overrides = ["model.net.norm=group", "model.net.dropout=0.5", "+data.augment=true"]
+    assert equivalence_check(monkeypatch, overrides) == 0
+    out = capsys.readouterr().out
+    assert "the whole batch differs from its micro-batches by design: dropout (model.net.dropout=0.5)" in out
+    assert out.rstrip().endswith("EQUIVALENT in float64: moving to more devices changes the speed, not the result")
+    print(out)
+
+
+def runs(one, split, two):
+    return {"1": one, "1x2": split, "2": two}
 
 
 def test_equivalence_verdict_in_float64_and_float32():
     one = {"w": torch.ones(3, dtype=torch.float64), "steps": torch.tensor(8)}
     close = {"w": one["w"] + 1e-13, "steps": torch.tensor(8)}
     off = {"w": one["w"] + 1e-6, "steps": torch.tensor(8)}
-    assert verdict(one, close, "64-true")[0] == 0 and "EQUIVALENT in float64" in verdict(one, close, "64-true")[1][-1]
-    code, lines = verdict(one, off, "64-true")
-    assert code == 1 and lines[0].startswith("largest relative weight difference: 1.00e-06 (w)")
-    assert lines[-1].startswith("NOT EQUIVALENT in float64")
-    code, lines = verdict(one, off, "32-true")  # within float32's rounding allowance
+    code, lines = verdict(runs(one, close, one), "64-true")
+    assert code == 0 and lines[-1].startswith("EQUIVALENT in float64")
+    code, lines = verdict(runs(one, one, off), "64-true")
+    assert code == 1 and lines[0] == (
+        "2 processes vs 1 accumulating 2: largest relative weight difference 1.00e-06 (w), tolerance 1e-10"
+    )
+    assert lines[-1].startswith("NOT EQUIVALENT in float64: the same micro-batches give other weights")
+    code, lines = verdict(runs(one, off, off), "64-true")
+    assert code == 1 and lines[-1].startswith("NOT EQUIVALENT in float64: splitting the batch into micro-batches")
+    code, lines = verdict(runs(one, off, one), "32-true")  # within float32's rounding allowance
     assert code == 0 and lines[-1].startswith("EQUIVALENT in float32")
 
 
 def test_equivalence_verdict_names_what_the_plans_explain():
-    """The default model's unsynced BatchNorm (64 samples per statistic on 1 process, 32 per device on 2) and
-    dropout make the runs differ by design: the verdict says so instead of blaming the loss."""
+    """The default model's BatchNorm (64 samples per statistic in the whole batch, 32 per micro-batch) and dropout
+    make the whole batch differ from its micro-batches by design; a generator of the user's own that training drew
+    from is named when 2 processes differ from the same micro-batches on 1."""
     one, off = {"w": torch.ones(3, dtype=torch.float64)}, {"w": torch.ones(3, dtype=torch.float64) + 1e-3}
     plans = {
-        1: {"has_batchnorm": True, "bn_batch_size": 64, "sync_batchnorm_reason": "auto: one process, nothing to sync"},
-        2: {
-            "has_batchnorm": True,
-            "bn_batch_size": 32,
-            "sync_batchnorm_reason": "auto: torch's SyncBatchNorm runs on GPUs",
-        },
+        "1": {"has_batchnorm": True, "bn_batch_size": 64, "per_device_batch_size": 64},
+        "1x2": {"has_batchnorm": True, "bn_batch_size": 32, "per_device_batch_size": 32},
     }
     reasons = explanations(plans, {"net": {"norm": "batch", "dropout": 0.5}})
     assert reasons == [
-        "BatchNorm: its statistics come from 64 samples on 1 process and 32 per device on 2 (auto: torch's "
-        "SyncBatchNorm runs on GPUs), so the runs normalise differently by design; check your code with "
-        "model.net.norm=group",
-        "dropout (model.net.dropout=0.5): each process draws its own masks; check with them at 0",
+        "BatchNorm: its statistics come from 64 samples in one batch and 32 per micro-batch, so those runs "
+        "normalise differently by design",
+        "dropout (model.net.dropout=0.5): masks are drawn per micro-batch, so a batch of 64 and micro-batches of 32 "
+        "draw different ones",
     ]
-    code, lines = verdict(one, off, "64-true", reasons)
+    code, lines = verdict(runs(off, one, one), "64-true", reasons)
+    assert code == 0 and lines[-2].startswith("the whole batch differs from its micro-batches by design: BatchNorm")
+    code, lines = verdict(runs(one, one, off), "64-true", reasons, ["model.noise"])
     assert code == 1 and lines[-1].startswith(
-        "NOT EQUIVALENT in float64, as expected from the configuration: BatchNorm"
+        "NOT EQUIVALENT in float64: training drew from generators of your own (model.noise): seeded once per process"
     )
-    assert explanations({1: {"has_batchnorm": False}, 2: {"has_batchnorm": False}}, {"net": {"dropout": 0.0}}) == []
+    assert explanations({"1": {"has_batchnorm": False}, "1x2": {"has_batchnorm": False}}, {"net": {"dropout": 0}}) == []

@@ -1,10 +1,13 @@
 """Resume, pre-emption and crash safety: a resumed run ends where the uninterrupted one does, in float64.
 
-Each resumed run is compared with the shared uninterrupted baseline of its topology (conftest `baseline`).
+Each resumed run is compared with the shared uninterrupted baseline of its topology (conftest `baseline`): AdamW,
+dropout 0.5 and random augmentation, so a resume must restore the optimizer's moments and draw the random
+numbers the uninterrupted run drew. Step 13 is mid-epoch (5 of epoch 1's 8 steps) and mid-warmup (16 steps).
 On one process both run in this process on one thread: the weights must be bitwise equal. Across processes or
 device counts the reductions differ in order: equal to TOLERANCE (absolute).
 """
 
+import os
 import random
 import shutil
 import sys
@@ -16,6 +19,7 @@ from conftest import (
     EXACT,
     EXACT_EPOCHS,
     EXACT_STEPS_PER_EPOCH,
+    LR_TAG,
     QUICK,
     TOLERANCE,
     assert_same_weights,
@@ -30,6 +34,7 @@ from conftest import (
 )
 from scaleup.engine.checkpoint import load_checkpoint
 from scaleup.engine.errors import UserError
+from scaleup.engine.resume import resolve_ckpt_path
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +47,7 @@ def lr_curve(run_dir):
 
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
-    return {e.step: e.value for e in events.Scalars("lr-SGD/decay")}
+    return {e.step: e.value for e in events.Scalars(LR_TAG)}
 
 
 def last_weights(run_dir):
@@ -78,6 +83,7 @@ def test_mid_epoch_resume_on_two_processes_equals_uninterrupted(baseline, tmp_pa
     """From the 2-process baseline's checkpoint at step 13 (5 of epoch 1's 8 steps), on 2 processes again."""
     ckpt = baseline("two") / "steps/at-13.ckpt"
     check(run([*EXACT, "trainer.devices=2", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path}"]))
+    assert read_json(tmp_path / "plan.json")["world_size"] == 2
     assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == TOTAL_STEPS
     worst = assert_same_weights(last_weights(baseline("two")), last_weights(tmp_path), rtol=0, atol=TOLERANCE)
     print(f"2 processes: resumed vs uninterrupted, largest weight difference {worst:.1e}")
@@ -93,7 +99,7 @@ def test_resume_on_another_device_count_keeps_the_plan_and_the_result(baseline, 
         [*EXACT, "trainer.devices=1", f"ckpt_path={baseline('two') / 'steps/at-16.ckpt'}", f"hydra.run.dir={tmp_path}"]
     )
     log = (tmp_path / "train.log").read_text()
-    assert "world_size 2 -> 1" in log and "per_device_batch_size 32 -> 64" in log
+    assert "world_size 2 -> 1" in log and "accumulate_grad_batches 1 -> 2" in log  # micro-batches of 32 on both
     assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == TOTAL_STEPS
     assert read_json(tmp_path / "plan.json")["global_batch_size"] == 64
     worst = assert_same_weights(last_weights(baseline("one")), last_weights(tmp_path), rtol=0, atol=TOLERANCE)
@@ -101,7 +107,8 @@ def test_resume_on_another_device_count_keeps_the_plan_and_the_result(baseline, 
 
 
 def test_mid_epoch_checkpoint_resumes_exactly(baseline, interrupted, tmp_path):
-    """Step 13 is 5 of epoch 1's 8 steps: the sampler must skip exactly the batches already trained on."""
+    """Step 13 is 5 of epoch 1's 8 steps, and in the warmup: the sampler must skip exactly the batches already
+    trained on, and the LR, the moments and the random numbers continue where they were."""
     in_process([*EXACT, f"ckpt_path={interrupted / 'steps/at-13.ckpt'}", f"hydra.run.dir={tmp_path}"])
     assert_same_weights(last_weights(baseline("one")), last_weights(tmp_path), rtol=0, atol=0)
 
@@ -124,9 +131,10 @@ def test_resume_twice_at_epoch_ends_trains_no_extra_epoch(baseline, interrupted,
 
 
 def test_sigterm_saves_stops_cleanly_and_resumes_exactly(baseline, tmp_path):
-    """A real SIGTERM to train.py after batch 4 of epoch 1 (the process sends it to itself, at a known step)."""
+    """A real SIGTERM to train.py after micro-batch 10 of epoch 1, the first of step 5's two (the process sends it
+    to itself, at a known point): saved at the end of step 4 (13 in all), the resume replays step 5 whole."""
     sigterm = ["+callbacks.sigterm._target_=probes.SigtermAtBatch", "+callbacks.sigterm.epoch=1"]
-    result = run([*EXACT, *sigterm, "+callbacks.sigterm.batch_idx=4", f"hydra.run.dir={tmp_path}"])
+    result = run([*EXACT, *sigterm, "+callbacks.sigterm.batch_idx=10", f"hydra.run.dir={tmp_path}"])
     output = result.stdout + result.stderr
     assert result.returncode == 143, output
     assert f"resume with: python train.py ckpt_path=last hydra.run.dir={tmp_path}" in output
@@ -213,3 +221,17 @@ def test_bf16_and_compiled_checkpoint_evaluates_on_cpu(tmp_path):
         [f"ckpt_path={ckpt}", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'eval'}"], job="eval"
     )
     assert evaluated["test/acc"] == trained["test/acc"]
+
+
+def test_last_is_the_newer_of_last_ckpt_and_an_hpc_checkpoint(tmp_path):
+    """On SLURM's pre-emption signal Lightning saves hpc_ckpt_<N>.ckpt in the run directory, not last.ckpt:
+    ckpt_path=last takes whichever of them was written last."""
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    last, hpc = checkpoints / "last.ckpt", tmp_path / "hpc_ckpt_2.ckpt"
+    for path, written in ((last, 1_000), (hpc, 2_000), (tmp_path / "hpc_ckpt_1.ckpt", 500)):
+        path.write_bytes(b"x")
+        os.utime(path, ns=(written * 10**9, written * 10**9))
+    assert resolve_ckpt_path("last", str(checkpoints), tmp_path) == hpc
+    os.utime(last, ns=(3_000 * 10**9, 3_000 * 10**9))  # an epoch end after the requeue rewrote last.ckpt
+    assert resolve_ckpt_path("last", str(checkpoints), tmp_path) == last

@@ -10,13 +10,14 @@ from typing import Any
 import lightning as L
 import torch
 from filelock import FileLock
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from scaleup.engine.batch import BatchPlan, resolve_batch
 from scaleup.engine.config import lookup
 from scaleup.engine.errors import UserError
 from scaleup.engine.launch import run_id
 from scaleup.engine.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler, resumed_steps
+from scaleup.engine.seeding import SeededSamples
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,9 @@ class GlobalBatchDataModule(L.LightningDataModule):
     epoch depend only on (seed, epoch, global batch), whatever the device count, and unpadded evaluation shards
     that count every sample once. Batch sizes are global-first: exactly one of `global_batch_size` and
     `per_device_batch_size` is set, and the per-device size is derived from the Trainer's world size and
-    accumulation when loaders are built.
+    accumulation when loaders are built. Every map-style split is loaded through `SeededSamples`: random
+    augmentation drawn from torch's, numpy's or python's global generator in a split's `__getitem__` is seeded
+    by (seed, epoch, sample index), the same in any rank and loader worker (docs/randomness.md).
     """
 
     #: True when the whole data set lives in memory, so loader workers would only add start-up time.
@@ -99,8 +102,12 @@ class GlobalBatchDataModule(L.LightningDataModule):
         if pin == "auto":  # pinned host memory only helps copies to a GPU
             pin = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         workers = self.num_workers
+        dataset = self.splits[split]
+        if not isinstance(dataset, IterableDataset):
+            # Augmentation seeded by (seed, epoch, index), not by the rank or worker that loads the sample.
+            dataset = SeededSamples(dataset, self.seed)
         return DataLoader(
-            self.splits[split],
+            dataset,
             batch_size=batch_size,
             sampler=sampler,  # never together with shuffle=True: the sampler owns the order
             num_workers=workers,
@@ -122,7 +129,12 @@ class GlobalBatchDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         batch, rank = self._batch_and_rank()
         sampler = GlobalBatchSampler(
-            self.splits["train"], batch.global_, num_replicas=batch.world_size, rank=rank, seed=self.seed
+            self.splits["train"],
+            batch.global_,
+            num_replicas=batch.world_size,
+            rank=rank,
+            seed=self.seed,
+            with_epoch=True,  # for SeededSamples: each sample's augmentation is keyed by its epoch
         )
         self._order = {"sampler": sampler.ORDER, "global_batch_size": batch.global_}
         if self.trainer is not None and self.trainer.ckpt_path is not None:

@@ -103,8 +103,17 @@ class Plan:
             ("TF32 / channels_last", f"{'on' if self.tf32 else 'off'} / {'on' if self.channels_last else 'off'}"),
             *([("early stopping", self._early_stopping_row())] if self.early_stopping else []),
             ("seed", str(self.seed)),
+            ("random numbers", self._randomness_row()),
             ("data", sizes or "unknown until the data is there (the data module cannot state its sizes)"),
         ]
+
+    def _randomness_row(self) -> str:
+        """Which random numbers are the same on every topology (engine/seeding.py)."""
+        micro = "the probed micro-batch" if self.max_per_device_batch_size == "auto" else self.per_device_batch_size
+        return (
+            "augmentation by (seed, epoch, sample): any topology; dropout and other in-model draws by (seed, step, "
+            f"micro-batch offset): any topology with micro-batches of {micro}"
+        )
 
     def _steps_row(self) -> str:
         row = f"{known(self.warmup_steps)} / {known(self.total_steps)} ({self.decay} decay)"

@@ -41,13 +41,23 @@ class GlobalBatchSampler(DistributedSampler):
 
     Being a `DistributedSampler`, Lightning leaves it in place instead of injecting its own, and calls
     `set_epoch` on it every epoch. Use it at world size 1 too: that is what makes 1 vs N identical.
+
+    With `with_epoch=True` it yields `(epoch, index)` pairs, for `SeededSamples` (engine/seeding.py), which seeds
+    each sample's augmentation from them: the epoch travels with the index to whichever worker loads it.
     """
 
     #: Written into checkpoints (GlobalBatchDataModule.state_dict): a mid-epoch resume needs the same order.
     ORDER = "feistel-v1"
 
     def __init__(
-        self, dataset: Sized, global_batch_size: int, num_replicas: int, rank: int, seed: int, shuffle: bool = True
+        self,
+        dataset: Sized,
+        global_batch_size: int,
+        num_replicas: int,
+        rank: int,
+        seed: int,
+        shuffle: bool = True,
+        with_epoch: bool = False,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         if global_batch_size % num_replicas:
@@ -60,6 +70,7 @@ class GlobalBatchSampler(DistributedSampler):
         self.steps_per_chunk = max(1, CHUNK_INDICES // self.per_rank)
         self._resume_epoch = -1
         self._resume_steps = 0
+        self.with_epoch = with_epoch
 
     def resume(self, epoch: int, steps_done: int) -> None:
         """Skip the first `steps_done` global batches of `epoch` (a mid-epoch checkpoint); later epochs are whole."""
@@ -68,7 +79,11 @@ class GlobalBatchSampler(DistributedSampler):
     def _skipped_steps(self) -> int:
         return self._resume_steps if self.epoch == self._resume_epoch else 0
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
+        indices = self._indices()
+        return ((self.epoch, index) for index in indices) if self.with_epoch else indices
+
+    def _indices(self) -> Iterator[int]:
         shuffled = self.shuffle and self.steps_per_epoch > 0  # a permutation of nothing does not exist
         order = FeistelPermutation(len(self.dataset), self.seed, self.epoch) if shuffled else None
         # The positions of this rank's slice in one global batch; step s adds s x global batch.

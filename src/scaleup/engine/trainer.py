@@ -29,7 +29,7 @@ from scaleup.engine.lightning_workarounds import (
     StopOnSigterm,
 )
 from scaleup.engine.plan import Plan
-from scaleup.engine.seeding import PerRankSeed
+from scaleup.engine.seeding import StepSeed
 from scaleup.engine.topology import Topology
 
 
@@ -65,7 +65,8 @@ def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> lis
     return [
         # The LR must be set before LearningRateMonitor reads it.
         LRScaling(plan.schedule()),
-        PerRankSeed(plan.seed),
+        # Before the user's callbacks: they see (and a probe may draw from) the micro-batch's seeded stream.
+        StepSeed(plan.seed, plan.global_batch_size),
         # Settles the micro-batch at the start of fit, before BatchProgressRescale reads the accumulation.
         *([AutoBatchSize(plan, run_dir / "plan.json")] if plan.max_per_device_batch_size == "auto" else []),
         PrivateMetricStates(),

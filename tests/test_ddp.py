@@ -162,7 +162,7 @@ def test_equivalence_check_catches_a_global_count_loss(capsys, monkeypatch):
 def test_equivalence_check_passes_the_template_with_dropout_and_augmentation(capsys, monkeypatch):
     """The template's own module and data, randomness on: 2 processes equal 1 accumulating 2 (the same
     micro-batches draw the same masks), and the whole batch differs only as dropout explains."""
-    overrides = ["model.net.norm=group", "model.net.dropout=0.5", "+data.augment=true"]
+    overrides = ["model.net.norm=group", "model.net.dropout=0.5", "data.augment=true"]
     assert equivalence_check(monkeypatch, overrides) == 0
     out = capsys.readouterr().out
     assert "the whole batch differs from its micro-batches by design: dropout (model.net.dropout=0.5)" in out

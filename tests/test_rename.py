@@ -21,6 +21,8 @@ spec.loader.exec_module(rename)
 
 NAME = rename.current_name(ROOT)  # this project's name today (it changes when the project is renamed)
 GIT_USER = ["-c", "user.name=test", "-c", "user.email=test@example.com"]
+# The renamed copy's tests that touch its name everywhere: configs (every _target_), the contract, the plan, docs.
+RENAMED_TESTS = ["tests/test_config.py", "tests/test_contract.py", "tests/test_plan.py", "tests/test_docs.py"]
 
 # A small project named "oldpkg" with every kind of place a name sits in.
 PROJECT = {
@@ -220,10 +222,10 @@ def test_renamed_clone_installs_passes_its_fast_tests_and_trains(tmp_path):
     where = run_in(tmp_path, python, "-c", "import mynet; print(mynet.__file__)", env=env)
     assert where.stdout.strip() == str(clone / "src" / "mynet" / "__init__.py")
 
-    # Its fast tests and a short training run, started together (one thread each, so one core each).
+    # Its fast tests of RENAMED_TESTS and a short training run, started together (one thread each, so one core each).
     run_dir = tmp_path / "run"
     commands = {
-        "tests": [python, "-m", "pytest", "-m", "not slow", "-q", "-x", "-p", "no:cacheprovider"],
+        "tests": [python, "-m", "pytest", *RENAMED_TESTS, "-m", "not slow", "-q", "-x", "-p", "no:cacheprovider"],
         "train": [
             python,
             "train.py",

@@ -52,15 +52,20 @@ from scaleup.engine.callbacks import (
     PrivateMetricStates,
     TrainingDiagnostics,
 )
+from scaleup.engine.callbacks.figures import ClassificationFigures
 from scaleup.engine.callbacks.hparams import PlanHParams
 from scaleup.engine.callbacks.lr_scaling import LRSchedule
 from scaleup.engine.callbacks.performance import PerformanceSettings
 from scaleup.engine.callbacks.progress import ThrottledRichProgressBar
-from scaleup.engine.checkpoint import BatchProgressRescale, EpochProgressRepair
 from scaleup.engine.checks import MonitorCheck, TrainLoaderCheck
-from scaleup.engine.seeding import PerRankSeed
+from scaleup.engine.lightning_workarounds import (
+    BatchProgressRescale,
+    EpochProgressRepair,
+    ExactEvalMetrics,
+    StopOnSigterm,
+)
+from scaleup.engine.seeding import StepSeed
 from scaleup.models import DigitsCNN, ImageClassifier
-from scaleup.models.figures import ClassificationFigures
 from scaleup.models.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,8 +177,9 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
 
     template = {  # train.py's own callbacks (build_trainer), in its order
         "LRScaling": lambda: LRScaling(schedule),
-        "PerRankSeed": lambda: PerRankSeed(42),
+        "StepSeed": lambda: StepSeed(42, BATCH),
         "PrivateMetricStates": PrivateMetricStates,
+        "ExactEvalMetrics": ExactEvalMetrics,
         "MonitorCheck": lambda: MonitorCheck("val/acc", "max"),
         "TrainLoaderCheck": TrainLoaderCheck,
         "ConfigInCheckpoint": lambda: ConfigInCheckpoint({}, {}),
@@ -183,6 +189,7 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
         "MetricsFile": lambda: MetricsFile(tmp / "metrics.json"),
         "PlanHParams": lambda: PlanHParams({}, tmp / "metrics.json"),
         "PerformanceSettings": lambda: PerformanceSettings(tf32=True, channels_last=False),
+        "StopOnSigterm": StopOnSigterm,
     }
     defaults = {  # configs/callbacks/default.yaml
         "ModelCheckpoint (best)": lambda: ModelCheckpoint(tmp / "ckpt", monitor="val/acc", mode="max"),
@@ -190,7 +197,7 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
         "TrainingDiagnostics": TrainingDiagnostics,
         "RichProgressBar (Lightning's)": RichProgressBar,
         "ThrottledRichProgressBar": ThrottledRichProgressBar,
-        "ClassificationFigures (model config)": ClassificationFigures,
+        "ClassificationFigures (the classifier's)": ClassificationFigures,
     }
     table = {"bare Lightning": lambda: (Bare(), [], False)}
     table |= {name: callback(make) for name, make in (template | defaults).items()}
@@ -198,7 +205,7 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
         "TensorBoard logger": lambda: (Bare(), [], tensorboard()),
         "LearningRateMonitor (+ TensorBoard)": lambda: (Bare(), [LearningRateMonitor("step")], tensorboard()),
         "ImageClassifier (metrics, logging)": lambda: (ImageClassifier(NET, SGD), [], False),
-        "all 12 of train.py's callbacks": lambda: (Bare(), [make() for make in template.values()], False),
+        "all of train.py's own callbacks": lambda: (Bare(), [make() for make in template.values()], False),
     }
 
     def everything(bar: str) -> Callable[[], tuple[L.LightningModule, list[L.Callback], Any]]:

@@ -172,3 +172,4 @@ def test_checkpoints_name_their_order_and_an_older_mid_epoch_one_is_refused(tmp_
     torch.save(checkpoint, tmp_path / "old.ckpt")
     with pytest.raises(UserError, match=r"old.ckpt stopped mid-epoch \(3 of epoch 0's 19 steps\) under the torch"):
         in_process([*short, "trainer.max_steps=6", f"ckpt_path={tmp_path / 'old.ckpt'}", f"hydra.run.dir={tmp_path}"])
+    assert not (tmp_path / "plan.json").exists()  # refused before anything was written

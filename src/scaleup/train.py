@@ -73,7 +73,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         performance=config["performance"],
     )
     check_config(config, plan)
-    resume = resume_point(None if cfg.dry_run else cfg.ckpt_path, config, plan, model, run_dir)
+    resume = resume_point(None if cfg.dry_run else cfg.ckpt_path, config, plan, model, datamodule, run_dir)
     if rank_zero_only.rank == 0:
         announce(plan, config, run_dir, in_memory=getattr(datamodule, "in_memory", False), dry_run=cfg.dry_run)
     if cfg.dry_run:

@@ -17,6 +17,7 @@ from scaleup.engine.checkpoint import exists, find_checkpoint, is_url, load_chec
 from scaleup.engine.config import flatten
 from scaleup.engine.errors import UserError
 from scaleup.engine.plan import Plan
+from scaleup.engine.samplers import GlobalBatchSampler, resumed_steps
 
 log = logging.getLogger("scaleup")
 
@@ -66,7 +67,12 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str, run_dir: Path)
 
 
 def resume_point(
-    ckpt_path: str | None, config: dict[str, Any], plan: Plan, model: L.LightningModule, run_dir: Path
+    ckpt_path: str | None,
+    config: dict[str, Any],
+    plan: Plan,
+    model: L.LightningModule,
+    datamodule: L.LightningDataModule,
+    run_dir: Path,
 ) -> ResumePoint:
     """Open the checkpoint up front (clear errors, no traceback), refuse what cannot continue, report what changed."""
     path = resolve_ckpt_path(ckpt_path, config["checkpoint"]["dirpath"], run_dir)
@@ -77,6 +83,7 @@ def resume_point(
     check_same_network(path, checkpoint, config, model)
     previous = checkpoint.get("scaleup", {}).get("plan", {})
     check_same_global_batch(path, previous, step, plan)
+    check_same_order(path, checkpoint, step, datamodule, plan)
     stopped_early = early_stop_reason(checkpoint)
     if ckpt_path == "last" and (step == plan.total_steps or stopped_early):
         # Trained to its end (a pre-emption came during the final test): what is left is the test.
@@ -126,6 +133,19 @@ def check_same_global_batch(path: Path | str, previous: dict[str, Any], step: in
         f"data.global_batch_size={before} data.per_device_batch_size=null (any device count keeps it), or start a "
         "new run from these weights"
     )
+
+
+def check_same_order(
+    path: Path | str, checkpoint: dict[str, Any], step: int, datamodule: L.LightningDataModule, plan: Plan
+) -> None:
+    """A mid-epoch checkpoint continues only in the order that took its steps: the train loader would refuse
+    another one inside fit (`samplers.resumed_steps`); refused here, before plan.json and config.yaml are written."""
+    splits = getattr(datamodule, "splits", None) or {}
+    if "train" not in splits:
+        return
+    sampler = GlobalBatchSampler(splits["train"], plan.global_batch_size, num_replicas=1, rank=0, seed=0)
+    if 0 < step - checkpoint.get("epoch", 0) * sampler.steps_per_epoch < sampler.steps_per_epoch:
+        resumed_steps(checkpoint.get(type(datamodule).__qualname__), str(path), checkpoint["epoch"], step, sampler)
 
 
 def early_stop_reason(checkpoint: dict[str, Any]) -> str:

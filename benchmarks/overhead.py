@@ -95,17 +95,22 @@ def run_lightning(steps: int, batch: int) -> None:
     trainer.fit(Bare(net), loader)
 
 
-def run_plain(steps: int, batch: int) -> None:
-    loader, net = data_and_net(steps * batch, batch)
-    opt = optimizer(net.parameters())
+def plain_loop(loader: DataLoader, net: torch.nn.Module, opt: torch.optim.Optimizer, epochs: int = 1) -> None:
+    """The plain PyTorch training loop every comparison starts from; prints each step's end time."""
     net.train()
     times = []
-    for x, y in loader:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(net(x), y).backward()
-        opt.step()
-        times.extend(now())
+    for _ in range(epochs):
+        for x, y in loader:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+            times.extend(now())
     print(STEP_TIMES, *times, flush=True)
+
+
+def run_plain(steps: int, batch: int) -> None:
+    loader, net = data_and_net(steps * batch, batch)
+    plain_loop(loader, net, optimizer(net.parameters()))
 
 
 def template_command(steps: int, batch: int, run_dir: str) -> list[str]:

@@ -42,7 +42,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer import call
 from torch.utils.data import ConcatDataset, DataLoader
 
-from overhead import STEP_TIMES, StepTimer, compare, diagnostics_seconds_per_step, now, seconds_per_step
+from overhead import StepTimer, compare, diagnostics_seconds_per_step, now, plain_loop, seconds_per_step
 from scaleup.data import DigitsDataModule
 from scaleup.engine.callbacks import (
     ConfigInCheckpoint,
@@ -101,17 +101,8 @@ class Bare(L.LightningModule):
 
 
 def run_plain() -> None:
-    loader, net = digits_loader(), DigitsCNN(num_classes=10)
-    opt = build_optimizer(SGD, net)
-    net.train()
-    times = []
-    for _ in range(EPOCHS):
-        for x, y in loader:
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(net(x), y).backward()
-            opt.step()
-            times.extend(now())
-    print(STEP_TIMES, *times, flush=True)
+    net = DigitsCNN(num_classes=10)
+    plain_loop(digits_loader(), net, build_optimizer(SGD, net), epochs=EPOCHS)
 
 
 def bare_trainer(callbacks: list[L.Callback], logger: Any = False, **kwargs: Any) -> L.Trainer:

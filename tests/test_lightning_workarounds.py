@@ -216,3 +216,24 @@ def test_sigterm_in_test_ends_plain_lightning_with_exit_code_0(tmp_path):
     with pytest.raises(SIGTERMException) as stopped:
         trainer(tmp_path, callbacks=[SigtermInTest()]).test(Tiny(), verbose=False)
     assert isinstance(stopped.value, SystemExit) and stopped.value.code is None
+
+
+class LoggingSteps(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
+        self.seen.append(workarounds.is_logging_step(trainer))
+
+
+def test_should_update_logs_follows_log_every_n_steps(tmp_path):
+    """is_logging_step. Lightning keeps the rule of its logging steps in the private
+    `trainer._logger_connector.should_update_logs`: with log_every_n_steps=2, the 2nd, 4th and 6th step."""
+    recorder = LoggingSteps()
+    trainer(tmp_path, callbacks=[recorder], max_steps=6, log_every_n_steps=2).fit(Tiny())
+    assert recorder.seen == [False, True, False, True, False, True]
+
+
+def test_private_precision_spellings_include_the_templates():
+    """lightning_precisions. The spellings `Trainer(precision=...)` takes live in a private type of Lightning's."""
+    assert {"64-true", "32-true", "bf16-mixed", "16-mixed", 64, "64"} <= set(workarounds.lightning_precisions())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import typing
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.connector import _PRECISION_INPUT
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.core.optimizer import _configure_optimizers
@@ -92,6 +94,33 @@ def parse_configure_optimizers(returned: Any) -> tuple[list[Optimizer], list[Any
     """
     optimizers, schedulers, _ = _configure_optimizers(returned)
     return optimizers, schedulers
+
+
+# --- Logging steps and precisions ------------------------------------------------------------------------------------
+
+
+def is_logging_step(trainer: L.Trainer) -> bool:
+    """Whether Lightning hands this training step's values to the loggers (every `log_every_n_steps` steps).
+
+    Lightning 2.6.6. Reason: Lightning keeps this rule in the private `trainer._logger_connector.should_update_logs`
+    and exposes no public test; reading it there keeps the per-step metrics and the progress bar in step with it.
+    Canary: test_should_update_logs_follows_log_every_n_steps.
+    """
+    return trainer._logger_connector.should_update_logs or bool(trainer.fast_dev_run)
+
+
+def lightning_precisions() -> tuple[str | int, ...]:
+    """Every `Trainer(precision=...)` spelling Lightning accepts (64-true, bf16-mixed, 16, ...).
+
+    Lightning 2.6.6. Reason: the list lives only in the private type `lightning.fabric.connector._PRECISION_INPUT`
+    (a Union of Literals); the config schema checks `trainer.precision` against it.
+    Canary: test_private_precision_spellings_include_the_templates.
+    """
+
+    def literals(hint: Any) -> tuple[Any, ...]:
+        return tuple(v for arg in typing.get_args(hint) for v in (literals(arg) if typing.get_args(arg) else (arg,)))
+
+    return literals(_PRECISION_INPUT)
 
 
 # --- TensorBoard -----------------------------------------------------------------------------------------------------

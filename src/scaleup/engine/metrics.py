@@ -10,6 +10,10 @@ import torch
 from torch import nn
 from torchmetrics import Metric, MetricCollection
 
+from scaleup.engine.lightning_workarounds import is_logging_step
+
+__all__ = ["SampleMean", "SampleSum", "StageMetrics", "is_logging_step"]
+
 STAGES = ("train", "val", "test")
 RESERVED = ("loss", "samples")
 
@@ -48,12 +52,6 @@ class SampleMean(SampleSum):
 
     def compute(self) -> torch.Tensor:
         return self.total / self.samples
-
-
-def is_logging_step(trainer: L.Trainer) -> bool:
-    """Whether Lightning hands this training step's values to the loggers (every `log_every_n_steps` optimizer
-    steps). Lightning's own rule, read where it keeps it, so the two cannot drift apart."""
-    return trainer._logger_connector.should_update_logs or bool(trainer.fast_dev_run)
 
 
 class StageMetrics(nn.Module):

@@ -30,7 +30,6 @@ from pathlib import PurePath
 from typing import Annotated, Any, Literal, Union
 
 from hydra.utils import get_object
-from lightning.fabric.connector import _PRECISION_INPUT
 from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, Field, PydanticUserError, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
@@ -38,6 +37,7 @@ from pydantic.fields import FieldInfo
 from scaleup.engine.callbacks.lr_scaling import DECAYS, SCALING_RULES
 from scaleup.engine.config import to_plain
 from scaleup.engine.errors import UserError
+from scaleup.engine.lightning_workarounds import lightning_precisions
 
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -62,13 +62,8 @@ Devices = Annotated[
 ]
 
 
-def _literals(hint: Any) -> tuple[Any, ...]:
-    """The values of a Literal, also of a Union of Literals (how Lightning spells its precisions)."""
-    return tuple(v for arg in typing.get_args(hint) for v in (_literals(arg) if typing.get_args(arg) else (arg,)))
-
-
 # Lightning's own spellings (64-true, bf16-mixed, 16, ...), and the template's auto (resolved by the plan).
-Precision = Literal[("auto", *_literals(_PRECISION_INPUT))]
+Precision = Literal[("auto", *lightning_precisions())]
 
 
 class Section(BaseModel):

@@ -23,7 +23,7 @@ from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from conftest import in_process
-from scaleup.engine.metrics import StageMetrics, is_logging_step
+from scaleup.engine.metrics import StageMetrics, TopKAccuracy, is_logging_step
 
 READS = {
     Tensor.item,
@@ -225,8 +225,7 @@ def test_the_probe_sees_host_reads_in_steps_and_in_torchmetrics_sums(tmp_path):
 def test_stage_metrics_of_the_classifier_update_without_host_reads():
     torch.manual_seed(0)
     logits, target = torch.randn(64, 10), torch.randint(0, 10, (64,))
-    accuracy = {f"acc{k}": MulticlassAccuracy(10, top_k=k, average="micro") for k in (1, 5)}
-    metrics = StageMetrics(accuracy)
+    metrics = StageMetrics({f"acc{k}": TopKAccuracy(k) for k in (1, 5)})
     with HostReads() as reads:
         for i in range(0, 64, 16):  # 4 batches of 16, with losses 0, 1, 2, 3
             metrics.update("train", logits[i : i + 16], target[i : i + 16], batch_size=16, loss=torch.tensor(i / 16.0))
@@ -235,4 +234,5 @@ def test_stage_metrics_of_the_classifier_update_without_host_reads():
     for k in (1, 5):
         correct = (logits.topk(k).indices == target.unsqueeze(1)).any(1).float().mean()
         torch.testing.assert_close(values[f"acc{k}"], correct)
+        torch.testing.assert_close(values[f"acc{k}"], MulticlassAccuracy(10, top_k=k, average="micro")(logits, target))
     assert (values["loss"].item(), values["samples"].item()) == (1.5, 64.0)  # (0 + 1 + 2 + 3) / 4, weighted by 16

@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _Sync
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -237,3 +238,55 @@ def test_should_update_logs_follows_log_every_n_steps(tmp_path):
 def test_private_precision_spellings_include_the_templates():
     """lightning_precisions. The spellings `Trainer(precision=...)` takes live in a private type of Lightning's."""
     assert {"64-true", "32-true", "bf16-mixed", "16-mixed", 64, "64"} <= set(workarounds.lightning_precisions())
+
+
+HOOKS = [name for name in vars(L.Callback) if name.startswith("on_") or name in ("setup", "teardown")]
+
+
+class LooksUp(L.Callback):
+    """Records every hook Lightning looks up on it; overrides none."""
+
+    def __init__(self) -> None:
+        self.looked_up: set[str] = set()
+
+    def __getattribute__(self, name: str):
+        if name in HOOKS:
+            object.__getattribute__(self, "looked_up").add(name)
+        return object.__getattribute__(self, name)
+
+
+class Records(L.Callback):
+    """Records every hook call in order, each hook set on the instance (not the class)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        for hook in HOOKS:
+            setattr(self, hook, lambda *args, hook=hook, **kwargs: self.calls.append(hook))
+
+
+def test_lightning_calls_hooks_a_callback_does_not_override(tmp_path, monkeypatch):
+    """call_only_overridden_callback_hooks. Lightning looks up and calls the step hooks of a callback that overrides
+    none of them."""
+    monkeypatch.setattr(call, "_call_callback_hooks", workarounds._lightning_call_callback_hooks)
+    idle = LooksUp()
+    trainer(tmp_path, callbacks=[idle], max_steps=2).fit(Tiny())
+    assert {"on_train_batch_start", "on_before_backward", "on_train_batch_end"} <= idle.looked_up
+
+
+def test_skipping_unoverridden_hooks_calls_the_same_hooks_in_the_same_order(tmp_path, monkeypatch):
+    """With the workaround, callbacks that override hooks on their instance (Records) or their class (LoggingSteps)
+    get the same calls in the same order as from Lightning's own dispatch, through fit and test."""
+    seen = {}
+    for name, dispatch in {
+        "lightning": workarounds._lightning_call_callback_hooks,
+        "workaround": workarounds._call_overridden_callback_hooks,
+    }.items():
+        monkeypatch.setattr(call, "_call_callback_hooks", dispatch)
+        records, steps = Records(), LoggingSteps()
+        module = Tiny()
+        run = trainer(tmp_path / name, callbacks=[records, LooksUp(), steps], max_steps=6, log_every_n_steps=2)
+        run.fit(module)
+        run.test(module)
+        seen[name] = (records.calls, steps.seen)
+    assert len(seen["lightning"][0]) == 60 and seen["lightning"][1] == [False, True] * 3
+    assert seen["workaround"] == seen["lightning"]

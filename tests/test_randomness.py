@@ -65,6 +65,21 @@ def test_an_augmented_sample_depends_on_seed_epoch_and_index_only():
     assert torch.equal(samples[5][0], samples[(0, 5)][0])  # a plain index (evaluation) is epoch 0
 
 
+def test_a_split_that_draws_no_random_numbers_loads_unseeded():
+    """Digits without augmentation: the training loader yields the samples in the sampler's order, without
+    touching the global generators (no seeding per sample); with augmentation, every sample reseeds them."""
+    for augment in (False, True):
+        data = DigitsDataModule(global_batch_size=16, augment=augment, num_workers=0)
+        data.setup()
+        loader = data.train_dataloader()
+        state = random.getstate()
+        images, _ = next(iter(loader))
+        assert (random.getstate() == state) is not augment
+        if not augment:  # the sampler yields plain indices, not (epoch, index) keys
+            order = next(iter(loader.batch_sampler))
+            assert torch.equal(images, torch.stack([data.splits["train"][i][0] for i in order]))
+
+
 @pytest.mark.slow
 def test_three_processes_equal_one(wide_reference, tmp_path):
     """3 processes x 16 x accumulation 4 against 1 process x 16 x accumulation 12: the same micro-batches, the

@@ -56,6 +56,9 @@ class DigitsDataModule(ClassificationDataModule):
         super().__init__(**loader_kwargs)
         self.val_size, self.test_size, self.split_seed, self.augment = val_size, test_size, split_seed, augment
 
+    def draws_random_numbers(self, split: str) -> bool:
+        return self.augment and split == "train"
+
     def known_split_sizes(self) -> dict[str, int]:
         return dict(zip(("train", "val", "test"), split_lengths(SIZE, self.val_size, self.test_size), strict=True))
 

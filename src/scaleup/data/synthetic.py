@@ -60,6 +60,9 @@ class SyntheticDataModule(ClassificationDataModule):
         self.image_shape, self.noise, self.data_seed = tuple(image_shape), noise, data_seed
         self.in_channels = self.image_shape[0]
 
+    def draws_random_numbers(self, split: str) -> bool:
+        return False  # each sample is drawn from its own generator, seeded by its index
+
     def known_split_sizes(self) -> dict[str, int]:
         return dict(self.sizes)
 

@@ -55,6 +55,9 @@ class CharTextDataModule(GlobalBatchDataModule):
         self.text = bundled_text()
         self.vocab = sorted(set(self.text))  # from the whole text, so val and test hold no unknown character
 
+    def draws_random_numbers(self, split: str) -> bool:
+        return False  # fixed chunks of the text
+
     def model_settings(self) -> dict[str, Any]:
         return {"net.vocab_size": len(self.vocab), "net.block_size": self.block_size}
 

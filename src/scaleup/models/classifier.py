@@ -9,10 +9,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from torchmetrics.classification import MulticlassAccuracy
 
 from scaleup.engine.callbacks.figures import ClassificationFigures
-from scaleup.engine.metrics import StageMetrics, is_logging_step
+from scaleup.engine.metrics import StageMetrics, TopKAccuracy, is_logging_step
 from scaleup.models.optim import build_optimizer
 
 
@@ -41,9 +40,9 @@ class ImageClassifier(L.LightningModule):
             self.net.compile()
         num_classes = net["num_classes"]
         # micro average: correct and total counts, summed over every sample of every process.
-        accuracy = {"acc": MulticlassAccuracy(num_classes, top_k=1, average="micro")}
+        accuracy = {"acc": TopKAccuracy(k=1)}
         if num_classes > 5:
-            accuracy["acc5"] = MulticlassAccuracy(num_classes, top_k=5, average="micro")
+            accuracy["acc5"] = TopKAccuracy(k=5)
         self.metrics = StageMetrics(accuracy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

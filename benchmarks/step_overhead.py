@@ -10,8 +10,10 @@ per step show.
 2. The parts, in one process: bare Lightning plus one part (a callback of train.py or of the default callbacks,
    the TensorBoard logger, or the template's LightningModule with its metrics and logging), each against bare
    Lightning alone, in alternating rounds (one epoch of the digits three times over, 219 steps timed).
-   Printed: the extra ms per step of each part and its share of bare Lightning's step, and, timed alone, the
-   diagnostics' hooks and what Lightning spends calling a callback that does nothing in a step.
+   Each part runs with the hook dispatch train.py installs (only the hooks a callback overrides are called),
+   bare Lightning with Lightning's own. Printed: the extra ms per step of each part and its share of bare
+   Lightning's step, and, timed alone, the diagnostics' hooks and what each dispatch spends on a callback that
+   does nothing in a step.
 
 Wall time is what users wait for; CPU time (all the process's threads) is steadier on a shared machine.
 
@@ -63,12 +65,14 @@ from scaleup.engine.lightning_workarounds import (
     EpochProgressRepair,
     ExactEvalMetrics,
     StopOnSigterm,
+    _call_overridden_callback_hooks,
 )
 from scaleup.engine.seeding import StepSeed
 from scaleup.models import DigitsCNN, ImageClassifier
 from scaleup.models.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
+LIGHTNING_DISPATCH = call._call_callback_hooks
 BATCH, WARMUP, STEPS, EPOCHS = 16, 5, 73, 3  # 1,257 training digits: 78 steps of 16 in an epoch
 SGD = {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4, "nesterov": True}
 NET = {"_target_": "scaleup.models.DigitsCNN", "num_classes": 10, "in_channels": 1, "width": 32}
@@ -218,7 +222,9 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
     return table
 
 
-def time_part(make: Callable[[], tuple[L.LightningModule, list[L.Callback], Any]]) -> dict[str, float]:
+def time_part(make: Callable[[], tuple[L.LightningModule, list[L.Callback], Any]], template: bool) -> dict[str, float]:
+    """One part's seconds per step; `template`: with the hook dispatch train.py installs, else Lightning's own."""
+    call._call_callback_hooks = _call_overridden_callback_hooks if template else LIGHTNING_DISPATCH
     module, callbacks, logger = make()
     timer = PartTimer()
     trainer = bare_trainer([*callbacks, timer], logger=logger, log_every_n_steps=10)
@@ -238,12 +244,13 @@ def run_parts(rounds: int, out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         table = parts(Path(tmp))
         bare = table.pop("bare Lightning")
-        time_part(bare)  # imports and first-call costs, untimed
+        time_part(bare, template=False)  # imports and first-call costs, untimed
         for i in range(rounds):
             for name, make in table.items():
-                pair = [bare, make] if i % 2 == 0 else [make, bare]
-                times = dict(zip(("first", "second"), map(time_part, pair), strict=True))
-                part, reference = (times["second"], times["first"]) if i % 2 == 0 else (times["first"], times["second"])
+                if i % 2 == 0:
+                    reference, part = time_part(bare, template=False), time_part(make, template=True)
+                else:
+                    part, reference = time_part(make, template=True), time_part(bare, template=False)
                 results.setdefault(name, []).append(part | {f"bare_{k}": v for k, v in reference.items()})
     out.write_text(json.dumps(results))
 
@@ -277,9 +284,11 @@ STEP_HOOKS = {  # the callback hooks Lightning calls in every training step, wit
 }
 
 
-def dispatch_seconds_per_callback(repeats: int = 2_000) -> float:
-    """What Lightning spends per training step calling one callback that overrides nothing: it calls each step
-    hook on every callback, inside a profiler context named after the callback's state key."""
+def dispatch_seconds_per_callback(dispatch: Callable[..., None], repeats: int = 2_000) -> float:
+    """What `dispatch` spends per training step on one callback that overrides nothing: Lightning's own calls each
+    step hook on every callback, inside a profiler context named after the callback's state key; train.py's
+    (lightning_workarounds.call_only_overridden_callback_hooks) skips it."""
+    call._call_callback_hooks = dispatch
     timings = {}
     for count in (0, 20):
         trainer = bare_trainer([PrivateMetricStates() for _ in range(count)])  # a callback without step hooks
@@ -371,14 +380,19 @@ def compare_parts(args: argparse.Namespace, env: dict[str, str], itself: list[st
         costs[clock] = part_costs(runs, clock)
         print_parts(costs[clock], statistics.median(r[f"bare_{clock}"] for rs in runs.values() for r in rs), clock)
     bare = statistics.median(r["bare_wall"] for rs in runs.values() for r in rs)
-    hooks, dispatch = diagnostics_seconds_per_step(BATCH), dispatch_seconds_per_callback()
+    hooks = diagnostics_seconds_per_step(BATCH)
+    dispatch = {
+        "Lightning's": dispatch_seconds_per_callback(LIGHTNING_DISPATCH),
+        "train.py's": dispatch_seconds_per_callback(_call_overridden_callback_hooks),
+    }
     print(f"\nTrainingDiagnostics hooks alone: {hooks * 1e6:.1f} us per step = {hooks / bare:.3%} of the bare step")
-    print(f"Lightning's hook calls per callback: {dispatch * 1e6:.1f} us per step = {dispatch / bare:.3%} of the step")
+    for name, seconds in dispatch.items():
+        print(f"{name} dispatch, per idle callback: {seconds * 1e6:.2f} us per step = {seconds / bare:.3%} of the step")
     return {
         "runs": runs,
         "cost_over_bare_lightning": costs,
         "diagnostics_hooks_s_per_step": hooks,
-        "lightning_dispatch_s_per_callback_per_step": dispatch,
+        "dispatch_s_per_idle_callback_per_step": dispatch,
     }
 
 

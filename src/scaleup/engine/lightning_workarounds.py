@@ -128,15 +128,21 @@ def lightning_precisions() -> tuple[str | int, ...]:
 # --- Callback hook dispatch ------------------------------------------------------------------------------------------
 
 _lightning_call_callback_hooks = call._call_callback_hooks
-_OVERRIDES: dict[tuple[type, str], bool] = {}
+# Per hook: the callback list it was last called with, and which of those callbacks override it.
+_DISPATCH: dict[str, tuple[tuple[Callback, ...], tuple[Callback, ...]]] = {}
 
 
 def _overrides(callback: Callback, hook: str) -> bool:
     """Whether `callback` does anything in `hook`: its class (or the instance itself) replaces `Callback`'s no-op."""
-    key = (type(callback), hook)
-    if key not in _OVERRIDES:
-        _OVERRIDES[key] = getattr(type(callback), hook, None) is not getattr(Callback, hook, None)
-    return _OVERRIDES[key] or hook in vars(callback)
+    return getattr(type(callback), hook, None) is not getattr(Callback, hook, None) or hook in vars(callback)
+
+
+def _callbacks_overriding(trainer: L.Trainer, hook: str) -> tuple[Callback, ...]:
+    callbacks = tuple(trainer.callbacks)
+    cached = _DISPATCH.get(hook)
+    if cached is None or cached[0] != callbacks:  # the same objects: an identity check per element
+        cached = _DISPATCH[hook] = (callbacks, tuple(cb for cb in callbacks if _overrides(cb, hook)))
+    return cached[1]
 
 
 def _call_overridden_callback_hooks(
@@ -149,14 +155,13 @@ def _call_overridden_callback_hooks(
     pl_module = trainer.lightning_module
     if pl_module:
         previous, pl_module._current_fx_name = pl_module._current_fx_name, hook_name
-    for callback in trainer.callbacks:
+    for callback in _callbacks_overriding(trainer, hook_name):
         monitoring = isinstance(callback, (EarlyStopping, Checkpoint))
         if monitoring_callbacks is not None and monitoring != monitoring_callbacks:
             continue
-        if _overrides(callback, hook_name):
-            fn = getattr(callback, hook_name)
-            if callable(fn):
-                fn(trainer, trainer.lightning_module, *args, **kwargs)
+        fn = getattr(callback, hook_name)
+        if callable(fn):
+            fn(trainer, pl_module, *args, **kwargs)
     if pl_module:
         pl_module._current_fx_name = previous
 
@@ -168,7 +173,8 @@ def call_only_overridden_callback_hooks() -> None:
     included, each inside a profiler context named after the callback's `state_key` (ModelCheckpoint builds a
     repr for it): about 1.6 us per callback and hook, 9.5 us per callback and training step, and a run here
     has about 20 callbacks. Installed by `build_trainer`; with a profiler on (`debug=profiler`) Lightning's own
-    dispatch runs, so every hook is still timed. Canary: test_lightning_calls_hooks_a_callback_does_not_override.
+    dispatch runs, so every hook is still timed. Which callbacks override a hook is worked out again whenever the
+    callback list changes (a hook assigned to a callback instance in the middle of a fit is not seen). Canary: test_lightning_calls_hooks_a_callback_does_not_override.
     """
     call._call_callback_hooks = _call_overridden_callback_hooks
 

@@ -33,7 +33,8 @@ class SampleSum(Metric):
         self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
 
     def update(self, value: torch.Tensor | float) -> None:
-        self.total += value  # a Python number is a kernel argument: no copy
+        # In place: `+=` would also reassign the state through Module.__setattr__, a few us per call.
+        self.total.add_(value)  # a Python number is a kernel argument: no copy
 
     def compute(self) -> torch.Tensor:
         return self.total
@@ -47,8 +48,8 @@ class SampleMean(SampleSum):
         self.add_state("samples", default=torch.tensor(0.0), dist_reduce_fx="sum")
 
     def update(self, value: torch.Tensor, weight: float) -> None:
-        self.total += value.detach().sum() * weight
-        self.samples += weight
+        self.total.add_(value.detach().sum(), alpha=weight)
+        self.samples.add_(weight)
 
     def compute(self) -> torch.Tensor:
         return self.total / self.samples
@@ -76,8 +77,8 @@ class TopKAccuracy(Metric):
             hits = preds.argmax(dim=-1) == target
         else:
             hits = (preds.topk(self.k, dim=-1).indices == target.unsqueeze(-1)).any(dim=-1)
-        self.correct += hits.sum()
-        self.total += target.numel()  # a Python number: no host read
+        self.correct.add_(hits.sum())
+        self.total.add_(target.numel())  # a Python number: no host read
 
     def compute(self) -> torch.Tensor:
         return self.correct / self.total

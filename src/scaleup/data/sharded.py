@@ -20,6 +20,10 @@ from scaleup.engine.samplers import UnrepeatedDistributedSampler
 SPLITS = ("train", "val", "test")
 
 
+class NoShards(UserError):
+    """No split has been converted under the URL."""
+
+
 class ContiguousEvalSampler(UnrepeatedDistributedSampler):
     """Lightning's unpadded evaluation shares (ranks differ by at most one sample), as contiguous runs: rank r
     evaluates the r-th run of samples, so it opens only the shards that hold them."""
@@ -66,18 +70,25 @@ class ShardedDataModule(GlobalBatchDataModule):
                 except MissingFile:  # a split that was not converted (eval.py needs only test)
                     continue
             if not indexes:
-                raise UserError(
+                raise NoShards(
                     f"no {'/, '.join(SPLITS)}/ split with an {INDEX} under data.url={self.url}; convert a data set "
                     "there first: python -m scaleup.data.convert data=<source> out=<data.url>"
                 )
             self._indexes = indexes
         return self._indexes
 
-    def known_split_sizes(self) -> dict[str, int]:
-        return {split: len(index) for split, index in self.indexes.items()}
+    def known_split_sizes(self) -> dict[str, int] | None:
+        """The sizes in the indexes; None without them (a dry run then plans with the steps unknown)."""
+        try:
+            return {split: len(index) for split, index in self.indexes.items()}
+        except NoShards:
+            return None
 
     def model_settings(self) -> dict[str, Any]:
-        return next(iter(self.indexes.values())).model_settings
+        try:
+            return next(iter(self.indexes.values())).model_settings
+        except NoShards:  # a dry run before the conversion: an image classifier's settings, unknown
+            return {"net.num_classes": None, "net.in_channels": None}
 
     def build_splits(self) -> dict[str, Dataset]:
         return {

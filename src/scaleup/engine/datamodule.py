@@ -141,6 +141,10 @@ class GlobalBatchDataModule(L.LightningDataModule):
         batch, rank = self._batch_and_rank()
         sampler = self.train_sampler(batch.global_, batch.world_size, rank)
         self._order = {"sampler": sampler.ORDER, "global_batch_size": batch.global_}
+        if self.trainer is not None:
+            # Lightning sets the epoch only after it has created the loader's iterator, whose workers start
+            # drawing indices at once: a resumed run would read epoch 0's order with loader workers.
+            sampler.set_epoch(self.trainer.current_epoch)
         if self.trainer is not None and self.trainer.ckpt_path is not None:
             # Resuming: the loop state is restored before loaders are built, so the optimizer steps already
             # taken in this epoch are known; skip exactly those global batches.

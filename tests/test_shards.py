@@ -46,9 +46,9 @@ def shards(tmp_path_factory) -> Path:
     return out
 
 
-def module(url, **kwargs) -> ShardedDataModule:
+def module(url, global_batch_size: int = 64, **kwargs) -> ShardedDataModule:
     settings = {"window_shards": 2, "persistent_workers": False, **kwargs}  # workers end with their loader
-    return ShardedDataModule(url=str(url), global_batch_size=64, seed=42, **settings)
+    return ShardedDataModule(url=str(url), global_batch_size=global_batch_size, seed=42, **settings)
 
 
 def global_batches(dm: ShardedDataModule, world_size: int, epoch: int, accumulation: int = 1) -> list[torch.Tensor]:
@@ -204,11 +204,12 @@ def test_remote_shards_through_a_bounded_cache_and_a_changed_remote_shard(shards
 
 
 def test_a_dead_remote_is_one_error_after_bounded_retries(monkeypatch):
+    """Connection refused on every try (a closed local port): 5 tries, then one line naming the URL."""
     monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
     with pytest.raises(UserError, match=r"127.0.0.1:9/shards/train/index.json could not be read after 5 tries"):
         module("http://127.0.0.1:9/shards").known_split_sizes()
     with pytest.raises(UserError, match=r"no train/, val/, test/ split with an index.json under data.url="):
-        module("memory://nothing-here").known_split_sizes()
+        module("memory://nothing-here").setup()
 
 
 def sharded_exact(shards: Path) -> list[str]:
@@ -239,3 +240,28 @@ def test_sharded_training_equal_on_one_and_two_processes_and_resumes_across_devi
         metrics = read_json(run_dir / "metrics.json")
         assert (metrics["val/samples"], metrics["test/samples"]) == (EXACT_VAL, EXACT_TEST)
     assert read_json(two / "metrics.json")["test/acc"] == pytest.approx(read_json(one / "metrics.json")["test/acc"])
+
+
+def test_imagefolder_converts_its_jpeg_files_unchanged_and_decodes_them(tmp_path):
+    import tarfile
+
+    from PIL import Image
+    from torchvision.io import decode_image
+
+    for label, color in (("cat", (200, 40, 0)), ("dog", (0, 40, 200))):
+        for split in ("train", "val"):
+            (tmp_path / "tree" / split / label).mkdir(parents=True)
+            for i in range(3):
+                Image.new("RGB", (40, 30), color).save(tmp_path / "tree" / split / label / f"{i}.jpg")
+    out = tmp_path / "shards"
+    assert convert(["data=imagefolder", f"data.root={tmp_path / 'tree'}", f"out={out}", "samples_per_shard=4"]) == 0
+    index = ShardIndex.load(f"{out}/train")
+    assert (len(index), index.fields) == (6, ("0.jpg", "1.cls"))
+    assert index.model_settings == {"net.num_classes": 2, "net.in_channels": 3}
+    with tarfile.open(out / "train/shard-000001.tar") as tar:  # samples 4 and 5: dog/1.jpg and dog/2.jpg
+        assert tar.extractfile("0000000005.0.jpg").read() == (tmp_path / "tree/train/dog/2.jpg").read_bytes()
+    dm = module(out, global_batch_size=2)
+    dm.setup()
+    image, label = dm.splits["train"][5]
+    expected = decode_image(str(tmp_path / "tree/train/dog/2.jpg")).float() / 255
+    assert label == 1 and image.dtype == torch.float32 and torch.equal(image, expected)

@@ -259,7 +259,7 @@ def test_imagefolder_converts_its_jpeg_files_unchanged_and_decodes_them(tmp_path
     assert (len(index), index.fields) == (6, ("0.jpg", "1.cls"))
     assert index.model_settings == {"net.num_classes": 2, "net.in_channels": 3}
     with tarfile.open(out / "train/shard-000001.tar") as tar:  # samples 4 and 5: dog/1.jpg and dog/2.jpg
-        assert tar.extractfile("0000000005.0.jpg").read() == (tmp_path / "tree/train/dog/2.jpg").read_bytes()
+        assert tar.extractfile("000000000005.0.jpg").read() == (tmp_path / "tree/train/dog/2.jpg").read_bytes()
     dm = module(out, global_batch_size=2)
     dm.setup()
     image, label = dm.splits["train"][5]

@@ -99,6 +99,8 @@ def convert(splits: dict[str, Dataset], out: Path, per_shard: int, workers: int,
     context = multiprocessing.get_context("fork")  # the workers inherit the data set instead of rebuilding it
     with context.Pool(workers) if workers > 1 else _InProcess() as pool:
         for split, dataset in splits.items():
+            if not len(dataset):  # e.g. data.test_size=0: nothing to shard
+                continue
             directory = out / split
             directory.mkdir(parents=True, exist_ok=True)
             tasks = [(split, k, per_shard, str(directory)) for k in range(-(-len(dataset) // per_shard))]

@@ -180,7 +180,7 @@ def test_a_changed_shard_set_is_refused_mid_epoch(shards, tmp_path):
     assert resumed_steps({"sampler": sampler.ORDER, "global_batch_size": 64}, "at-13.ckpt", 1, 13, sampler) == 5
 
 
-def test_remote_shards_through_a_bounded_cache_and_a_changed_remote_shard(shards, tmp_path):
+def test_remote_shards_through_a_bounded_cache_and_a_changed_remote_shard(shards, tmp_path, caplog):
     """memory:// as the remote: the cache holds at most 2.5 shards' bytes, evicts, and reads the same samples."""
     memory = fsspec.filesystem("memory")
     memory.put(str(shards), "/remote-digits", recursive=True)
@@ -191,7 +191,8 @@ def test_remote_shards_through_a_bounded_cache_and_a_changed_remote_shard(shards
     )
     local = global_batches(module(shards), 1, epoch=0)
     assert all(torch.equal(a, b) for a, b in zip(local, global_batches(remote_dm, 1, epoch=0), strict=True))
-    cached = [p for p in cache.rglob("*.tar")]
+    assert "holds fewer than the 3 shards of memory://remote-digits/train a process keeps open" in caplog.text
+    cached = list(cache.rglob("*.tar"))
     assert 0 < len(cached) <= 2 and sum(p.stat().st_size for p in cached) <= 2.5 * shard_bytes
     changed = bytearray(memory.cat_file("/remote-digits/train/shard-000003.tar"))
     changed[-2000] ^= 1  # a sample's bytes, the size unchanged

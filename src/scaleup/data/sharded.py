@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Annotated, Any
 
+from lightning.pytorch.utilities import rank_zero_only
 from pydantic import Field
 from torch.utils.data import DataLoader, Dataset
 
@@ -18,6 +20,7 @@ from scaleup.engine.errors import UserError
 from scaleup.engine.samplers import UnrepeatedDistributedSampler
 
 SPLITS = ("train", "val", "test")
+log = logging.getLogger(__name__)
 
 
 class NoShards(UserError):
@@ -91,7 +94,7 @@ class ShardedDataModule(GlobalBatchDataModule):
             return {"net.num_classes": None, "net.in_channels": None}
 
     def build_splits(self) -> dict[str, Dataset]:
-        return {
+        splits = {
             split: ShardSplit(
                 index,
                 transform=self.train_transform if split == "train" else self.eval_transform,
@@ -102,6 +105,9 @@ class ShardedDataModule(GlobalBatchDataModule):
             )
             for split, index in self.indexes.items()
         }
+        if "train" in splits and rank_zero_only.rank == 0 and (why := splits["train"].cache.too_small()):
+            log.warning(why)
+        return splits
 
     def train_sampler(self, global_batch_size: int, world_size: int, rank: int) -> ShardWindowSampler:
         index = self.indexes["train"]

@@ -65,12 +65,17 @@ class ShardCache:
         self.dir = Path(cache_dir or default_cache_dir()) / tag
         self._open: OrderedDict[int, OpenShard] = OrderedDict()
         self._warned_memory = False
-        needed = self.keep_open * max(index.sizes)
-        if not self.local and needed > self.cache_bytes:
-            log.warning(
-                f"data.cache_gb={self.cache_bytes / 2**30:.3g} holds fewer than the {self.keep_open} shards a process "
-                f"keeps open ({needed / 2**30:.3g} GB): shards will be fetched more than once per epoch"
-            )
+
+    def too_small(self) -> str:
+        """Why the cache cannot hold the shards a process keeps open (they would be fetched again), or ""."""
+        needed = self.keep_open * max(self.index.sizes)
+        if self.local or needed <= self.cache_bytes:
+            return ""
+        return (
+            f"data.cache_gb={self.cache_bytes / 2**30:.3g} holds fewer than the {self.keep_open} shards of "
+            f"{self.index.url} a process keeps open ({needed / 2**30:.3g} GB): shards will be fetched more than once "
+            "per epoch; raise data.cache_gb"
+        )
 
     def shard(self, shard: int) -> OpenShard:
         if shard in self._open:

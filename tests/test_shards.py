@@ -266,3 +266,17 @@ def test_imagefolder_converts_its_jpeg_files_unchanged_and_decodes_them(tmp_path
     image, label = dm.splits["train"][5]
     expected = decode_image(str(tmp_path / "tree/train/dog/2.jpg")).float() / 255
     assert label == 1 and image.dtype == torch.float32 and torch.equal(image, expected)
+
+
+def test_webdataset_reads_the_shards_as_its_own(shards):
+    """The shards are WebDataset's format: its own loader finds the same samples, keys and fields."""
+    wds = pytest.importorskip("webdataset")  # in the test extra
+
+    urls = sorted(str(p) for p in (shards / "val").glob("shard-*.tar"))
+    samples = list(wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode())
+    dm = module(shards)
+    dm.setup()
+    assert [int(s["__key__"]) for s in samples] == list(range(EXACT_VAL))
+    for i in (0, 64, EXACT_VAL - 1):
+        image, label = dm.splits["val"][i]
+        assert torch.equal(torch.from_numpy(samples[i]["0.npy"]), image) and samples[i]["1.cls"] == label

@@ -1,6 +1,7 @@
 from scaleup.data.cifar10 import CIFAR10DataModule
 from scaleup.data.digits import DigitsDataModule
 from scaleup.data.imagefolder import ImageFolderDataModule
+from scaleup.data.sharded import ShardedDataModule
 from scaleup.data.synthetic import SyntheticDataModule
 from scaleup.data.text import CharTextDataModule
 
@@ -9,5 +10,6 @@ __all__ = [
     "CharTextDataModule",
     "DigitsDataModule",
     "ImageFolderDataModule",
+    "ShardedDataModule",
     "SyntheticDataModule",
 ]

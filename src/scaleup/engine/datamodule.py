@@ -135,17 +135,25 @@ class GlobalBatchDataModule(L.LightningDataModule):
         )
         return batch, trainer.global_rank
 
-    def train_dataloader(self) -> DataLoader:
-        batch, rank = self._batch_and_rank()
-        sampler = GlobalBatchSampler(
+    def train_sampler(self, global_batch_size: int, world_size: int, rank: int) -> GlobalBatchSampler:
+        """The training order of this rank: the global batches of an epoch, cut into per-rank slices."""
+        return GlobalBatchSampler(
             self.splits["train"],
-            batch.global_,
-            num_replicas=batch.world_size,
+            global_batch_size,
+            num_replicas=world_size,
             rank=rank,
             seed=self.seed,
             with_epoch=self._seeded("train"),  # for SeededSamples: each sample's augmentation is keyed by its epoch
         )
+
+    def train_dataloader(self) -> DataLoader:
+        batch, rank = self._batch_and_rank()
+        sampler = self.train_sampler(batch.global_, batch.world_size, rank)
         self._order = {"sampler": sampler.ORDER, "global_batch_size": batch.global_}
+        if self.trainer is not None:
+            # Lightning sets the epoch only after it has created the loader's iterator, whose workers start
+            # drawing indices at once: a resumed run would read epoch 0's order with loader workers.
+            sampler.set_epoch(self.trainer.current_epoch)
         if self.trainer is not None and self.trainer.ckpt_path is not None:
             # Resuming: the loop state is restored before loaders are built, so the optimizer steps already
             # taken in this epoch are known; skip exactly those global batches.
@@ -167,11 +175,12 @@ class GlobalBatchDataModule(L.LightningDataModule):
 
     def _eval_loader(self, split: str) -> DataLoader:
         batch, rank = self._batch_and_rank()
+        return self._loader(split, self.eval_sampler(split, batch.world_size, rank), batch.per_device)
+
+    def eval_sampler(self, split: str, world_size: int, rank: int) -> UnrepeatedDistributedSampler:
+        """This rank's share of an evaluation split: every sample on exactly one rank."""
         # No padding: DistributedSampler would repeat samples to even out ranks and bias the metrics.
-        sampler = UnrepeatedDistributedSampler(
-            self.splits[split], num_replicas=batch.world_size, rank=rank, shuffle=False
-        )
-        return self._loader(split, sampler, batch.per_device)
+        return UnrepeatedDistributedSampler(self.splits[split], num_replicas=world_size, rank=rank, shuffle=False)
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader("val")

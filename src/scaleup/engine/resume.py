@@ -143,7 +143,10 @@ def check_same_order(
     splits = getattr(datamodule, "splits", None) or {}
     if "train" not in splits:
         return
-    sampler = GlobalBatchSampler(splits["train"], plan.global_batch_size, num_replicas=1, rank=0, seed=0)
+    if hasattr(datamodule, "train_sampler"):  # the DataModule's own order (sharded data: the window shuffle)
+        sampler = datamodule.train_sampler(plan.global_batch_size, 1, 0)
+    else:
+        sampler = GlobalBatchSampler(splits["train"], plan.global_batch_size, num_replicas=1, rank=0, seed=0)
     if 0 < step - checkpoint.get("epoch", 0) * sampler.steps_per_epoch < sampler.steps_per_epoch:
         resumed_steps(checkpoint.get(type(datamodule).__qualname__), str(path), checkpoint["epoch"], step, sampler)
 

@@ -85,13 +85,18 @@ class GlobalBatchSampler(DistributedSampler):
 
     def _indices(self) -> Iterator[int]:
         shuffled = self.shuffle and self.steps_per_epoch > 0  # a permutation of nothing does not exist
-        order = FeistelPermutation(len(self.dataset), self.seed, self.epoch) if shuffled else None
+        order = self.epoch_order() if shuffled else None
         # The positions of this rank's slice in one global batch; step s adds s x global batch.
         slice_positions = np.arange(self.rank * self.per_rank, (self.rank + 1) * self.per_rank, dtype=np.int64)
         for first in range(self._skipped_steps(), self.steps_per_epoch, self.steps_per_chunk):
             steps = np.arange(first, min(first + self.steps_per_chunk, self.steps_per_epoch), dtype=np.int64)
             positions = steps[:, None] * self.global_batch_size + slice_positions
             yield from (positions if order is None else order[positions]).ravel().tolist()
+
+    def epoch_order(self) -> FeistelPermutation:
+        """This epoch's permutation of [0, N): indexed with an array of positions, it gives the samples there.
+        A subclass may order the epoch otherwise (the shard-aware window shuffle of sharded data)."""
+        return FeistelPermutation(len(self.dataset), self.seed, self.epoch)
 
     def __len__(self) -> int:
         # The full epoch even when resuming: Lightning restores its batch counter to the steps already taken

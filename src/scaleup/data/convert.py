@@ -1,0 +1,179 @@
+"""Convert any data set of the template (any `data=` option) into shards: `python -m scaleup.data.convert`.
+
+    python -m scaleup.data.convert data=digits out=DIR [samples_per_shard=1024] [workers=2] [data.KEY=VALUE ...]
+
+Writes `DIR/<split>/shard-000000.tar ...` and `DIR/<split>/index.json` for each split the data module builds,
+then `data=sharded data.url=DIR` trains on them. Shard k of a split holds its samples [k x samples_per_shard,
+(k + 1) x samples_per_shard): the same bytes on every run whatever `workers` is, written in parallel, one shard
+per task. Images are stored encoded: ImageFolder's files as they are (no re-encoding), other PIL images as PNG;
+tensors as .npy, integers as .cls. Convert without augmentation (e.g. data.augment=false): the sharded data
+module applies its own `train_transform` when it loads a sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset, Subset
+
+from scaleup.data.shards.format import IMAGE_TYPES, encode_field, end_of_archive, sample_bytes
+from scaleup.data.shards.index import INDEX, index_document
+from scaleup.engine.errors import UserError
+
+OPTIONS = {"out": None, "samples_per_shard": "1024", "workers": str(min(8, os.cpu_count() or 1))}
+_SPLITS: dict[str, Dataset] = {}  # inherited by the forked workers: the data set is built once
+
+
+def raw_sample(dataset: Dataset, index: int) -> list[tuple[str, bytes]]:
+    """Sample `index` as stored fields: image files and PIL images encoded, without the split's transform."""
+    from PIL import Image
+    from torchvision.datasets import DatasetFolder, VisionDataset
+
+    while isinstance(dataset, Subset):
+        dataset, index = dataset.dataset, int(dataset.indices[index])
+    if isinstance(dataset, DatasetFolder):  # ImageFolder: the file's own bytes, no decode and re-encode
+        path, target = dataset.samples[index]
+        kind = Path(path).suffix.lower().lstrip(".")
+        data = Path(path).read_bytes()
+        if kind not in IMAGE_TYPES:
+            kind, data = "png", png_bytes(dataset.loader(path))
+        return [encode_field(data, 0, kind), encode_field(int(target), 1)]
+    if isinstance(dataset, VisionDataset) and getattr(dataset, "transform", None) is not None:
+        transform, dataset.transform = dataset.transform, None  # the PIL image, not the training tensor
+        try:
+            sample = dataset[index]
+        finally:
+            dataset.transform = transform
+    else:
+        sample = dataset[index]
+    values = sample if isinstance(sample, tuple) else (sample,)
+    return [
+        encode_field(png_bytes(value), i, "png") if isinstance(value, Image.Image) else encode_field(value, i)
+        for i, value in enumerate(values)
+    ]
+
+
+def png_bytes(image: Any) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_shard(task: tuple[str, int, int, str]) -> dict[str, Any]:
+    """Write one shard (split, shard number, samples per shard, directory): its index entry and fields."""
+    split, shard, per_shard, directory = task
+    dataset = _SPLITS[split]
+    first, last = shard * per_shard, min(len(dataset), (shard + 1) * per_shard)
+    fields: list[str] | None = None
+    name = f"shard-{shard:06d}.tar"
+    partial = Path(directory) / f".partial-{name}"
+    digest, size = hashlib.sha256(), 0
+    with open(partial, "wb") as out:
+        for index in range(first, last):
+            stored = raw_sample(dataset, index)
+            names = [field for field, _ in stored]
+            if fields is not None and names != fields:
+                raise UserError(f"sample {index} of {split} has fields {names}, sample {first} {fields}")
+            fields = names
+            for piece in (sample_bytes(index, stored),) + ((end_of_archive(),) if index == last - 1 else ()):
+                out.write(piece)
+                digest.update(piece)
+                size += len(piece)
+    os.replace(partial, Path(directory) / name)
+    entry = {"url": name, "nsamples": last - first, "filesize": size, "sha256": digest.hexdigest()}
+    return {"entry": entry, "fields": fields}
+
+
+def convert(splits: dict[str, Dataset], out: Path, per_shard: int, workers: int, settings: dict) -> dict[str, str]:
+    """Write every split's shards and index under `out`; the checksum of each split's index."""
+    _SPLITS.clear()
+    _SPLITS.update(splits)
+    checksums = {}
+    context = multiprocessing.get_context("fork")  # the workers inherit the data set instead of rebuilding it
+    with context.Pool(workers) if workers > 1 else _InProcess() as pool:
+        for split, dataset in splits.items():
+            if not len(dataset):  # e.g. data.test_size=0: nothing to shard
+                continue
+            directory = out / split
+            directory.mkdir(parents=True, exist_ok=True)
+            tasks = [(split, k, per_shard, str(directory)) for k in range(-(-len(dataset) // per_shard))]
+            written = pool.map(write_shard, tasks, chunksize=1)
+            fields = {tuple(w["fields"]) for w in written}
+            if len(fields) != 1:
+                raise UserError(f"the shards of {split} hold different fields: {sorted(fields)}")
+            doc = index_document([w["entry"] for w in written], list(fields.pop()), settings)
+            (directory / INDEX).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+            checksums[split] = doc["scaleup"]["checksum"]
+    return checksums
+
+
+class _InProcess:
+    """The Pool interface, in this process (workers=1)."""
+
+    def __enter__(self) -> _InProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def map(self, fn, tasks, chunksize: int = 1) -> list:
+        return [fn(task) for task in tasks]
+
+
+def build_source(overrides: list[str]) -> tuple[dict[str, Dataset], dict[str, Any]]:
+    """The data module the overrides choose (as `python train.py` would build it): its splits and model settings."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from scaleup.engine.components import build_datamodule
+    from scaleup.engine.launch import register_resolvers
+
+    register_resolvers()
+    configs = Path(__file__).resolve().parents[3] / "configs"
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3", job_name="convert"):
+        cfg = compose("train", overrides=overrides)
+    config = {
+        "data": OmegaConf.to_container(cfg.data, resolve=True),
+        "loader": OmegaConf.to_container(cfg.loader, resolve=True),
+        "seed": cfg.seed,
+    }
+    datamodule = build_datamodule(config)
+    datamodule.prepare_data()
+    return datamodule.build_splits(), datamodule.model_settings()
+
+
+def main(argv: list[str]) -> int:
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
+    options = dict(OPTIONS)
+    overrides = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key in options:
+            options[key] = value
+        else:
+            overrides.append(arg)
+    try:
+        if not options["out"]:
+            raise UserError("give the output directory: python -m scaleup.data.convert data=<source> out=DIR")
+        per_shard, workers = int(options["samples_per_shard"]), int(options["workers"])
+        splits, settings = build_source(overrides)
+        checksums = convert(splits, Path(options["out"]), per_shard, max(1, workers), settings)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for split, checksum in checksums.items():
+        print(f"{split}: {len(splits[split])} samples, index checksum {checksum}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,158 @@
+"""Any data set converted to shards (`python -m scaleup.data.convert`), on local disk or behind an fsspec URL."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+from lightning.pytorch.utilities import rank_zero_only
+from pydantic import Field
+from torch.utils.data import DataLoader, Dataset
+
+from scaleup.data.shards.dataset import ShardSplit
+from scaleup.data.shards.index import INDEX, ShardIndex
+from scaleup.data.shards.order import ShardWindowSampler
+from scaleup.data.shards.remote import MissingFile
+from scaleup.engine.batch import resolve_batch
+from scaleup.engine.datamodule import GlobalBatchDataModule
+from scaleup.engine.errors import UserError
+from scaleup.engine.samplers import UnrepeatedDistributedSampler
+
+SPLITS = ("train", "val", "test")
+log = logging.getLogger(__name__)
+
+
+class NoShards(UserError):
+    """No split has been converted under the URL."""
+
+
+class ContiguousEvalSampler(UnrepeatedDistributedSampler):
+    """Lightning's unpadded evaluation shares (ranks differ by at most one sample), as contiguous runs: rank r
+    evaluates the r-th run of samples, so it opens only the shards that hold them."""
+
+    def __iter__(self) -> Iterator[int]:
+        sizes = [len(range(r, self.total_size, self.num_replicas)) for r in range(self.num_replicas)]
+        start = sum(sizes[: self.rank])
+        return iter(range(start, start + sizes[self.rank]))
+
+
+class ShardedDataModule(GlobalBatchDataModule):
+    """The splits under `url` (`<url>/train/index.json`, `val/`, `test/`), read shard by shard.
+
+    Training order: shards permuted each epoch, samples shuffled within windows of `window_shards` shards
+    (`ShardWindowSampler`): the global batches depend only on (seed, epoch, global batch) and the shard list.
+    Evaluation: every sample once, each rank a contiguous run. Sizes and what the model needs (classes, channels,
+    vocabulary) come from the indexes, so a dry run reads no shard. docs/sharded-data.md has the details.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        window_shards: Annotated[int, Field(ge=1)] = 8,
+        cache_dir: str | None = None,
+        cache_gb: Annotated[float, Field(gt=0)] = 50.0,
+        train_transform: Any = None,
+        eval_transform: Any = None,
+        **loader_kwargs,
+    ) -> None:
+        super().__init__(**loader_kwargs)
+        self.url, self.window_shards = url.rstrip("/"), window_shards
+        self.cache_dir, self.cache_bytes = cache_dir, int(cache_gb * 2**30)
+        self.train_transform, self.eval_transform = train_transform, eval_transform
+        self._indexes: dict[str, ShardIndex] | None = None
+
+    @property
+    def indexes(self) -> dict[str, ShardIndex]:
+        """The index of every split present under `url` (read once; the shards themselves are not opened)."""
+        if self._indexes is None:
+            indexes = {}
+            for split in SPLITS:
+                try:
+                    indexes[split] = ShardIndex.load(f"{self.url}/{split}")
+                except MissingFile:  # a split that was not converted (eval.py needs only test)
+                    continue
+            if not indexes:
+                raise NoShards(
+                    f"no {'/, '.join(SPLITS)}/ split with an {INDEX} under data.url={self.url}; convert a data set "
+                    "there first: python -m scaleup.data.convert data=<source> out=<data.url>"
+                )
+            self._indexes = indexes
+        return self._indexes
+
+    def known_split_sizes(self) -> dict[str, int] | None:
+        """The sizes in the indexes; None without them (a dry run then plans with the steps unknown)."""
+        try:
+            return {split: len(index) for split, index in self.indexes.items()}
+        except NoShards:
+            return None
+
+    def model_settings(self) -> dict[str, Any]:
+        try:
+            return next(iter(self.indexes.values())).model_settings
+        except NoShards:  # a dry run before the conversion: an image classifier's settings, unknown
+            return {"net.num_classes": None, "net.in_channels": None}
+
+    def build_splits(self) -> dict[str, Dataset]:
+        splits = {
+            split: ShardSplit(
+                index,
+                transform=self.train_transform if split == "train" else self.eval_transform,
+                cache_dir=self.cache_dir,
+                cache_bytes=self.cache_bytes,
+                # A global batch draws from one window, two at its boundary.
+                keep_open=self.window_shards + 1 if split == "train" else 2,
+            )
+            for split, index in self.indexes.items()
+        }
+        if "train" in splits and rank_zero_only.rank == 0 and (why := splits["train"].cache.too_small()):
+            log.warning(why)
+        return splits
+
+    def train_sampler(self, global_batch_size: int, world_size: int, rank: int) -> ShardWindowSampler:
+        index = self.indexes["train"]
+        return ShardWindowSampler(
+            self.splits["train"],
+            global_batch_size,
+            num_replicas=world_size,
+            rank=rank,
+            seed=self.seed,
+            counts=index.counts,
+            window=self.window_shards,
+            checksum=index.checksum,
+            with_epoch=True,
+        )
+
+    def train_dataloader(self):
+        self.check_same_shards_on_every_rank()
+        return super().train_dataloader()
+
+    def check_same_shards_on_every_rank(self) -> None:
+        """Ranks that started at different times may have read different indexes (the shards were rewritten in
+        between): compare every rank's checksum with rank 0's, and stop all of them together."""
+        trainer = self.trainer
+        if trainer is None or trainer.world_size == 1:
+            return
+        mine = self.indexes["train"].checksum
+        same = trainer.strategy.reduce_boolean_decision(trainer.strategy.broadcast(mine, src=0) == mine, all=True)
+        if not same:
+            raise UserError(
+                f"the ranks read different shard sets under {self.url} (this rank's index checksum {mine[:12]}): "
+                "the shards changed while the job started; wait until they are written, then start again"
+            )
+
+    def rank_loader(
+        self, world_size: int = 1, rank: int = 0, *, epoch: int = 0, accumulation: int = 1, split: str = "train"
+    ) -> DataLoader:
+        """The loader that rank `rank` of `world_size` gets in epoch `epoch`, without a Trainer (benchmarks, tests,
+        notebooks): its micro-batches in training order (or its evaluation share, for `split="val"`/`"test"`)."""
+        self.setup()
+        batch = resolve_batch(self.global_batch_size, self.per_device_batch_size, world_size, accumulation)
+        if split != "train":
+            return self._loader(split, self.eval_sampler(split, world_size, rank), batch.per_device)
+        sampler = self.train_sampler(batch.global_, world_size, rank)
+        sampler.set_epoch(epoch)
+        return self._loader(split, sampler, batch.per_device)
+
+    def eval_sampler(self, split: str, world_size: int, rank: int) -> ContiguousEvalSampler:
+        return ContiguousEvalSampler(self.splits[split], num_replicas=world_size, rank=rank, shuffle=False)

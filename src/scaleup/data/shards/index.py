@@ -1,0 +1,106 @@
+"""A split's shard index: `index.json` beside its shards, the sizes a dry run plans from and the checksum that
+tells whether the shard set changed.
+
+The file is a wids shard index (`"__kind__": "wids-shard-index-v1"`, a `shardlist` of `{url, nsamples,
+filesize}`), so webdataset's own indexed reader opens it too, plus per shard the sha256 of its bytes, and under
+`scaleup` the fields of every sample, what the data tells the model (`model_settings`) and `checksum`: the sha256
+of the shard list, which changes whenever a shard is added, removed, reordered or rewritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from scaleup.data.shards.remote import filesystem, with_retries
+from scaleup.engine.errors import UserError
+
+INDEX = "index.json"
+FORMAT = "scaleup-shards-v1"
+
+
+def shard_list_checksum(shardlist: list[dict[str, Any]]) -> str:
+    """sha256 of the shard list in canonical JSON: names, counts, sizes and content hashes, in order."""
+    return hashlib.sha256(json.dumps(shardlist, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def index_document(shardlist: list[dict[str, Any]], fields: list[str], model_settings: dict[str, Any]) -> dict:
+    return {
+        "__kind__": "wids-shard-index-v1",
+        "wids_version": 1,
+        "shardlist": shardlist,
+        "scaleup": {
+            "format": FORMAT,
+            "fields": fields,
+            "model_settings": model_settings,
+            "samples": sum(shard["nsamples"] for shard in shardlist),
+            "checksum": shard_list_checksum(shardlist),
+        },
+    }
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """One split's shards: where they are, how many samples each holds, and the checksum of the list."""
+
+    url: str  # the directory of index.json and the shards
+    names: tuple[str, ...]
+    counts: np.ndarray  # samples per shard, int64
+    sizes: tuple[int, ...]  # bytes per shard
+    sha256: tuple[str, ...]
+    fields: tuple[str, ...]
+    model_settings: dict[str, Any]
+    checksum: str
+
+    @property
+    def starts(self) -> np.ndarray:
+        """The split index of each shard's first sample."""
+        return np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.counts.sum())
+
+    def shard_url(self, shard: int) -> str:
+        return f"{self.url}/{self.names[shard]}"
+
+    @classmethod
+    def load(cls, url: str) -> ShardIndex:
+        """Read `<url>/index.json` (a local directory or any fsspec URL): the shards' data is not touched."""
+        url = url.rstrip("/")
+        fs, path = filesystem(url)
+        where = f"{url}/{INDEX}"
+        text = with_retries(lambda: fs.cat_file(f"{path}/{INDEX}"), where)
+        try:
+            doc = json.loads(text)
+            meta, shardlist = doc["scaleup"], doc["shardlist"]
+            if meta["format"] != FORMAT:
+                raise KeyError(f"format {meta['format']!r}")
+            checksum = shard_list_checksum(shardlist)
+            names = tuple(shard["url"] for shard in shardlist)
+            counts = np.array([shard["nsamples"] for shard in shardlist], dtype=np.int64)
+        except (ValueError, KeyError, TypeError) as err:
+            raise UserError(
+                f"{where} is not a scaleup shard index ({type(err).__name__}: {err}); write one with "
+                "python -m scaleup.data.convert data=<source> out=DIR"
+            ) from None
+        if checksum != meta["checksum"]:
+            raise UserError(
+                f"{where}: its shard list does not match its checksum ({checksum[:12]} vs {meta['checksum'][:12]}): "
+                "the index was edited by hand or only partly written; convert the data again"
+            )
+        if not len(names) or counts.min() < 1:
+            raise UserError(f"{where} lists no shards, or a shard without samples")
+        return cls(
+            url=url,
+            names=names,
+            counts=counts,
+            sizes=tuple(int(shard["filesize"]) for shard in shardlist),
+            sha256=tuple(shard["sha256"] for shard in shardlist),
+            fields=tuple(meta["fields"]),
+            model_settings=dict(meta.get("model_settings") or {}),
+            checksum=checksum,
+        )

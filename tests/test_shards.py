@@ -1,0 +1,282 @@
+"""Sharded data: the converter, the shard-aware order on any topology and worker count, exact evaluation, faults,
+a remote with a bounded cache, and float64 training on 1 and 2 processes with a resume across both counts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+
+from conftest import (
+    EXACT,
+    EXACT_TEST,
+    EXACT_TRAIN,
+    EXACT_VAL,
+    TOLERANCE,
+    assert_same_weights,
+    check,
+    in_process,
+    read_json,
+    run,
+    save_every,
+    weights,
+)
+from scaleup.data import ShardedDataModule
+from scaleup.data.convert import main as convert
+from scaleup.data.shards import ShardIndex, ShardWindowOrder, remote
+from scaleup.data.shards.index import shard_list_checksum
+from scaleup.engine.errors import UserError
+from scaleup.engine.samplers import resumed_steps
+
+PER_SHARD = 64  # 513 training samples: 9 shards, the last holding one
+SOURCE = ["data=digits", f"data.val_size={EXACT_VAL}", f"data.test_size={EXACT_TEST}", f"samples_per_shard={PER_SHARD}"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """The EXACT recipe's digits splits as shards, written by 2 worker processes."""
+    out = tmp_path_factory.mktemp("shards") / "digits"
+    assert convert([*SOURCE, f"out={out}", "workers=2"]) == 0
+    return out
+
+
+def module(url, global_batch_size: int = 64, **kwargs) -> ShardedDataModule:
+    settings = {"window_shards": 2, "persistent_workers": False, **kwargs}  # workers end with their loader
+    return ShardedDataModule(url=str(url), global_batch_size=global_batch_size, seed=42, **settings)
+
+
+def global_batches(dm: ShardedDataModule, world_size: int, epoch: int, accumulation: int = 1) -> list[torch.Tensor]:
+    """Every step's global batch of images, reassembled from each rank's micro-batches in rank order."""
+    loaders = [list(dm.rank_loader(world_size, r, epoch=epoch, accumulation=accumulation)) for r in range(world_size)]
+    steps = len(loaders[0]) // accumulation
+    return [
+        torch.cat([x for r in range(world_size) for x, _ in loaders[r][k * accumulation : (k + 1) * accumulation]])
+        for k in range(steps)
+    ]
+
+
+def test_converter_is_deterministic_parallel_and_stores_sizes_and_checksums(shards, tmp_path):
+    assert convert([*SOURCE, f"out={tmp_path}", "workers=1"]) == 0
+    files = sorted(p.relative_to(shards) for p in shards.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert all((shards / f).read_bytes() == (tmp_path / f).read_bytes() for f in files)  # 1 or 2 workers alike
+    doc = json.loads((shards / "train/index.json").read_text())
+    assert [s["nsamples"] for s in doc["shardlist"]] == [64] * 8 + [1]
+    assert doc["scaleup"]["samples"] == EXACT_TRAIN and doc["scaleup"]["fields"] == ["0.npy", "1.cls"]
+    assert doc["scaleup"]["checksum"] == shard_list_checksum(doc["shardlist"])
+    for entry in doc["shardlist"]:
+        data = (shards / "train" / entry["url"]).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (entry["filesize"], entry["sha256"])
+    assert doc["scaleup"]["model_settings"] == {"net.num_classes": 10, "net.in_channels": 1}
+    sizes = {split: len(ShardIndex.load(f"{shards}/{split}")) for split in ("train", "val", "test")}
+    assert sizes == {"train": EXACT_TRAIN, "val": EXACT_VAL, "test": EXACT_TEST}
+
+
+def test_shards_hold_the_source_samples(shards):
+    from scaleup.data import DigitsDataModule
+
+    source = DigitsDataModule(val_size=EXACT_VAL, test_size=EXACT_TEST).build_splits()["test"]
+    dm = module(shards)
+    dm.setup()
+    for i in (0, 577, EXACT_TEST - 1):
+        image, label = dm.splits["test"][i]
+        assert torch.equal(image, source[i][0]) and label == int(source[i][1])
+
+
+def test_window_shuffle_permutes_shards_and_keeps_each_window_together():
+    counts = np.array([5, 7, 3, 9, 4, 6, 1])
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    shard_of = np.repeat(np.arange(len(counts)), counts)
+    orders = {}
+    for epoch in (0, 1):
+        order = ShardWindowOrder(counts, window=3, seed=42, epoch=epoch)
+        values = order[np.arange(counts.sum())]
+        assert sorted(values) == list(range(counts.sum()))  # a permutation of the split
+        shards_seen = [list(dict.fromkeys(shard_of[values]))]
+        ends = order.window_ends
+        windows = [set(shard_of[values[a:b]]) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+        assert [len(w) for w in windows] == [3, 3, 1] and set().union(*windows) == set(range(7))
+        orders[epoch] = values
+        assert shards_seen and np.array_equal(starts[shard_of[values]] <= values, np.ones(len(values), bool))
+    assert not np.array_equal(orders[0], orders[1])
+
+
+def test_global_batches_do_not_depend_on_devices_accumulation_or_workers(shards):
+    """The same images in every global batch on 1 device, 2 devices with 2 loader workers each, 4 devices, and
+    1 device accumulating 2; a new order the next epoch; every batch from one window (two at its edge)."""
+    reference = global_batches(module(shards), 1, epoch=1)
+    assert len(reference) == EXACT_TRAIN // 64
+    for world, workers, accumulation in ((2, 2, 1), (4, 0, 1), (1, 0, 2)):
+        batches = global_batches(module(shards, num_workers=workers), world, epoch=1, accumulation=accumulation)
+        assert len(batches) == len(reference)
+        assert all(torch.equal(a, b) for a, b in zip(reference, batches, strict=True)), (world, workers)
+    other = global_batches(module(shards), 1, epoch=2)
+    assert not torch.equal(torch.cat(reference), torch.cat(other))
+    dm = module(shards)
+    dm.setup()
+    sampler = dm.train_sampler(64, 1, 0)
+    sampler.set_epoch(1)
+    ids = np.array([i for _, i in sampler])
+    assert len(set(ids)) == len(ids) == 8 * 64  # no sample twice
+    shard = np.searchsorted(np.cumsum(dm.indexes["train"].counts), ids, side="right").reshape(8, 64)
+    assert max(len(set(step)) for step in shard) <= 4  # one window of 2 shards, or the edge of two
+
+
+def test_resumed_sampler_skips_exactly_the_steps_taken(shards):
+    full = global_batches(module(shards), 1, epoch=1)
+    dm = module(shards, num_workers=2)
+    dm.setup()
+    sampler = dm.train_sampler(64, 2, 1)
+    sampler.set_epoch(1)
+    sampler.resume(1, 5)
+    loader = dm._loader("train", sampler, 32)
+    assert all(torch.equal(x, full[5 + k][32:]) for k, (x, _) in enumerate(loader))
+    assert len(list(loader)) == 3
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+def test_evaluation_counts_every_sample_once_in_contiguous_runs(shards, world):
+    dm = module(shards)
+    dm.setup()
+    shares = [list(dm.eval_sampler("test", world, r)) for r in range(world)]
+    assert [i for share in shares for i in share] == list(range(EXACT_TEST))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_a_corrupt_or_truncated_shard_is_one_error_naming_it(shards, tmp_path):
+    copy = shutil.copytree(shards, tmp_path / "copy")
+    victim = copy / "train/shard-000001.tar"
+    original = victim.read_bytes()
+    data = bytearray(original)
+    data[600] ^= 0xFF  # inside the first sample's image (the .npy header)
+    victim.write_bytes(bytes(data))
+    dm = module(copy)
+    dm.setup()
+    with pytest.raises(UserError, match=r"sample 64 of shard .*train/shard-000001.tar cannot be decoded \(Cannot"):
+        dm.splits["train"][PER_SHARD]
+    data = bytearray(original)
+    data[1024 + 10] ^= 0xFF  # the name in the second member's header
+    victim.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"shard .*train/shard-000001.tar is corrupt: bad tar header checksum"):
+        module(copy).rank_loader().dataset[PER_SHARD]
+    victim.write_bytes(bytes(data[:-1024]))
+    with pytest.raises(UserError, match=r"shard-000001.tar changed after its index was written \(\d+ bytes"):
+        module(copy).rank_loader().dataset[PER_SHARD]
+
+
+def test_a_changed_shard_set_is_refused_mid_epoch(shards, tmp_path):
+    dm = module(shards)
+    dm.setup()
+    sampler = dm.train_sampler(64, 1, 0)
+    written = {"sampler": sampler.ORDER.replace(dm.indexes["train"].checksum[:16], "0" * 16), "global_batch_size": 64}
+    with pytest.raises(UserError, match=r"stopped mid-epoch .* under the shard-window-v1 \(window 2, shards 0{16}\)"):
+        resumed_steps(written, "at-13.ckpt", 1, 13, sampler)
+    assert resumed_steps({"sampler": sampler.ORDER, "global_batch_size": 64}, "at-13.ckpt", 1, 13, sampler) == 5
+
+
+def test_remote_shards_through_a_bounded_cache_and_a_changed_remote_shard(shards, tmp_path, caplog):
+    """memory:// as the remote: the cache holds at most 2.5 shards' bytes, evicts, and reads the same samples."""
+    memory = fsspec.filesystem("memory")
+    memory.put(str(shards), "/remote-digits", recursive=True)
+    shard_bytes = (shards / "train/shard-000000.tar").stat().st_size
+    cache = tmp_path / "cache"
+    remote_dm = module(
+        "memory://remote-digits", cache_dir=str(cache), cache_gb=2.5 * shard_bytes / 2**30, num_workers=2
+    )
+    local = global_batches(module(shards), 1, epoch=0)
+    assert all(torch.equal(a, b) for a, b in zip(local, global_batches(remote_dm, 1, epoch=0), strict=True))
+    assert "holds fewer than the 3 shards of memory://remote-digits/train a process keeps open" in caplog.text
+    cached = list(cache.rglob("*.tar"))
+    assert 0 < len(cached) <= 2 and sum(p.stat().st_size for p in cached) <= 2.5 * shard_bytes
+    changed = bytearray(memory.cat_file("/remote-digits/train/shard-000003.tar"))
+    changed[-2000] ^= 1  # a sample's bytes, the size unchanged
+    memory.pipe_file("/remote-digits/train/shard-000003.tar", bytes(changed))
+    fresh = module("memory://remote-digits", cache_dir=str(tmp_path / "fresh"))
+    fresh.setup()
+    with pytest.raises(UserError, match=r"shard-000003.tar changed after its index was written \(sha256"):
+        fresh.splits["train"][3 * PER_SHARD]
+    memory.rm("/remote-digits", recursive=True)
+
+
+def test_a_dead_remote_is_one_error_after_bounded_retries(monkeypatch):
+    """Connection refused on every try (a closed local port): 5 tries, then one line naming the URL."""
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    with pytest.raises(UserError, match=r"127.0.0.1:9/shards/train/index.json could not be read after 5 tries"):
+        module("http://127.0.0.1:9/shards").known_split_sizes()
+    with pytest.raises(UserError, match=r"no train/, val/, test/ split with an index.json under data.url="):
+        module("memory://nothing-here").setup()
+
+
+def sharded_exact(shards: Path) -> list[str]:
+    """The EXACT recipe on the digits shards: its splits are the converted ones, its augmentation a transform."""
+    kept = [a for a in EXACT if not a.startswith(("data.augment=", "data.val_size=", "data.test_size="))]
+    augment = "data.train_transform={_target_:scaleup.data.digits.random_shift_and_rotation}"
+    return [*kept, "data=sharded", f"data.url={shards}", "data.window_shards=2", augment]
+
+
+@pytest.mark.slow
+def test_sharded_training_equal_on_one_and_two_processes_and_resumes_across_devices_and_workers(shards, tmp_path):
+    """float64: 1 process without loader workers; 2 processes with 2 workers each (saving mid-epoch at step 13, 5
+    of epoch 1's 8); that checkpoint resumed on 1 process with 1 worker. All three end with the same weights, and
+    evaluate every validation and test sample once."""
+    args = sharded_exact(shards)
+    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
+    in_process([*args, "trainer.devices=1", "data.num_workers=0", f"hydra.run.dir={one}"])
+    check(run([*args, "trainer.devices=2", "data.num_workers=2", *save_every("at13", 13), f"hydra.run.dir={two}"]))
+    assert read_json(two / "plan.json")["world_size"] == 2
+    # One loader worker: its first indices are drawn as the loader starts, before Lightning sets the epoch.
+    resume = [f"ckpt_path={two / 'steps/at-13.ckpt'}", f"hydra.run.dir={resumed}"]
+    in_process([*args, "trainer.devices=1", "data.num_workers=1", *resume])
+    reference = weights(one / "checkpoints/last.ckpt")
+    for other in (two, resumed):
+        worst = assert_same_weights(reference, weights(other / "checkpoints/last.ckpt"), rtol=0, atol=TOLERANCE)
+        print(f"{other.name}: largest weight difference from 1 process {worst:.1e}")
+    for run_dir in (one, two):
+        metrics = read_json(run_dir / "metrics.json")
+        assert (metrics["val/samples"], metrics["test/samples"]) == (EXACT_VAL, EXACT_TEST)
+    assert read_json(two / "metrics.json")["test/acc"] == pytest.approx(read_json(one / "metrics.json")["test/acc"])
+
+
+def test_imagefolder_converts_its_jpeg_files_unchanged_and_decodes_them(tmp_path):
+    import tarfile
+
+    from PIL import Image
+    from torchvision.io import decode_image
+
+    for label, color in (("cat", (200, 40, 0)), ("dog", (0, 40, 200))):
+        for split in ("train", "val"):
+            (tmp_path / "tree" / split / label).mkdir(parents=True)
+            for i in range(3):
+                Image.new("RGB", (40, 30), color).save(tmp_path / "tree" / split / label / f"{i}.jpg")
+    out = tmp_path / "shards"
+    assert convert(["data=imagefolder", f"data.root={tmp_path / 'tree'}", f"out={out}", "samples_per_shard=4"]) == 0
+    index = ShardIndex.load(f"{out}/train")
+    assert (len(index), index.fields) == (6, ("0.jpg", "1.cls"))
+    assert index.model_settings == {"net.num_classes": 2, "net.in_channels": 3}
+    with tarfile.open(out / "train/shard-000001.tar") as tar:  # samples 4 and 5: dog/1.jpg and dog/2.jpg
+        assert tar.extractfile("000000000005.0.jpg").read() == (tmp_path / "tree/train/dog/2.jpg").read_bytes()
+    dm = module(out, global_batch_size=2)
+    dm.setup()
+    image, label = dm.splits["train"][5]
+    expected = decode_image(str(tmp_path / "tree/train/dog/2.jpg")).float() / 255
+    assert label == 1 and image.dtype == torch.float32 and torch.equal(image, expected)
+
+
+def test_webdataset_reads_the_shards_as_its_own(shards):
+    """The shards are WebDataset's format: its own loader finds the same samples, keys and fields."""
+    wds = pytest.importorskip("webdataset")  # in the test extra
+
+    urls = sorted(str(p) for p in (shards / "val").glob("shard-*.tar"))
+    samples = list(wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode())
+    dm = module(shards)
+    dm.setup()
+    assert [int(s["__key__"]) for s in samples] == list(range(EXACT_VAL))
+    for i in (0, 64, EXACT_VAL - 1):
+        image, label = dm.splits["val"][i]
+        assert torch.equal(torch.from_numpy(samples[i]["0.npy"]), image) and samples[i]["1.cls"] == label

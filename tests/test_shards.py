@@ -122,7 +122,7 @@ def test_global_batches_do_not_depend_on_devices_accumulation_or_workers(shards)
     dm.setup()
     sampler = dm.train_sampler(64, 1, 0)
     sampler.set_epoch(1)
-    ids = np.array([i for _, i in sampler])
+    ids = np.array(list(sampler))  # no transform: plain indices, no (epoch, index) keys for seeding
     assert len(set(ids)) == len(ids) == 8 * 64  # no sample twice
     shard = np.searchsorted(np.cumsum(dm.indexes["train"].counts), ids, side="right").reshape(8, 64)
     assert max(len(set(step)) for step in shard) <= 4  # one window of 2 shards, or the edge of two

@@ -80,6 +80,10 @@ class ShardedDataModule(GlobalBatchDataModule):
             self._indexes = indexes
         return self._indexes
 
+    def draws_random_numbers(self, split: str) -> bool:
+        """Only a transform draws: without one, the samples need no seeding."""
+        return (self.train_transform if split == "train" else self.eval_transform) is not None
+
     def known_split_sizes(self) -> dict[str, int] | None:
         """The sizes in the indexes; None without them (a dry run then plans with the steps unknown)."""
         try:
@@ -120,7 +124,7 @@ class ShardedDataModule(GlobalBatchDataModule):
             counts=index.counts,
             window=self.window_shards,
             checksum=index.checksum,
-            with_epoch=True,
+            with_epoch=self._seeded("train"),
         )
 
     def train_dataloader(self):

@@ -174,7 +174,8 @@ def call_only_overridden_callback_hooks() -> None:
     repr for it): about 1.6 us per callback and hook, 9.5 us per callback and training step, and a run here
     has about 20 callbacks. Installed by `build_trainer`; with a profiler on (`debug=profiler`) Lightning's own
     dispatch runs, so every hook is still timed. Which callbacks override a hook is worked out again whenever the
-    callback list changes (a hook assigned to a callback instance in the middle of a fit is not seen). Canary: test_lightning_calls_hooks_a_callback_does_not_override.
+    callback list changes (a hook assigned to a callback instance in the middle of a fit is not seen).
+    Canary: test_lightning_calls_hooks_a_callback_does_not_override.
     """
     call._call_callback_hooks = _call_overridden_callback_hooks
 

@@ -85,8 +85,7 @@ class SeededSamples(Dataset):
 
     def __getitem__(self, key: int | tuple[int, int]) -> Any:
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        if getattr(self.dataset, "draws_random_numbers", True):  # False: nothing to seed (35 us a sample saved)
-            seed_generators(mixed_seed(self.seed, AUGMENTATION, epoch, index))
+        seed_generators(mixed_seed(self.seed, AUGMENTATION, epoch, index))
         return self.dataset[index]
 
 

@@ -41,11 +41,6 @@ class ShardSplit(Dataset):
     def __len__(self) -> int:
         return int(self._ends[-1])
 
-    @property
-    def draws_random_numbers(self) -> bool:
-        """Only a transform draws: without one, `SeededSamples` need not seed the generators for each sample."""
-        return self.transform is not None
-
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_cache": None}  # open memory maps stay in the process that opened them
 

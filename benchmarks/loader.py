@@ -146,10 +146,17 @@ def main() -> None:
                     runs.setdefault(f"{name}/{workers}", []).append(loader_rate(batches(source, workers)))
             print(f"repeat {repeat + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items()), flush=True)
     medians = {name: statistics.median(rates) for name, rates in runs.items()}
-    print(f"\nsamples/s, median of {args.repeats} (min-max); ratio to (a) pil with as many workers")
+    # Each repeat's ratio to (a) with as many workers, run next to it: the pairs share the machine's load.
+    ratios = {
+        name: [rate / base for rate, base in zip(rates, runs[f"pil/{name.split('/')[1]}"], strict=True)]
+        for name, rates in runs.items()
+        if "/" in name
+    }
+    print(f"\nsamples/s, median of {args.repeats} (min-max); ratio to (a) pil with as many workers, per repeat")
     for name, rates in runs.items():
-        base = medians.get(f"pil/{name.split('/')[1]}") if "/" in name else None
-        ratio = f"  {medians[name] / base:.2f}x (a)" if base else ""
+        ratio = ""
+        if name in ratios:
+            ratio = f"  {statistics.median(ratios[name]):.2f}x (a) ({min(ratios[name]):.2f}-{max(ratios[name]):.2f})"
         print(f"  {name:14s} {medians[name]:7.0f}  ({min(rates):.0f}-{max(rates):.0f}){ratio}")
     result = {
         "machine": {
@@ -162,9 +169,7 @@ def main() -> None:
         "settings": {"images": args.images, "size": [WIDTH, HEIGHT], "crop": SIZE, "batch": BATCH, **vars(args)},
         "samples_per_s": runs,
         "median": medians,
-        "ratio_to_pil": {
-            name: medians[name] / medians[f"pil/{name.split('/')[1]}"] for name in medians if "/" in name
-        },
+        "ratio_to_pil": {name: {"median": statistics.median(r), "per_repeat": r} for name, r in ratios.items()},
     }
     result["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in result["settings"].items()}
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from scaleup.engine.callbacks import TrainingDiagnostics
-from scaleup.engine.callbacks.diagnostics import compute_dtype
+from scaleup.engine.callbacks.diagnostics import compute_dtype, loader_workers_needed
 
 
 class SlowData(Dataset):
@@ -86,3 +86,14 @@ def test_a_slow_loader_is_data_wait_and_flops_are_counted(tmp_path, caplog):
 )
 def test_compute_dtype_of_each_precision(precision, dtype):
     assert compute_dtype(precision) is dtype
+
+
+def test_the_workers_needed_follow_from_the_data_wait():
+    # No workers: the main process loaded 9 of 10 batches (288 of 320 samples) in the 2 s of wait, 144 samples/s,
+    # against 320 computed in 1 s: 2.2 workers.
+    assert loader_workers_needed(2.0, 1.0, 320, 10, 0) == pytest.approx((144, 320 / 144, True))
+    # 4 workers kept the device waiting 5 s of 6: each delivered 320 / 6 / 4 samples/s, and 320/s takes 24 of them.
+    assert loader_workers_needed(5.0, 1.0, 320, 10, 4) == pytest.approx((320 / 24, 24, True))
+    # 1 worker that keeps up (0.1% wait): it delivers at least the throughput, and it suffices.
+    assert loader_workers_needed(0.01, 10.0, 320, 10, 1) == pytest.approx((320 / 10.01, 1, False))
+    assert loader_workers_needed(1.0, 1.0, 32, 1, 0) == (0, 0, False)  # one step: no wait measured

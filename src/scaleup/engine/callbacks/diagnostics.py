@@ -32,7 +32,7 @@ def loader_workers_needed(
     wait: it is the one worker, timed exactly.
     Workers that kept the device waiting were busy all the time, so each delivered the throughput over their
     number. Workers that kept up (the wait under DATA_BOUND) were partly idle: their throughput is a lower bound
-    of their rate, and the count needed an upper bound. Below 2 steps nothing is measured: (0, 0, False).
+    of their rate, and as many as there are suffice. Below 2 steps nothing is measured: (0, 0, False).
     """
     if steps < 2 or wait <= 0:
         return 0.0, 0.0, False
@@ -41,7 +41,8 @@ def loader_workers_needed(
         per_worker, exact = samples * (steps - 1) / steps / wait, True
     else:
         per_worker, exact = samples / (wait + busy) / workers, wait / (wait + busy) > DATA_BOUND
-    return per_worker, compute_rate / per_worker, exact
+    needed = compute_rate / per_worker
+    return per_worker, needed if exact else min(needed, workers), exact
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -2,11 +2,14 @@
 are normalised on the device to what ToTensor + Normalize gave, augmentation seeded per sample, decode errors that
 name the file, and (GPU lane) nvjpeg decoding that equals the CPU's."""
 
+from functools import partial
+
 import lightning as L
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import DataLoader
 from torchvision import transforms as T
 from torchvision.io import read_file
 
@@ -15,7 +18,7 @@ from scaleup.data.cifar10 import MEAN as CIFAR_MEAN
 from scaleup.data.cifar10 import STD as CIFAR_STD
 from scaleup.data.cifar10 import UInt8Images
 from scaleup.data.image_batches import normalize
-from scaleup.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
+from scaleup.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, ImageFiles
 from scaleup.data.images import EncodedBatch, ImageTransform, decode
 from scaleup.engine.callbacks.performance import PerformanceSettings
 from scaleup.engine.errors import UserError, as_user_error
@@ -134,6 +137,28 @@ def test_gpu_decoding_is_refused_without_a_gpu(jpeg_tree):
         pytest.skip("a GPU is visible: decode_device=cuda is allowed")
     with pytest.raises(UserError, match=r"^data.decode_device=cuda decodes JPEGs on a CUDA GPU, and none is visible"):
         data(jpeg_tree, decode_device="cuda")
+
+
+def test_the_gpu_paths_worker_half_runs_on_any_machine(jpeg_tree, tmp_path):
+    """data.decode_device=cuda's loader: workers send the bytes as read and the drawn parameters, collated into
+    an EncodedBatch, which only a CUDA device decodes; a PNG is refused naming the file (nvjpeg decodes JPEGs)."""
+    dm = data(jpeg_tree)
+    dm.setup()
+    cpu_files = dm.splits["train"]
+    files = ImageFiles(cpu_files.samples, cpu_files.transform, encoded=True)
+    loader = DataLoader(
+        SeededSamples(files, 0), batch_size=4, collate_fn=partial(EncodedBatch.collate, files.transform)
+    )
+    batch = next(iter(loader))
+    assert isinstance(batch, EncodedBatch) and batch.labels.tolist() == [0, 0, 0, 0]
+    assert [len(d) for d in batch.data] == [len(read_file(path)) for path, _ in files.samples[:4]]
+    assert all(len(params) == 5 for params in batch.params)  # top, left, height, width, flip
+    with pytest.raises(UserError, match=r"^data.decode_device=cuda decodes on a CUDA GPU, and this run trains on cpu"):
+        batch.decode(torch.device("cpu"))
+    png = tmp_path / "x.png"
+    Image.new("RGB", (8, 8)).save(png)
+    with pytest.raises(UserError, match=rf"^{png}: a PNG image, and data.decode_device=cuda decodes JPEGs only"):
+        EncodedBatch.sample(files.transform, read_file(str(png)), str(png))
 
 
 @pytest.mark.gpu

@@ -124,7 +124,7 @@ def test_a_corrupt_image_is_one_message_naming_the_file(jpeg_tree, tmp_path):
         for i in range(3):  # the first batch of 4 holds the broken file
             (root / "train" / "a" / f"{i}.jpg").write_bytes(good)
         (root / "train" / "a" / name).write_bytes(content)
-        dm = data(root, num_workers=1)
+        dm = data(root, num_workers=1, persistent_workers=False)
         with pytest.raises(UserError) as raised:
             next(iter(dm.train_dataloader()))
         message = str(as_user_error(raised.value))

@@ -20,6 +20,7 @@ from scaleup.data.cifar10 import UInt8Images
 from scaleup.data.image_batches import normalize
 from scaleup.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, ImageFiles
 from scaleup.data.images import EncodedBatch, ImageTransform, decode
+from scaleup.engine.batch_probe import repeated
 from scaleup.engine.callbacks.performance import PerformanceSettings
 from scaleup.engine.errors import UserError, as_user_error
 from scaleup.engine.seeding import SeededSamples
@@ -79,6 +80,18 @@ def test_imagefolder_batches_travel_as_uint8_and_reach_the_model_as_the_precisio
         accelerator="cpu", callbacks=[PerformanceSettings(tf32=False, channels_last=True)], logger=False
     )
     assert dm.on_after_batch_transfer((images, labels), 0)[0].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_the_auto_batch_probe_feeds_the_model_normalised_images(jpeg_tree):
+    """data.max_per_device_batch_size=auto probes with one training sample repeated: through the same hooks."""
+    dm = data(jpeg_tree)
+    dm.setup()
+    image, label = dm.splits["train"][0]
+    x, y = repeated((image, label), 3, torch.device("cpu"), lambda batch: batch, dm)
+    assert x.shape == (3, 3, 32, 32) and torch.equal(
+        x, normalize(image[None], IMAGENET_MEAN, IMAGENET_STD).expand(3, -1, -1, -1)
+    )
+    assert y.tolist() == [label] * 3
 
 
 def test_evaluation_images_are_the_pil_pipelines_to_one_grey_level(jpeg_tree):

@@ -101,6 +101,7 @@ def test_evaluation_images_are_the_pil_pipelines_to_one_grey_level(jpeg_tree):
     before = T.Compose([T.Resize(37), T.CenterCrop(32), T.PILToTensor()])(Image.open(path).convert("RGB"))
     now = ImageTransform(32, train=False).from_bytes(read_file(str(path)), str(path))
     assert now.dtype == torch.uint8 and (now.int() - before.int()).abs().max() <= 1
+    assert torch.equal(ImageTransform(32, train=False).from_bytes(path.read_bytes(), str(path)), now)  # a record
 
 
 def test_augmentation_depends_on_seed_epoch_and_index_in_any_worker(jpeg_tree):

@@ -42,11 +42,18 @@ class ImageDecodeError(UserError):
         super().__init__(message)
 
 
-def decode(data: torch.Tensor, name: str) -> torch.Tensor:
-    """The RGB uint8 CHW tensor of an encoded image (JPEG, PNG, ...; a 1-d uint8 tensor of its bytes), on the CPU.
+def encoded_tensor(data: torch.Tensor | bytes) -> torch.Tensor:
+    """The 1-d uint8 tensor torchvision's decoders read, from a tensor or from bytes (a record of a shard)."""
+    if isinstance(data, torch.Tensor):
+        return data
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a copy: bytes are read-only, tensors are not
 
-    `name` (the file or record) is what the error names when the bytes are no image.
+
+def decode(data: torch.Tensor | bytes, name: str) -> torch.Tensor:
+    """The RGB uint8 CHW tensor of an encoded image (JPEG, PNG, ...: its bytes, or a 1-d uint8 tensor of them),
+    on the CPU. `name` (the file or record) is what the error names when the bytes are no image.
     """
+    data = encoded_tensor(data)
     try:
         return decode_image(data, mode=ImageReadMode.RGB)
     except RuntimeError as err:  # torchvision's decoders raise RuntimeError for corrupt or unknown data
@@ -107,8 +114,8 @@ class ImageTransform:
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         return self.apply(image, self.draw(*image.shape[-2:]))
 
-    def from_bytes(self, data: torch.Tensor, name: str) -> torch.Tensor:
-        """Decode an encoded image (a 1-d uint8 tensor of its bytes) and transform it: the uint8 sample."""
+    def from_bytes(self, data: torch.Tensor | bytes, name: str) -> torch.Tensor:
+        """Decode an encoded image (its bytes, or a 1-d uint8 tensor of them) and transform it: the uint8 sample."""
         return self(decode(data, name))
 
 
@@ -123,8 +130,11 @@ class EncodedBatch:
         self.data, self.params, self.labels, self.transform = data, params, labels, transform
 
     @staticmethod
-    def sample(transform: ImageTransform, data: torch.Tensor, name: str) -> tuple[torch.Tensor, tuple[int, ...]]:
+    def sample(
+        transform: ImageTransform, data: torch.Tensor | bytes, name: str
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
         """One sample's share of the work in the worker: the bytes as they are, and the parameters drawn."""
+        data = encoded_tensor(data)
         return data, transform.draw(*image_size(data, name))
 
     @classmethod

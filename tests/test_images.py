@@ -146,6 +146,19 @@ def test_a_corrupt_image_is_one_message_naming_the_file(jpeg_tree, tmp_path):
         assert message.endswith("); remove or replace the file") and "\n" not in message
 
 
+def test_formats_torchvision_does_not_decode_are_read_through_pil(tmp_path):
+    """ImageFolder also lists .bmp, .tif and .ppm files, which PIL read before: still read, the same pixels."""
+    pixels = np.random.default_rng(0).integers(0, 256, (5, 7, 3), dtype=np.uint8)
+    for suffix in ("bmp", "tiff", "ppm"):
+        path = tmp_path / f"x.{suffix}"
+        Image.fromarray(pixels).save(path)
+        assert torch.equal(decode(path.read_bytes(), str(path)), torch.from_numpy(pixels).permute(2, 0, 1))
+    with pytest.raises(
+        UserError, match=r"x.txt: not a readable image \(no image format PIL or torchvision knows\); remove"
+    ):
+        decode(b"plain text", str(tmp_path / "x.txt"))
+
+
 def test_gpu_decoding_is_refused_without_a_gpu(jpeg_tree):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: decode_device=cuda is allowed")

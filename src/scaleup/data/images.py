@@ -15,7 +15,9 @@ import io
 import re
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+from PIL import Image, UnidentifiedImageError
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.transforms import RandomResizedCrop
 from torchvision.transforms.v2 import functional as F
@@ -59,18 +61,37 @@ def decode(data: torch.Tensor | bytes, name: str) -> torch.Tensor:
     except RuntimeError as err:  # torchvision's decoders raise RuntimeError for corrupt or unknown data
         # "decode_jpeg, /path/to/decode_jpeg.cpp:171, Image is incomplete or truncated": the reason alone
         reason = re.sub(r"^\w+, \S+:\d+, ", "", str(err).strip().splitlines()[0])
+        if reason.startswith("Unsupported image file"):
+            return pil_decode(data, name)
         raise ImageDecodeError(f"{name}: not a readable image ({reason}); remove or replace the file") from None
+
+
+def pil_decode(data: torch.Tensor, name: str) -> torch.Tensor:
+    """What torchvision.io does not decode (BMP, TIFF, PPM: ImageFolder's other extensions), through PIL."""
+    try:
+        with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
+            pixels = torch.from_numpy(np.array(image.convert("RGB")))
+    except (UnidentifiedImageError, OSError) as err:
+        raise ImageDecodeError(
+            f"{name}: not a readable image ({pil_reason(err)}); remove or replace the file"
+        ) from None
+    return pixels.permute(2, 0, 1)  # HWC -> CHW, as torchvision's decoders return it
+
+
+def pil_reason(err: OSError) -> str:
+    """PIL's reason, without its `cannot identify image file <_io.BytesIO object at 0x...>`."""
+    return "no image format PIL or torchvision knows" if isinstance(err, UnidentifiedImageError) else str(err)
 
 
 def image_size(data: torch.Tensor, name: str) -> tuple[int, int]:
     """(height, width) of an encoded JPEG from its header alone, for augmentation drawn before a GPU decodes it."""
-    from PIL import Image, UnidentifiedImageError
-
     try:
         with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
             kind, (width, height) = image.format, image.size
     except (UnidentifiedImageError, OSError) as err:
-        raise ImageDecodeError(f"{name}: not a readable image ({err}); remove or replace the file") from None
+        raise ImageDecodeError(
+            f"{name}: not a readable image ({pil_reason(err)}); remove or replace the file"
+        ) from None
     if kind != "JPEG":
         raise ImageDecodeError(
             f"{name}: a {kind} image, and data.decode_device=cuda decodes JPEGs only: convert it, or use "

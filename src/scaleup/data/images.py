@@ -147,7 +147,9 @@ class EncodedBatch:
     before the transfer, since torchvision's GPU decoder reads the bytes from host memory.
     """
 
-    def __init__(self, data: list[torch.Tensor], params: list[tuple[int, ...]], labels: torch.Tensor, transform):
+    def __init__(
+        self, data: list[torch.Tensor], params: list[tuple[int, ...]], labels: torch.Tensor, transform: ImageTransform
+    ) -> None:
         self.data, self.params, self.labels, self.transform = data, params, labels, transform
 
     @staticmethod

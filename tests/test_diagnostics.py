@@ -1,5 +1,6 @@
 """The diagnostics on a real (tiny) fit: a slow loader shows up as data wait, the step count as throughput."""
 
+import math
 import time
 
 import lightning as L
@@ -8,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from scaleup.engine.callbacks import TrainingDiagnostics
-from scaleup.engine.callbacks.diagnostics import compute_dtype
+from scaleup.engine.callbacks.diagnostics import compute_dtype, loader_workers_needed
 
 
 class SlowData(Dataset):
@@ -53,7 +54,7 @@ def fit(delay: float, tmp_path) -> dict[str, float]:
     return {name: float(value) for name, value in trainer.callback_metrics.items()}
 
 
-def test_a_slow_loader_is_data_wait_and_flops_are_counted(tmp_path):
+def test_a_slow_loader_is_data_wait_and_flops_are_counted(tmp_path, caplog):
     # 100 ms of loading per batch against a few ms of step (a Linear layer plus Lightning's own work per step, which
     # grows on a loaded machine: 40 ms of loading gave a wait share of 0.796 there)
     slow = fit(0.025, tmp_path)
@@ -65,6 +66,13 @@ def test_a_slow_loader_is_data_wait_and_flops_are_counted(tmp_path):
     # Linear(8, 2): 2 * 8 * 2 FLOPs forward per sample, 3x that with the backward pass.
     assert slow["perf/tflops_per_s"] == pytest.approx(96 * slow["perf/samples_per_s"] / 1e12)
     assert "perf/mfu" not in slow  # no peak FLOPs known for a CPU
+    # The main process loads (num_workers=0): at most 1 / 25 ms = 40 samples/s, against a step of a few ms for 4
+    # samples, so feeding it takes many workers; the line says how many, as a warning (the loader holds it back).
+    per_worker, needed = slow["perf/loader_samples_per_s_per_worker"], slow["perf/loader_workers_needed"]
+    assert 0 < per_worker <= 40 and needed > 4
+    [line] = [r for r in caplog.records if r.getMessage().startswith("loaders:")]
+    assert line.levelname == "WARNING" and f"delivers {per_worker:.0f} samples/s (data.num_workers=0" in line.message
+    assert f"keeping up needs about {math.ceil(needed)} workers per device" in line.message
 
 
 @pytest.mark.parametrize(
@@ -78,3 +86,14 @@ def test_a_slow_loader_is_data_wait_and_flops_are_counted(tmp_path):
 )
 def test_compute_dtype_of_each_precision(precision, dtype):
     assert compute_dtype(precision) is dtype
+
+
+def test_the_workers_needed_follow_from_the_data_wait():
+    # No workers: the main process loaded 9 of 10 batches (288 of 320 samples) in the 2 s of wait, 144 samples/s,
+    # against 320 computed in 1 s: 2.2 workers.
+    assert loader_workers_needed(2.0, 1.0, 320, 10, 0) == pytest.approx((144, 320 / 144, True))
+    # 4 workers kept the device waiting 5 s of 6: each delivered 320 / 6 / 4 samples/s, and 320/s takes 24 of them.
+    assert loader_workers_needed(5.0, 1.0, 320, 10, 4) == pytest.approx((320 / 24, 24, True))
+    # 1 worker that keeps up (0.1% wait): it delivers at least the throughput, and it suffices.
+    assert loader_workers_needed(0.01, 10.0, 320, 10, 1) == pytest.approx((320 / 10.01, 1, False))
+    assert loader_workers_needed(1.0, 1.0, 32, 1, 0) == (0, 0, False)  # one step: no wait measured

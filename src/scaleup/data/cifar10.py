@@ -3,20 +3,40 @@
 from pathlib import Path
 from typing import Annotated
 
+import torch
 from pydantic import Field
 from torch.utils.data import Dataset, Subset
-from torchvision import transforms as T
 from torchvision.datasets import CIFAR10
+from torchvision.transforms import v2
 
-from scaleup.data.classification import ClassificationDataModule
+from scaleup.data.image_batches import ImageDataModule
 from scaleup.engine.datamodule import random_split_indices, split_lengths
 from scaleup.engine.errors import UserError
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
-class CIFAR10DataModule(ClassificationDataModule):
+class UInt8Images(Dataset):
+    """(uint8 CHW image, label) pairs from images held in memory as one uint8 NHWC array, optionally transformed
+    (transforms.v2 on uint8, drawing from torch's global generator)."""
+
+    def __init__(self, images, labels: list[int], transform=None) -> None:
+        self.images = torch.from_numpy(images).permute(0, 3, 1, 2)  # a view: no copy of the array
+        self.labels, self.transform = labels, transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = self.images[index]
+        return (self.transform(image) if self.transform else image), self.labels[index]
+
+
+class CIFAR10DataModule(ImageDataModule):
+    """Batches travel as uint8 and are normalised on the device (`ImageDataModule`)."""
+
     num_classes = 10
+    mean, std = MEAN, STD
     TRAIN_SIZE, TEST_SIZE = 50_000, 10_000  # the data set's own splits: a dry run plans without the files
 
     def __init__(
@@ -30,9 +50,9 @@ class CIFAR10DataModule(ClassificationDataModule):
         super().__init__(**loader_kwargs)
         self.root, self.download, self.val_size, self.split_seed = Path(root), download, val_size, split_seed
 
-    def _open(self, train: bool, transform=None, download: bool = False) -> CIFAR10:
+    def _open(self, train: bool, download: bool = False) -> CIFAR10:
         try:
-            return CIFAR10(self.root, train=train, transform=transform, download=download)
+            return CIFAR10(self.root, train=train, download=download)
         except RuntimeError as err:  # torchvision: "Dataset not found or corrupted"
             raise UserError(
                 f"CIFAR-10 is not under {self.root} ({err}). Run once with data.download=true on a machine "
@@ -53,15 +73,13 @@ class CIFAR10DataModule(ClassificationDataModule):
             self._open(train, download=self.download)
 
     def build_splits(self) -> dict[str, Dataset]:
-        augment = T.Compose(
-            [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)]
-        )
-        plain = T.Compose([T.ToTensor(), T.Normalize(MEAN, STD)])
-        train_aug, train_plain = self._open(True, augment), self._open(True, plain)
-        lengths = split_lengths(len(train_aug), self.val_size, 0)
-        train_idx, val_idx, _ = random_split_indices(len(train_aug), lengths, self.split_seed)
+        augment = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()])
+        train, test = self._open(True), self._open(False)
+        lengths = split_lengths(len(train), self.val_size, 0)
+        train_idx, val_idx, _ = random_split_indices(len(train), lengths, self.split_seed)
         return {
-            "train": Subset(train_aug, train_idx.tolist()),
-            "val": Subset(train_plain, val_idx.tolist()),  # held out from train, without augmentation
-            "test": self._open(False, plain),
+            "train": Subset(UInt8Images(train.data, train.targets, augment), train_idx.tolist()),
+            # held out from train, without augmentation
+            "val": Subset(UInt8Images(train.data, train.targets), val_idx.tolist()),
+            "test": UInt8Images(test.data, test.targets),
         }

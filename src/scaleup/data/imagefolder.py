@@ -1,22 +1,52 @@
 """Any `root/{train,val}/<class>/<image>` tree (the ImageNet layout), with the standard ImageNet transforms."""
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
+import torch
 from pydantic import Field
 from torch.utils.data import Dataset
-from torchvision import transforms as T
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.utils import download_and_extract_archive
+from torchvision.io import read_file
 
-from scaleup.data.classification import ClassificationDataModule
+from scaleup.data.image_batches import ImageDataModule
+from scaleup.data.images import EncodedBatch, ImageTransform
 from scaleup.engine.errors import UserError
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-class ImageFolderDataModule(ClassificationDataModule):
+class ImageFiles(Dataset):
+    """(uint8 CHW image, label) for each (path, label) of an ImageFolder scan, decoded with torchvision.io.
+
+    With `encoded=True` a sample is `((bytes, drawn transform parameters), label)` instead, for a GPU to decode
+    (`EncodedBatch`).
+    """
+
+    def __init__(self, samples: list[tuple[str, int]], transform: ImageTransform, encoded: bool = False) -> None:
+        self.samples, self.transform, self.encoded = samples, transform, encoded
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        path, label = self.samples[index]
+        data = read_file(path)
+        if self.encoded:
+            return EncodedBatch.sample(self.transform, data, path), label
+        return self.transform.from_bytes(data, path), label
+
+
+class ImageFolderDataModule(ImageDataModule):
     """`test` is `root/test` when it exists, else `root/val` (as for ImageNet, whose test labels are private).
+
+    Images are decoded by libjpeg-turbo (torchvision.io) in the loader workers and transformed as uint8; batches
+    travel as uint8 and are normalised on the device (`ImageDataModule`). `decode_device="cuda"` leaves JPEGs
+    encoded in the workers (they only draw each sample's augmentation) and decodes each batch on the GPU with
+    nvjpeg, for CPUs too slow to feed it.
 
     With `url`, `prepare_data()` fetches that archive (.tar.gz, .tgz, .zip, ...) when `root/train` is missing and
     unpacks it beside `root`: the archive holds one folder named like `root`, as most data set archives do
@@ -24,16 +54,25 @@ class ImageFolderDataModule(ClassificationDataModule):
     run without them plans with the steps unknown.
     """
 
+    mean, std = IMAGENET_MEAN, IMAGENET_STD
+
     def __init__(
         self,
         root: str,
         image_size: Annotated[int, Field(ge=1)] = 224,
         url: str | None = None,
         md5: str | None = None,
+        decode_device: Literal["cpu", "cuda"] = "cpu",
         **loader_kwargs,
     ) -> None:
         super().__init__(**loader_kwargs)
         self.root, self.image_size, self.url, self.md5 = Path(root), image_size, url, md5
+        if decode_device == "cuda" and not torch.cuda.is_available():
+            raise UserError(
+                "data.decode_device=cuda decodes JPEGs on a CUDA GPU, and none is visible here: "
+                "pass data.decode_device=cpu"
+            )
+        self.decode_device = decode_device
 
     @property
     def num_classes(self) -> int | None:
@@ -76,11 +115,6 @@ class ImageFolderDataModule(ClassificationDataModule):
 
     def build_splits(self) -> dict[str, Dataset]:
         """The splits whose folders exist: all three for training, the test split alone for `eval.py`."""
-        size = self.image_size
-        normalize = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
-        train_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
-        # Resize to size/0.875 then centre-crop: 256 -> 224 for ImageNet.
-        eval_tf = T.Compose([T.Resize(round(size / 0.875)), T.CenterCrop(size), T.ToTensor(), normalize])
         folders = {"train": "train", "val": "val", "test": "test" if (self.root / "test").is_dir() else "val"}
         present = {split: folder for split, folder in folders.items() if (self.root / folder).is_dir()}
         if not present:
@@ -88,7 +122,16 @@ class ImageFolderDataModule(ClassificationDataModule):
         classes = {folder: self._classes(folder) for folder in present.values()}
         if len({tuple(names) for names in classes.values()}) > 1:
             raise UserError(f"the folders under {self.root} ({', '.join(classes)}) have different class directories")
+        encoded = self.decode_device == "cuda"
         return {
-            split: ImageFolder(self.root / folder, train_tf if split == "train" else eval_tf)
+            split: ImageFiles(ImageFolder(self.root / folder).samples, self._transform(split), encoded)
             for split, folder in present.items()
         }
+
+    def _transform(self, split: str) -> ImageTransform:
+        return ImageTransform(self.image_size, train=split == "train")
+
+    def collate_fn(self, split: str) -> Callable[[list], Any] | None:
+        if self.decode_device == "cuda":
+            return functools.partial(EncodedBatch.collate, self._transform(split))
+        return None

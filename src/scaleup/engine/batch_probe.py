@@ -64,9 +64,17 @@ def training_loss(module: L.LightningModule, batch: Any) -> torch.Tensor:
     return output["loss"] if isinstance(output, Mapping) else output
 
 
-def repeated(sample: Any, size: int, device: torch.device, convert: Callable[[Any], Any]) -> Any:
-    """A batch of `size` copies of one sample, built on the device (no host copy of the whole batch)."""
-    one = move_data_to_device(convert(default_collate([sample])), device)
+def repeated(
+    sample: Any, size: int, device: torch.device, convert: Callable[[Any], Any], data: L.LightningDataModule | None
+) -> Any:
+    """A batch of `size` copies of one sample, built on the device (no host copy of the whole batch), through the
+    DataModule's own collate function and transfer hooks, as the training loop gives it to the model (uint8
+    images become normalised floats in `on_after_batch_transfer`)."""
+    if data is None:  # a Trainer fitted on bare loaders
+        data = L.LightningDataModule()
+    collate = getattr(data, "collate_fn", lambda split: None)("train") or default_collate
+    one = data.on_before_batch_transfer(convert(collate([sample])), 0)
+    one = data.on_after_batch_transfer(move_data_to_device(one, device), 0)
     return apply_to_collection(one, torch.Tensor, lambda t: t.expand(size, *t.shape[1:]).contiguous())
 
 
@@ -129,7 +137,7 @@ class AutoBatchSize(L.Callback):
             budget = (free + torch.cuda.memory_reserved(device)) * (1 - self.margin) - optimizer_state_bytes(module)
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            batch = repeated(sample, size, device, trainer.precision_plugin.convert_input)
+            batch = repeated(sample, size, device, trainer.precision_plugin.convert_input, trainer.datamodule)
             with torch.random.fork_rng(devices=[device] if cuda else []):
                 with trainer.precision_plugin.forward_context():
                     loss = self.forward(module, batch)

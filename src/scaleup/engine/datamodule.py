@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,10 @@ class GlobalBatchDataModule(L.LightningDataModule):
             )
         return sizes
 
+    def collate_fn(self, split: str) -> Callable[[list], Any] | None:
+        """How the loaders of `split` make a batch of samples; None: torch's default_collate (stacks tensors)."""
+        return None
+
     def _loader(self, split: str, sampler: Any, batch_size: int) -> DataLoader:
         pin = self.pin_memory
         if pin == "auto":  # pinned host memory only helps copies to a GPU
@@ -120,6 +125,7 @@ class GlobalBatchDataModule(L.LightningDataModule):
             pin_memory=bool(pin),
             persistent_workers=self.persistent_workers and workers > 0,
             prefetch_factor=self.prefetch_factor if workers > 0 else None,
+            collate_fn=self.collate_fn(split),
         )
 
     def _seeded(self, split: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import sys
 import time
@@ -17,6 +18,31 @@ from lightning.pytorch.utilities.data import extract_batch_size
 log = logging.getLogger(__name__)
 
 UNEVEN_MEMORY = 1.2  # warn when the hungriest rank uses 20% more than the leanest
+DATA_BOUND = 0.1  # a data wait above this share of the step time: the loaders hold training back
+
+
+def loader_workers_needed(
+    wait: float, busy: float, samples: int, steps: int, workers: int
+) -> tuple[float, float, bool]:
+    """(samples/s one loader worker delivers, workers needed to feed the compute, whether that is an estimate
+    rather than an upper bound), from one device's epoch: `wait` s waiting for batches between `steps` steps
+    that took `busy` s to compute `samples`, with `workers` loader workers.
+
+    With no workers the main process loads every batch but the first (whose wait is not counted) during the
+    wait: it is the one worker, timed exactly.
+    Workers that kept the device waiting were busy all the time, so each delivered the throughput over their
+    number. Workers that kept up (the wait under DATA_BOUND) were partly idle: their throughput is a lower bound
+    of their rate, and as many as there are suffice. Below 2 steps nothing is measured: (0, 0, False).
+    """
+    if steps < 2 or wait <= 0:
+        return 0.0, 0.0, False
+    compute_rate = samples / max(busy, 1e-9)
+    if workers == 0:
+        per_worker, exact = samples * (steps - 1) / steps / wait, True
+    else:
+        per_worker, exact = samples / (wait + busy) / workers, wait / (wait + busy) > DATA_BOUND
+    needed = compute_rate / per_worker
+    return per_worker, needed if exact else min(needed, workers), exact
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -56,7 +82,9 @@ class StreamClock:
 
 class TrainingDiagnostics(L.Callback):
     """Logs per epoch: `perf/data_wait` (share of step time spent waiting for the next batch), `perf/samples_per_s`
-    (global), and `perf/peak_mem_gb` of every rank, warning when ranks differ. With `flops=True` also
+    (global), and `perf/peak_mem_gb` of every rank, warning when ranks differ; `perf/loader_samples_per_s_per_worker`
+    and `perf/loader_workers_needed` (per device, `loader_workers_needed`), which the first epoch's end also states
+    in one line. With `flops=True` also
     `perf/tflops_per_s` (global, model FLOPs: 3x the forward's) and `perf/mfu` (that over the devices' peak for
     the training precision, where Lightning knows the GPU).
 
@@ -73,7 +101,8 @@ class TrainingDiagnostics(L.Callback):
         self._marks: deque = deque()  # start, end, start, end, ... not yet folded into the sums
         self._last_end: Any = None
         self._wait = self._busy = 0.0
-        self._samples = 0
+        self._samples = self._steps = 0
+        self._reported = False  # the loader line, once per run
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # A run resumed in the middle of an epoch gets no on_train_epoch_start from Lightning for that epoch.
@@ -82,7 +111,7 @@ class TrainingDiagnostics(L.Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._clock = StreamClock(pl_module.device)
         self._marks.clear()
-        self._last_end, self._wait, self._busy, self._samples = None, 0.0, 0.0, 0
+        self._last_end, self._wait, self._busy, self._samples, self._steps = None, 0.0, 0.0, 0, 0
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)  # this epoch's peak, not the run's
 
@@ -99,6 +128,7 @@ class TrainingDiagnostics(L.Callback):
     ) -> None:
         self._marks.append(self._clock.mark())
         self._samples += extract_batch_size(batch)  # Lightning's reading: the first tensor's length, any structure
+        self._steps += 1
 
     def _fold(self, wait_for_all: bool) -> None:
         """Add the finished steps to the sums, keeping the queue as short as the host's lead over the GPU."""
@@ -118,14 +148,22 @@ class TrainingDiagnostics(L.Callback):
         total = self._wait + self._busy
         if total == 0:
             return
+        workers = getattr(trainer.train_dataloader, "num_workers", 0)
+        per_worker, needed, exact = loader_workers_needed(self._wait, self._busy, self._samples, self._steps, workers)
         # One small all_gather at epoch end, which every rank reaches: the per-rank numbers, side by side.
-        mine = torch.tensor([self._wait / total, self._samples / total, peak_memory_gb(pl_module.device)])
-        ranks = trainer.strategy.all_gather(mine.to(pl_module.device)).reshape(-1, 3).cpu()
+        memory = peak_memory_gb(pl_module.device)
+        mine = torch.tensor([self._wait / total, self._samples / total, memory, per_worker, needed])
+        ranks = trainer.strategy.all_gather(mine.to(pl_module.device)).reshape(-1, 5).cpu()
         metrics = {
             "perf/data_wait": ranks[:, 0].max().item(),  # the slowest rank holds up the others
             "perf/samples_per_s": ranks[:, 1].sum().item(),
             "perf/peak_mem_gb": ranks[:, 2].max().item(),
+            "perf/loader_samples_per_s_per_worker": ranks[:, 3].min().item(),
+            "perf/loader_workers_needed": ranks[:, 4].max().item(),  # per device, for the hungriest rank
         }
+        if trainer.is_global_zero and not self._reported and per_worker > 0:
+            self._report_workers(metrics, workers, exact)
+            self._reported = True
         if self._flops_per_sample:
             achieved = self._flops_per_sample * metrics["perf/samples_per_s"]
             metrics["perf/tflops_per_s"] = achieved / 1e12
@@ -142,6 +180,20 @@ class TrainingDiagnostics(L.Callback):
                 + ". DDP keeps identical replicas, so look for work done on one rank only (tensors kept for "
                 "logging, evaluation or saving on rank 0)"
             )
+
+    def _report_workers(self, metrics: dict[str, float], workers: int, exact: bool) -> None:
+        """One line, after the run's first epoch: the step's compute, one worker's rate, the workers that rate
+        needs; a warning when the loaders hold training back and more workers would not."""
+        steps, needed = max(self._steps, 1), max(1, math.ceil(metrics["perf/loader_workers_needed"]))
+        line = (
+            f"loaders: a step computes {self._samples / steps:.0f} samples per device in "
+            f"{1000 * self._busy / steps:.1f} ms; one loader worker delivers {'' if exact else 'at least '}"
+            f"{metrics['perf/loader_samples_per_s_per_worker']:.0f} samples/s (data.num_workers={workers}, data "
+            f"wait {metrics['perf/data_wait']:.0%}): keeping up needs {'about' if exact else 'at most'} {needed} "
+            f"worker{'s' if needed > 1 else ''} per device, each on a CPU core of its own"
+        )
+        short = exact and metrics["perf/data_wait"] > DATA_BOUND and needed > workers
+        (log.warning if short else log.info)(line)
 
 
 def compute_dtype(precision: str) -> torch.dtype:

@@ -1,0 +1,181 @@
+"""Samples per second that one loader worker delivers, per image pipeline, on the same generated JPEGs, side by side.
+
+Generates N deterministic 500x375 JPEGs (ImageNet's typical size) in an ImageFolder tree, then, alternating the
+variants in every repeat, times the training loader of each with `--workers` loader workers (default 1):
+
+- (a) `pil`: the ImageFolder pipeline as it was before this benchmark existed, kept here verbatim: PIL decodes,
+  RandomResizedCrop(224) + RandomHorizontalFlip on the PIL image, ToTensor + Normalize in the worker, float32
+  batches;
+- (b) `map`: `ImageFolderDataModule` as it is: torchvision.io decodes (libjpeg-turbo) into uint8, transforms.v2
+  functional on uint8, uint8 batches (normalised on the device after the transfer, not in the worker);
+- (c) `shards`: the sharded stream from local disk, (d) `library`: the chosen library's own loader on the same
+  shards: slots, run only with `--shards DIR` (see `sharded_batches` and `library_batches` below);
+
+and, beside them, in this process on one thread: `decode`, torchvision.io's JPEG decode alone (the ceiling of
+any pipeline that decodes on this CPU), and `map_inline`, pipeline (b)'s per-sample work without a loader.
+
+Both (a) and (b) go through the template's own loader (`GlobalBatchDataModule.train_dataloader()`: the training
+sampler, the per-sample seeding, batch 32); a loader's figure counts the samples after its first batch over the
+time from the first batch to the last, so worker start-up is left out. Medians over the repeats, and the ratio
+of each to (a), are printed and written to benchmarks/results/loader_cpu.json.
+
+    python benchmarks/loader.py [--images 256] [--repeats 3] [--workers 1] [--shards DIR] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision import transforms as T
+from torchvision.datasets import ImageFolder
+from torchvision.io import decode_jpeg, read_file
+
+from scaleup.data import ImageFolderDataModule
+from scaleup.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
+from scaleup.data.images import ImageTransform
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WIDTH, HEIGHT, SIZE, BATCH, CLASSES = 500, 375, 224, 32, 2
+
+
+def make_jpegs(root: Path, count: int) -> list[Path]:
+    """`count` 500x375 JPEGs (quality 90) under root/train/<class>/, the same bytes on every run: smooth random
+    colour fields with fine noise, which compress and decode like photographs rather than like flat colour."""
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(count):
+        path = root / "train" / f"class{i % CLASSES}" / f"{i:05d}.jpg"
+        paths.append(path)
+        if path.exists():
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        coarse = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).resize((WIDTH, HEIGHT), 3)
+        pixels = np.asarray(coarse, dtype=np.int16) + rng.normal(0, 12, (HEIGHT, WIDTH, 3)).astype(np.int16)
+        Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(path, quality=90)
+    return paths
+
+
+class BeforeImageFolder(ImageFolderDataModule):
+    """(a): the ImageFolder training split as the template built it before, PIL and ToTensor + Normalize in the
+    worker, behind the same loader as (b)."""
+
+    def build_splits(self) -> dict:
+        normalize = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+        train_tf = T.Compose([T.RandomResizedCrop(self.image_size), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
+        return {"train": ImageFolder(self.root / "train", train_tf)}
+
+
+def template_batches(cls: type[ImageFolderDataModule]) -> Callable[[Path, int], Iterable]:
+    def batches(root: Path, workers: int) -> Iterable:
+        data = cls(root=str(root), image_size=SIZE, global_batch_size=BATCH, num_workers=workers)
+        data.persistent_workers = False
+        return data.train_dataloader()
+
+    return batches
+
+
+def sharded_batches(shards: Path, workers: int) -> Iterable:
+    """(c) SLOT: the sharded stream from local disk in `shards`, iterated outside a Trainer, batch BATCH, with
+    `workers` loader workers; its samples decoded and transformed by `ImageTransform.from_bytes`."""
+    raise NotImplementedError("(c) is wired with the sharded data module")
+
+
+def library_batches(shards: Path, workers: int) -> Iterable:
+    """(d) SLOT: the chosen streaming library's own loader over the same shards, batch BATCH, `workers` workers."""
+    raise NotImplementedError("(d) is wired with the sharded data module")
+
+
+def loader_rate(batches: Iterable) -> float:
+    """Samples per second from the first batch to the last (the first one's wait includes worker start-up)."""
+    iterator = iter(batches)
+    next(iterator)
+    start, samples = time.perf_counter(), 0
+    for images, _ in iterator:
+        samples += len(images)
+    return samples / (time.perf_counter() - start)
+
+
+def inline_rate(work: Callable[[torch.Tensor, str], object], encoded: list[tuple[torch.Tensor, str]]) -> float:
+    """Samples per second of `work` on each encoded image, in this process, one thread."""
+    start = time.perf_counter()
+    for data, name in encoded:
+        work(data, name)
+    return len(encoded) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1], help="loader worker counts to time")
+    parser.add_argument("--shards", type=Path, help="a shard directory of the same images: runs (c) and (d)")
+    parser.add_argument("--data", type=Path, help="where the JPEGs go (default: a temporary directory)")
+    parser.add_argument("--json", type=Path, default=RESULTS / "loader_cpu.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # what a loader worker gets
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.data or Path(tmp)
+        paths = make_jpegs(root, args.images)
+        encoded = [(read_file(str(path)), str(path)) for path in paths]
+        transform = ImageTransform(SIZE, train=True)
+        inline = {
+            "decode": lambda data, name: decode_jpeg(data),
+            "map_inline": transform.from_bytes,
+        }
+        loaders = {"pil": template_batches(BeforeImageFolder), "map": template_batches(ImageFolderDataModule)}
+        if args.shards:
+            loaders |= {"shards": sharded_batches, "library": library_batches}
+        runs: dict[str, list[float]] = {}
+        for repeat in range(args.repeats):
+            for name, work in inline.items():
+                runs.setdefault(name, []).append(inline_rate(work, encoded))
+            for workers in args.workers:
+                for name, batches in loaders.items():
+                    source = args.shards if name in ("shards", "library") else root
+                    runs.setdefault(f"{name}/{workers}", []).append(loader_rate(batches(source, workers)))
+            print(f"repeat {repeat + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items()), flush=True)
+    medians = {name: statistics.median(rates) for name, rates in runs.items()}
+    # Each repeat's ratio to (a) with as many workers, run next to it: the pairs share the machine's load.
+    ratios = {
+        name: [rate / base for rate, base in zip(rates, runs[f"pil/{name.split('/')[1]}"], strict=True)]
+        for name, rates in runs.items()
+        if "/" in name
+    }
+    print(f"\nsamples/s, median of {args.repeats} (min-max); ratio to (a) pil with as many workers, per repeat")
+    for name, rates in runs.items():
+        ratio = ""
+        if name in ratios:
+            ratio = f"  {statistics.median(ratios[name]):.2f}x (a) ({min(ratios[name]):.2f}-{max(ratios[name]):.2f})"
+        print(f"  {name:14s} {medians[name]:7.0f}  ({min(rates):.0f}-{max(rates):.0f}){ratio}")
+    result = {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(),
+            "torch": torch.__version__,
+            "torchvision": __import__("torchvision").__version__,
+        },
+        "settings": {"images": args.images, "size": [WIDTH, HEIGHT], "crop": SIZE, "batch": BATCH, **vars(args)},
+        "samples_per_s": runs,
+        "median": medians,
+        "ratio_to_pil": {name: {"median": statistics.median(r), "per_repeat": r} for name, r in ratios.items()},
+    }
+    result["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in result["settings"].items()}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()

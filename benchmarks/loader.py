@@ -8,8 +8,10 @@ variants in every repeat, times the training loader of each with `--workers` loa
   batches;
 - (b) `map`: `ImageFolderDataModule` as it is: torchvision.io decodes (libjpeg-turbo) into uint8, transforms.v2
   functional on uint8, uint8 batches (normalised on the device after the transfer, not in the worker);
-- (c) `shards`: the sharded stream from local disk, (d) `library`: the chosen library's own loader on the same
-  shards: slots, run only with `--shards DIR` (see `sharded_batches` and `library_batches` below);
+- (c) `shards`: the same JPEGs converted to WebDataset shards (`scaleup.data.convert`, byte for byte, 64 to a
+  shard) and streamed from local disk by `ShardedDataModule` (its window shuffle, per-sample seeding, batch 32);
+- (d) `library`: webdataset's own loader (`webdataset.WebDataset`, no shuffle) on the same shards, batch 32;
+  (c) and (d) decode and transform each sample with the same `ImageTransform` as (b);
 
 and, beside them, in this process on one thread: `decode`, torchvision.io's JPEG decode alone (the ceiling of
 any pipeline that decodes on this CPU), and `map_inline`, pipeline (b)'s per-sample work without a loader.
@@ -19,7 +21,7 @@ sampler, the per-sample seeding, batch 32); a loader's figure counts the samples
 time from the first batch to the last, so worker start-up is left out. Medians over the repeats, and the ratio
 of each to (a), are printed and written to benchmarks/results/loader_cpu.json.
 
-    python benchmarks/loader.py [--images 256] [--repeats 3] [--workers 1] [--shards DIR] [--json FILE]
+    python benchmarks/loader.py [--images 256] [--repeats 3] [--workers 1] [--json FILE]
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from torch.utils.data import DataLoader
 from torchvision import transforms as T
 from torchvision.datasets import ImageFolder
 from torchvision.io import decode_jpeg, read_file
 
-from scaleup.data import ImageFolderDataModule
+from scaleup.data import ImageFolderDataModule, ShardedDataModule
+from scaleup.data.convert import convert
 from scaleup.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
 from scaleup.data.images import ImageTransform
 
@@ -85,15 +89,32 @@ def template_batches(cls: type[ImageFolderDataModule]) -> Callable[[Path, int], 
     return batches
 
 
+def make_shards(root: Path, out: Path) -> Path:
+    """The generated JPEGs as shards of 64 under `out` (the files' own bytes, no re-encoding)."""
+    if not (out / "train" / "index.json").exists():
+        convert({"train": ImageFolder(root / "train")}, out, per_shard=64, workers=1, settings={})
+    return out
+
+
 def sharded_batches(shards: Path, workers: int) -> Iterable:
-    """(c) SLOT: the sharded stream from local disk in `shards`, iterated outside a Trainer, batch BATCH, with
-    `workers` loader workers; its samples decoded and transformed by `ImageTransform.from_bytes`."""
-    raise NotImplementedError("(c) is wired with the sharded data module")
+    """(c): the template's sharded stream from local disk, iterated outside a Trainer."""
+    data = ShardedDataModule(
+        url=str(shards), global_batch_size=BATCH, num_workers=workers, train_transform=ImageTransform(SIZE, True)
+    )
+    data.persistent_workers = False
+    return data.rank_loader()
 
 
 def library_batches(shards: Path, workers: int) -> Iterable:
-    """(d) SLOT: the chosen streaming library's own loader over the same shards, batch BATCH, `workers` workers."""
-    raise NotImplementedError("(d) is wired with the sharded data module")
+    """(d): webdataset's own loader over the same shards, the same decode and transform per sample."""
+    import webdataset
+
+    transform = ImageTransform(SIZE, train=True)
+    urls = sorted(str(path) for path in (shards / "train").glob("shard-*.tar"))
+    stream = webdataset.WebDataset(urls, shardshuffle=False, empty_check=False).map(
+        lambda sample: (transform.from_bytes(sample["0.jpg"], sample["__key__"]), int(sample["1.cls"]))
+    )
+    return DataLoader(stream.batched(BATCH), batch_size=None, num_workers=workers)
 
 
 def loader_rate(batches: Iterable) -> float:
@@ -119,7 +140,6 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[1], help="loader worker counts to time")
-    parser.add_argument("--shards", type=Path, help="a shard directory of the same images: runs (c) and (d)")
     parser.add_argument("--data", type=Path, help="where the JPEGs go (default: a temporary directory)")
     parser.add_argument("--json", type=Path, default=RESULTS / "loader_cpu.json")
     args = parser.parse_args()
@@ -133,16 +153,20 @@ def main() -> None:
             "decode": lambda data, name: decode_jpeg(data),
             "map_inline": transform.from_bytes,
         }
-        loaders = {"pil": template_batches(BeforeImageFolder), "map": template_batches(ImageFolderDataModule)}
-        if args.shards:
-            loaders |= {"shards": sharded_batches, "library": library_batches}
+        shards = make_shards(root, root / "shards")
+        loaders = {
+            "pil": template_batches(BeforeImageFolder),
+            "map": template_batches(ImageFolderDataModule),
+            "shards": sharded_batches,
+            "library": library_batches,
+        }
         runs: dict[str, list[float]] = {}
         for repeat in range(args.repeats):
             for name, work in inline.items():
                 runs.setdefault(name, []).append(inline_rate(work, encoded))
             for workers in args.workers:
                 for name, batches in loaders.items():
-                    source = args.shards if name in ("shards", "library") else root
+                    source = shards if name in ("shards", "library") else root
                     runs.setdefault(f"{name}/{workers}", []).append(loader_rate(batches(source, workers)))
             print(f"repeat {repeat + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items()), flush=True)
     medians = {name: statistics.median(rates) for name, rates in runs.items()}
@@ -158,6 +182,14 @@ def main() -> None:
         if name in ratios:
             ratio = f"  {statistics.median(ratios[name]):.2f}x (a) ({min(ratios[name]):.2f}-{max(ratios[name]):.2f})"
         print(f"  {name:14s} {medians[name]:7.0f}  ({min(rates):.0f}-{max(rates):.0f}){ratio}")
+    # (c) against (d), the same shards and work, per repeat.
+    against_library = {
+        workers: [c / d for c, d in zip(runs[f"shards/{workers}"], runs[f"library/{workers}"], strict=True)]
+        for workers in args.workers
+    }
+    for workers, r in against_library.items():
+        spread = f"{min(r):.2f}-{max(r):.2f}"
+        print(f"  (c) shards / (d) webdataset, {workers} worker(s): {statistics.median(r):.2f}x ({spread})")
     result = {
         "machine": {
             "cpu": platform.processor() or platform.machine(),
@@ -170,6 +202,9 @@ def main() -> None:
         "samples_per_s": runs,
         "median": medians,
         "ratio_to_pil": {name: {"median": statistics.median(r), "per_repeat": r} for name, r in ratios.items()},
+        "shards_over_library": {
+            str(workers): {"median": statistics.median(r), "per_repeat": r} for workers, r in against_library.items()
+        },
     }
     result["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in result["settings"].items()}
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -36,14 +36,17 @@ def raw_sample(dataset: Dataset, index: int) -> list[tuple[str, bytes]]:
     from PIL import Image
     from torchvision.datasets import DatasetFolder, VisionDataset
 
+    from scaleup.data.imagefolder import ImageFiles
+
     while isinstance(dataset, Subset):
         dataset, index = dataset.dataset, int(dataset.indices[index])
-    if isinstance(dataset, DatasetFolder):  # ImageFolder: the file's own bytes, no decode and re-encode
+    if isinstance(dataset, (DatasetFolder, ImageFiles)):  # image files: their own bytes, no decode and re-encode
         path, target = dataset.samples[index]
         kind = Path(path).suffix.lower().lstrip(".")
         data = Path(path).read_bytes()
         if kind not in IMAGE_TYPES:
-            kind, data = "png", png_bytes(dataset.loader(path))
+            with Image.open(path) as image:
+                kind, data = "png", png_bytes(image.convert("RGB"))
         return [encode_field(data, 0, kind), encode_field(int(target), 1)]
     if isinstance(dataset, VisionDataset) and getattr(dataset, "transform", None) is not None:
         transform, dataset.transform = dataset.transform, None  # the PIL image, not the training tensor

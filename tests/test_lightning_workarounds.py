@@ -14,11 +14,13 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.environments import LightningEnvironment
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.plugins.precision import DoublePrecision
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _Sync
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -237,3 +239,51 @@ def test_should_update_logs_follows_log_every_n_steps(tmp_path):
 def test_private_precision_spellings_include_the_templates():
     """lightning_precisions. The spellings `Trainer(precision=...)` takes live in a private type of Lightning's."""
     assert {"64-true", "32-true", "bf16-mixed", "16-mixed", 64, "64"} <= set(workarounds.lightning_precisions())
+
+
+def test_model_parallel_strategy_refuses_a_module_without_configure_model():
+    """configure_model_counts_as_overridden. ModelParallelStrategy.setup refuses a LightningModule that does not
+    override `configure_model`, before it touches the model (no process group needed to see it)."""
+    strategy = ModelParallelStrategy()
+    strategy.accelerator = CPUAccelerator()
+    strategy._lightning_module = Tiny()
+    with pytest.raises(TypeError, match="you are required to override the `configure_model"):
+        strategy.setup(None)
+
+
+def test_model_parallel_strategy_refuses_64_true_as_a_flag():
+    """model_parallel_precision. The accelerator connector refuses `precision="64-true"` with ModelParallelStrategy
+    (and takes the same precision as a DoublePrecision plugin)."""
+    with pytest.raises(ValueError, match=r"does not support `Fabric\(\.\.\., precision='64-true'\)`"):
+        L.Trainer(strategy=ModelParallelStrategy(), precision="64-true", accelerator="cpu", devices=2, logger=False)
+    precision, plugins = workarounds.model_parallel_precision("64-true")
+    trainer = L.Trainer(
+        strategy=ModelParallelStrategy(),
+        precision=precision,
+        plugins=plugins,
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+    )
+    assert isinstance(trainer.strategy.precision_plugin, DoublePrecision)
+
+
+def test_private_empty_planner_reads_a_distributed_checkpoint_without_a_process_group(tmp_path):
+    """read_distributed_checkpoint, stored_tensor_shapes. The public `dcp.load` fills only the keys it is given;
+    torch's private empty planner rebuilds everything from the metadata, whose keys are `<entry>.<name>`."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = {
+        "state_dict": {"net.weight": torch.arange(6.0).reshape(2, 3)},
+        "optimizer_0": {"param_groups": [{"lr": 0.1}]},
+    }
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    nothing: dict = {}
+    dcp.load(nothing, checkpoint_id=tmp_path, no_dist=True)
+    assert nothing == {}
+    loaded = workarounds.read_distributed_checkpoint(tmp_path)
+    assert torch.equal(loaded["state_dict"]["net.weight"], saved["state_dict"]["net.weight"])
+    assert loaded["optimizer_0"]["param_groups"] == [{"lr": 0.1}]
+    assert workarounds.stored_tensor_shapes(tmp_path, "state_dict") == {
+        "net.weight": (torch.Size([2, 3]), torch.float32)
+    }

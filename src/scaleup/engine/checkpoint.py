@@ -149,7 +149,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        sharded_checkpoint.put_in_place(tmp, path)  # over a sharded checkpoint (a directory) too
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

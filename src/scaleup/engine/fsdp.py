@@ -13,6 +13,7 @@ is gathered on rank 0 (engine/sharded_checkpoint.py makes the write atomic and r
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -25,8 +26,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from scaleup.engine.errors import UserError
-from scaleup.engine.lightning_workarounds import configure_model_counts_as_overridden
+from scaleup.engine.lightning_workarounds import (
+    configure_model_counts_as_overridden,
+    optimizer_states_keyed_in_group_order,
+)
 from scaleup.engine.sharded_checkpoint import save_sharded
+
+log = logging.getLogger("scaleup")
 
 # Modules that only hold other modules: their members are the blocks.
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -153,6 +159,40 @@ def shard(
     return units
 
 
+def local_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes this rank holds of `tensors` (a DTensor's local shard; None skipped)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            total += local.numel() * local.element_size()
+    return total
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """What this rank holds of the model's state: parameters, gradients and optimizer state (measured)."""
+    params = list(model.parameters())
+    moments = [value for per_param in optimizer.state.values() for value in per_param.values()]
+    return {
+        "parameters": local_bytes(params),
+        "gradients": local_bytes(p.grad for p in params),
+        "optimizer state": local_bytes(moments),
+    }
+
+
+def report_model_state(mine: dict[str, int], ranks: list[dict[str, int]], total_parameters: int) -> str:
+    """One line: each part as the largest rank holds it, the sum, and 1/N of the full model's parameters."""
+    largest = {name: max(rank[name] for rank in ranks) for name in mine}
+    parts = ", ".join(f"{name} {mib(size)}" for name, size in largest.items())
+    return (
+        f"model state per rank (largest of {len(ranks)}, after the first step): {parts}; {mib(sum(largest.values()))} "
+        f"in all. The full model's parameters: {mib(total_parameters)}, / {len(ranks)} = "
+        f"{mib(total_parameters // len(ranks))}"
+    )
+
+
 def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -205,9 +245,27 @@ class FSDPStrategy(ModelParallelStrategy):
             "cpu_offload": cpu_offload,
             "activation_checkpointing": activation_checkpointing,
         }
+        self._measured = False
+        self._total_parameter_bytes = 0
+        self.model_state: dict[str, Any] = {}
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The optimizer step; after the run's first, every rank measures what it holds (gradients still there)."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not self._measured:
+            self._measured = True
+            inner = getattr(optimizer, "_optimizer", optimizer)
+            mine = model_state_bytes(self.lightning_module, inner)
+            ranks: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(ranks, mine)  # the first step: every rank is here
+            self.model_state = {"mine": mine, "ranks": ranks}
+            if self.is_global_zero:
+                log.info(report_model_state(mine, ranks, self._total_parameter_bytes))
+        return output
 
     def setup(self, trainer: Any) -> None:
         model = self.lightning_module
+        self._total_parameter_bytes = bytes_per_rank(model, 1)[0]
         if not is_sharded(model):
             shard(model, self.device_mesh["data_parallel"], self.shard_modules, **self.options)
         with configure_model_counts_as_overridden(model):
@@ -232,6 +290,10 @@ class FSDPStrategy(ModelParallelStrategy):
     def on_test_end(self) -> None:
         reshard_after_evaluation(self.lightning_module)
         super().on_test_end()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        with optimizer_states_keyed_in_group_order(self.lightning_module, self.optimizers):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Every rank writes its shards into a temporary directory beside `filepath`; rank 0 then swaps it in."""

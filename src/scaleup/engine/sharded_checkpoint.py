@@ -12,6 +12,7 @@ one between the two renames leaves the old checkpoint under `.<name>.old`, which
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Callable
@@ -52,7 +53,7 @@ def save_sharded(
     path: Path, write: Callable[[Path], None], *, is_global_zero: bool, barrier: Callable[[], None]
 ) -> None:
     """Call `write(tmp)` on every rank (each writes its shards into `tmp`), then put `tmp` in place of `path`."""
-    tmp, old = beside(path, PARTIAL), beside(path, OLD)
+    tmp = beside(path, PARTIAL)
     if is_global_zero:
         path.parent.mkdir(parents=True, exist_ok=True)
         _remove(tmp)  # a save killed before this one
@@ -63,14 +64,24 @@ def save_sharded(
         with open(tmp / METADATA, "rb+") as f:  # Lightning's torch.save of meta.pt is not fsynced
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        recover(path)
-        _remove(old)
-        if path.exists():
-            os.rename(path, old)
-        os.rename(tmp, path)
-        _fsync_dir(path.parent)
-        _remove(old)
+        put_in_place(tmp, path)
     barrier()
+
+
+def put_in_place(new: Path, path: Path) -> None:
+    """Rename `new` to `path`, replacing what is there. A rename replaces a file atomically but not a directory (a
+    sharded checkpoint, or a file where one was): then the old one moves aside to `.<name>.old` first."""
+    if not new.is_dir() and not path.is_dir():
+        os.replace(new, path)
+        return
+    old = beside(path, OLD)
+    recover(path)
+    _remove(old)
+    if path.exists():
+        os.rename(path, old)
+    os.rename(new, path)
+    _fsync_dir(path.parent)
+    _remove(old)
 
 
 def recover(path: str | Path) -> None:
@@ -78,10 +89,8 @@ def recover(path: str | Path) -> None:
     path = Path(path)
     old = beside(path, OLD)
     if not path.exists() and old.exists():
-        try:
+        with contextlib.suppress(FileNotFoundError):  # another rank moved it back first
             os.rename(old, path)
-        except FileNotFoundError:  # another rank moved it back first
-            pass
 
 
 def remove_interrupted(directory: Path) -> list[Path]:

@@ -197,3 +197,48 @@ def test_default_units_are_the_blocks_of_every_network_and_classes_select_others
     ]
     total, per_rank = bytes_per_rank(resnet, 8)
     assert total / 8 <= per_rank < total / 8 * 1.01  # dim 0 padded to a multiple of 8
+
+
+def test_a_dry_run_plans_the_shards_anywhere(tmp_path):
+    """ResNet-50 on 8 GPUs, planned on a laptop: the units, and 1/8 of the parameters per rank."""
+    args = ["strategy=fsdp", "model=resnet50", "data=synthetic", "trainer.devices=8", "dry_run=true"]
+    plan = in_process([*args, f"hydra.run.dir={tmp_path}"])
+    assert plan["strategy"] == read_json(tmp_path / "plan.json")["strategy"] == "fsdp"
+    assert plan["sharding"].startswith("19 unit(s) (net.conv1, net.bn1, net.layer1.0, net.layer1.1")
+    assert "parameters 11.23 MiB per rank of 89.75 MiB" in plan["sharding"]
+    assert plan["sync_batchnorm_reason"] == "strategy=fsdp: BatchNorm statistics stay per device"
+
+
+GPU_OPTIONS = {
+    "bf16 parameters, fp32 reduction": ["strategy.mixed_precision=bfloat16", "trainer.precision=32-true"],
+    "cpu offload": ["strategy.cpu_offload=true", "strategy.activation_checkpointing=true"],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("options", GPU_OPTIONS.values(), ids=GPU_OPTIONS.keys())
+def test_fsdp_on_two_gpus_trains_and_its_shards_evaluate_on_a_cpu(options, tmp_path):
+    """NCCL, ResNet-18 sharded at its BasicBlocks, with FSDP's GPU options: it learns, the checkpoint holds float32
+    master weights under plain names, and a CPU evaluates it with the training run's numbers."""
+    data = [
+        "data=synthetic",
+        "data.train_size=512",
+        "data.val_size=64",
+        "data.test_size=64",
+        "data.global_batch_size=64",
+    ]
+    model = ["model=resnet18", "model.net.small_input=true", "trainer.max_epochs=2", "logger=none"]
+    fsdp = ["strategy=fsdp", "trainer.devices=2", "strategy.shard_modules=[torchvision.models.resnet.BasicBlock]"]
+    quiet = ["trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0"]
+    check(run([*data, *model, *fsdp, *options, *quiet, f"hydra.run.dir={tmp_path / 'train'}"]))
+    last = tmp_path / "train" / "checkpoints" / "last.ckpt"
+    assert (last / ".metadata").is_file()
+    weights = load_checkpoint(last)["state_dict"]
+    assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.float32}
+    assert weights["net.fc.weight"].shape == (10, 512) and not any("_fsdp" in key for key in weights)
+    best = next((tmp_path / "train" / "checkpoints").glob("best-*.ckpt"))
+    args = [f"ckpt_path={best}", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path / 'eval'}"]
+    check(run(args, script="eval.py"))
+    trained, evaluated = read_json(tmp_path / "train/metrics.json"), read_json(tmp_path / "eval/metrics.json")
+    assert evaluated["test/samples"] == 64 and math.isclose(evaluated["test/acc"], trained["test/acc"], abs_tol=0.05)

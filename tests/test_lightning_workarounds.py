@@ -287,3 +287,24 @@ def test_private_empty_planner_reads_a_distributed_checkpoint_without_a_process_
     assert workarounds.stored_tensor_shapes(tmp_path, "state_dict") == {
         "net.weight": (torch.Size([2, 3]), torch.float32)
     }
+
+
+def test_model_parallel_rekeys_optimizer_state_by_module_order():
+    """optimizer_states_keyed_in_group_order. Two param groups (weights, then biases) number the parameters
+    0.weight, 1.weight, 0.bias, 1.bias; Lightning maps index i to the module's i-th parameter (0.weight, 0.bias,
+    ...), so the state of 1.weight lands on 0.bias."""
+    from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
+
+    module = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    weights, biases = [module[0].weight, module[1].weight], [module[0].bias, module[1].bias]
+    optimizer = torch.optim.Adam([{"params": weights}, {"params": biases}])
+    module(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    rekeyed = _rekey_optimizer_state_if_needed(optimizer.state_dict(), module)
+    assert rekeyed["state"]["0.bias"]["exp_avg"].shape == module[1].weight.shape
+    with workarounds.optimizer_states_keyed_in_group_order(module, [optimizer]):
+        import lightning.fabric.strategies.model_parallel as fabric_model_parallel
+
+        fixed = fabric_model_parallel._rekey_optimizer_state_if_needed(optimizer.state_dict(), module)
+    assert fixed["state"]["1.weight"]["exp_avg"].shape == module[1].weight.shape
+    assert fixed["param_groups"][1]["params"] == ["0.bias", "1.bias"]

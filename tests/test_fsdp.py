@@ -11,6 +11,7 @@ and a 1 -> 2 resume in one run.
 import math
 import multiprocessing
 import random
+import re
 import shutil
 import time
 
@@ -87,7 +88,13 @@ def test_every_rank_writes_its_shards_into_one_directory(fsdp_run):
     assert not list((fsdp_run / "checkpoints").glob(".*"))
     plan = read_json(fsdp_run / "plan.json")
     assert plan["strategy"] == "fsdp" and plan["sharding"].startswith("7 unit(s) (net.0, net.1, net.3")
-    assert "parameters 0.36 MiB per rank of 0.72 MiB" in (fsdp_run / "train.log").read_text()
+    log = (fsdp_run / "train.log").read_text()
+    assert "parameters 0.36 MiB per rank of 0.72 MiB" in log
+    # Measured on every rank's tensors after the first step: half the parameters, gradients alike, AdamW's two
+    # moments twice that.
+    measured = re.search(r"parameters ([\d.]+) MiB, gradients ([\d.]+) MiB, optimizer state ([\d.]+) MiB", log)
+    params, grads, moments = map(float, measured.groups())
+    assert params == grads == 0.36 and moments == pytest.approx(0.72, abs=0.01)
 
 
 def test_sharded_checkpoint_resumes_on_one_device_with_ckpt_path_last(baseline, fsdp_run, tmp_path):

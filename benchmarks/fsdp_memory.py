@@ -8,9 +8,10 @@ own pair of processes: DDP (torch's DistributedDataParallel, what strategy=ddp r
 - the model state it holds, measured on its tensors (engine/fsdp.model_state_bytes: parameters, gradients, AdamW's
   two moments; a DTensor counts its local shard), after the first step;
 - the peak resident memory during the two steps above what the process held before them (RSS sampled every 2 ms:
-  CPUs have no allocator statistics), which adds activations and communication buffers.
+  CPUs have no allocator statistics; large blocks mapped and unmapped, so freed memory leaves the RSS), which adds
+  activations and communication buffers.
 
-Results go to benchmarks/results/fsdp_memory_cpu.json. Takes about a minute on 2 cores.
+Results go to benchmarks/results/fsdp_memory_cpu.json. Takes about 3 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ def mib(count: float) -> float:
 
 
 def main() -> int:
+    # glibc keeps freed heap blocks (up to 32 MB each, once it has raised its mmap threshold) in the process, so the
+    # RSS of FSDP's gather-and-free of every unit would count memory that is free. With a fixed threshold, blocks
+    # from 128 KiB up are mapped and unmapped: the RSS follows the live memory. The workers inherit it.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     results = {}
     for index, (name, setup) in enumerate(SETUPS.items()):
         out = RESULTS.parent / f".{index}.json"

@@ -1,12 +1,15 @@
-"""Gradient clipping on FSDP2 shards equals clipping the whole model: `python tests/fsdp_clip.py`.
+"""Gradient clipping on FSDP2 shards equals clipping the whole model: `python tests/fsdp_clip.py [OUT_DIR]`.
 
 Two gloo processes shard the template's DigitsCNN (float64) as strategy=fsdp does, each takes half of one batch
 through forward and backward, and clips with Lightning's own call (`Precision.clip_grad_by_norm`, what
 `trainer.gradient_clip_val` runs). One process does the same on the whole batch, unsharded. The norm over all
-shards and every clipped gradient must agree to 1e-12; prints the largest difference. Exit 1 if not.
+shards and every clipped gradient must agree to 1e-12. Also: with dropout 0.5, the sharded network with
+`activation_checkpointing` (the backward recomputes each unit, drawing the same masks again) gives the gradients
+of the one without. Prints the largest differences; exit 1 if any is off.
 """
 
 import os
+import socket
 import sys
 
 import torch
@@ -21,9 +24,9 @@ from scaleup.models import DigitsCNN
 CLIP = 0.05  # well below the gradient norm (~1): clipping binds
 
 
-def build() -> torch.nn.Module:
+def build(dropout: float = 0.0) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.ModuleDict({"net": DigitsCNN(norm="group", width=8)}).double()
+    return torch.nn.ModuleDict({"net": DigitsCNN(norm="group", width=8, dropout=dropout)}).double()
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,24 +44,42 @@ def clipped(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
-def worker(rank: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("CLIP_PORT", "29611"))
+def recomputation_difference(mesh: object, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Largest gradient difference (this rank's shards), dropout on, with and without activation checkpointing."""
+    grads = []
+    for recompute in (False, True):
+        model = build(dropout=0.5)
+        shard(model, mesh, None, activation_checkpointing=recompute)
+        torch.manual_seed(5)
+        F.cross_entropy(model["net"](x), y).backward()
+        grads.append([p.grad.to_local() for p in model.parameters()])
+    return max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
+
+
+def worker(rank: int, out: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from torch.distributed.device_mesh import init_device_mesh
 
+    mesh = init_device_mesh("cpu", (2,))
     model = build()
-    shard(model, init_device_mesh("cpu", (2,)), None)
+    shard(model, mesh, None)
     x, y = batch()
-    norm = clipped(model, x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8])
+    mine = x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]
+    norm = clipped(model, *mine)
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    recomputed = recomputation_difference(mesh, *mine)
     if rank == 0:
-        torch.save({"norm": norm, "grads": grads}, out)
+        torch.save({"norm": norm, "grads": grads, "recomputed": recomputed}, out)
     dist.destroy_process_group()
 
 
 def main() -> int:
     out = os.path.join(sys.argv[1] if len(sys.argv) > 1 else ".", "sharded.pt")
-    mp.start_processes(worker, args=(out,), nprocs=2, start_method="fork")  # fork: no second import of torch
+    with socket.socket() as s:  # a free port for the process group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(out, port), nprocs=2, start_method="fork")  # fork: no second import of torch
     sharded = torch.load(out, weights_only=True)
     model = build()
     norm = clipped(model, *batch())

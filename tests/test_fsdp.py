@@ -150,7 +150,7 @@ def test_fsdp_with_accumulation_resumes_a_one_process_checkpoint(wide_reference,
     print(f"1 process, resumed on 2 FSDP processes with accumulation 6: largest weight difference {worst:.1e}")
 
 
-def test_gradient_clipping_takes_the_norm_over_all_shards(tmp_path):
+def test_clipping_takes_the_norm_over_all_shards_and_recomputation_keeps_the_gradients(tmp_path):
     result = check(run([str(tmp_path)], script="tests/fsdp_clip.py"))
     print(result.stdout.strip())
 

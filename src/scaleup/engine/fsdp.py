@@ -247,7 +247,6 @@ class FSDPStrategy(ModelParallelStrategy):
         }
         self._measured = False
         self._total_parameter_bytes = 0
-        self.model_state: dict[str, Any] = {}
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """The optimizer step; after the run's first, every rank measures what it holds (gradients still there)."""
@@ -258,7 +257,6 @@ class FSDPStrategy(ModelParallelStrategy):
             mine = model_state_bytes(self.lightning_module, inner)
             ranks: list[Any] = [None] * self.world_size
             torch.distributed.all_gather_object(ranks, mine)  # the first step: every rank is here
-            self.model_state = {"mine": mine, "ranks": ranks}
             if self.is_global_zero:
                 log.info(report_model_state(mine, ranks, self._total_parameter_bytes))
         return output

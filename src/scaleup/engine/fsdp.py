@@ -79,10 +79,10 @@ def unit_names(model: nn.Module, shard_modules: Iterable[str] | None) -> list[st
     except Exception as err:  # Hydra wraps the import error; its message names the class
         raise UserError(f"strategy.shard_modules: {err}") from None
     units = [
-        f"{root}.{name}" if name else root
+        f"{root}.{name}"
         for root, net in roots
         for name, module in net.named_modules()
-        if isinstance(module, classes)
+        if name and isinstance(module, classes)  # not the network itself: it is the root
     ]
     if not units:
         raise UserError(

@@ -241,10 +241,10 @@ def trained_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def wide_reference(tmp_path_factory) -> Path:
-    """The WIDE recipe on 1 process: what its 3-process (test_randomness) and 2 x 2 torchrun (test_launchers)
-    runs must end with."""
+    """The WIDE recipe on 1 process: what its 3-process (test_randomness), 2 x 2 torchrun (test_launchers) and
+    2-process FSDP (test_fsdp, resumed from steps/at-3.ckpt: the middle of epoch 1) runs must end with."""
     run_dir = tmp_path_factory.mktemp("wide") / "one"
-    in_process([*WIDE, "trainer.devices=1", f"hydra.run.dir={run_dir}"])
+    in_process([*WIDE, "trainer.devices=1", *save_every("at3", 3), f"hydra.run.dir={run_dir}"])
     return run_dir
 
 

@@ -83,10 +83,28 @@ CASES = [
         "trainer.sync_batchnorm=true cannot run on CPU",
     ),
     (
-        "fsdp on cpu",
+        "syncbn with fsdp",
         "train",
-        ["strategy=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "dry_run=true"],
-        "strategy=fsdp needs GPUs",
+        [
+            "strategy=fsdp",
+            "trainer.sync_batchnorm=true",
+            "trainer.accelerator=cpu",
+            "trainer.devices=2",
+            "dry_run=true",
+        ],
+        "trainer.sync_batchnorm=true does not run with strategy=fsdp",
+    ),
+    (
+        "fsdp offload on cpu",
+        "train",
+        ["strategy=fsdp", "strategy.cpu_offload=true", "trainer.accelerator=cpu", "trainer.devices=2", "dry_run=true"],
+        "strategy.cpu_offload=true moves the shards off the GPU",
+    ),
+    (
+        "fsdp units match nothing",
+        "train",
+        ["strategy=fsdp", "strategy.shard_modules=[torch.nn.LSTM]", "trainer.devices=2", "dry_run=true"],
+        "strategy.shard_modules=['torch.nn.LSTM'] matches no module of ImageClassifier",
     ),
     # data
     ("missing image tree", "train", ["data=imagefolder", "data.root={tmp}/none"], "no train/ directory under"),
@@ -257,10 +275,10 @@ WRONG_VALUES = {
         "strategy.name=horovod must be one of ddp, ddp_spawn, fsdp",
     ),
     "bucket abc": ("train.py", ["strategy.bucket_cap_mb=abc"], "strategy.bucket_cap_mb=abc must be a number > 0"),
-    "fsdp state dict": (
+    "fsdp mixed precision": (
         "train.py",
-        ["strategy=fsdp", "strategy.state_dict_type=partial"],
-        "strategy.state_dict_type=partial must be one of full, sharded",
+        ["strategy=fsdp", "strategy.mixed_precision=fp8"],
+        "strategy.mixed_precision=fp8 must be bfloat16, float16 or null",
     ),
     "pin memory": (
         "train.py",

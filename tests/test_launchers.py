@@ -251,24 +251,6 @@ def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path):
     assert "injected failure" in result.stdout + result.stderr
 
 
-def test_fsdp_is_planned_anywhere_and_refused_on_cpu(tmp_path):
-    plan = in_process(
-        [
-            "strategy=fsdp",
-            "model=resnet50",
-            "data=synthetic",
-            "trainer.devices=8",
-            "dry_run=true",
-            f"hydra.run.dir={tmp_path}",
-        ]
-    )
-    assert plan["strategy"] == "FSDPStrategy" and read_json(tmp_path / "plan.json")["strategy"] == "FSDPStrategy"
-    with pytest.raises(UserError, match="strategy=fsdp needs GPUs"):
-        in_process(
-            ["strategy=fsdp", "trainer.devices=2", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path / 'cpu'}"]
-        )
-
-
 def test_an_unwritable_working_directory_is_one_line():
     """The default run directory is ./outputs/train/<stamp>: where it cannot be created, one line names it."""
     result = run(["dry_run=true"], cwd=Path("/proc"))  # nothing can be created under /proc, not even by root

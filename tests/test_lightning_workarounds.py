@@ -14,11 +14,13 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.environments import LightningEnvironment
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.plugins.precision import DoublePrecision
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _Sync
@@ -290,3 +292,72 @@ def test_skipping_unoverridden_hooks_calls_the_same_hooks_in_the_same_order(tmp_
         seen[name] = (records.calls, steps.seen)
     assert len(seen["lightning"][0]) == 60 and seen["lightning"][1] == [False, True] * 3
     assert seen["workaround"] == seen["lightning"]
+
+
+def test_model_parallel_strategy_refuses_a_module_without_configure_model():
+    """configure_model_counts_as_overridden. ModelParallelStrategy.setup refuses a LightningModule that does not
+    override `configure_model`, before it touches the model (no process group needed to see it)."""
+    strategy = ModelParallelStrategy()
+    strategy.accelerator = CPUAccelerator()
+    strategy._lightning_module = Tiny()
+    with pytest.raises(TypeError, match="you are required to override the `configure_model"):
+        strategy.setup(None)
+
+
+def test_model_parallel_strategy_refuses_64_true_as_a_flag():
+    """model_parallel_precision. The accelerator connector refuses `precision="64-true"` with ModelParallelStrategy
+    (and takes the same precision as a DoublePrecision plugin)."""
+    with pytest.raises(ValueError, match=r"does not support `Fabric\(\.\.\., precision='64-true'\)`"):
+        L.Trainer(strategy=ModelParallelStrategy(), precision="64-true", accelerator="cpu", devices=2, logger=False)
+    precision, plugins = workarounds.model_parallel_precision("64-true")
+    trainer = L.Trainer(
+        strategy=ModelParallelStrategy(),
+        precision=precision,
+        plugins=plugins,
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+    )
+    assert isinstance(trainer.strategy.precision_plugin, DoublePrecision)
+
+
+def test_private_empty_planner_reads_a_distributed_checkpoint_without_a_process_group(tmp_path):
+    """read_distributed_checkpoint, stored_tensor_shapes. The public `dcp.load` fills only the keys it is given;
+    torch's private empty planner rebuilds everything from the metadata, whose keys are `<entry>.<name>`."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = {
+        "state_dict": {"net.weight": torch.arange(6.0).reshape(2, 3)},
+        "optimizer_0": {"param_groups": [{"lr": 0.1}]},
+    }
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    nothing: dict = {}
+    dcp.load(nothing, checkpoint_id=tmp_path, no_dist=True)
+    assert nothing == {}
+    loaded = workarounds.read_distributed_checkpoint(tmp_path)
+    assert torch.equal(loaded["state_dict"]["net.weight"], saved["state_dict"]["net.weight"])
+    assert loaded["optimizer_0"]["param_groups"] == [{"lr": 0.1}]
+    assert workarounds.stored_tensor_shapes(tmp_path, "state_dict") == {
+        "net.weight": (torch.Size([2, 3]), torch.float32)
+    }
+
+
+def test_model_parallel_rekeys_optimizer_state_by_module_order():
+    """optimizer_states_keyed_in_group_order. Two param groups (weights, then biases) number the parameters
+    0.weight, 1.weight, 0.bias, 1.bias; Lightning maps index i to the module's i-th parameter (0.weight, 0.bias,
+    ...), so the state of 1.weight lands on 0.bias."""
+    from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
+
+    module = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    weights, biases = [module[0].weight, module[1].weight], [module[0].bias, module[1].bias]
+    optimizer = torch.optim.Adam([{"params": weights}, {"params": biases}])
+    module(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    rekeyed = _rekey_optimizer_state_if_needed(optimizer.state_dict(), module)
+    assert rekeyed["state"]["0.bias"]["exp_avg"].shape == module[1].weight.shape
+    with workarounds.optimizer_states_keyed_in_group_order(module, [optimizer]):
+        import lightning.fabric.strategies.model_parallel as fabric_model_parallel
+
+        fixed = fabric_model_parallel._rekey_optimizer_state_if_needed(optimizer.state_dict(), module)
+    assert fixed["state"]["1.weight"]["exp_avg"].shape == module[1].weight.shape
+    assert fixed["param_groups"][1]["params"] == ["0.bias", "1.bias"]

@@ -188,7 +188,7 @@ def test_contradictory_cap_settings_name_the_conflict(args, message):
     [
         ({"global_batch_size": None, "per_device_batch_size": 32}, {}, "ddp", "data.per_device_batch_size=32"),
         ({"global_batch_size": 512}, {"accumulate_grad_batches": 1}, "ddp", "trainer.accumulate_grad_batches=1"),
-        ({"global_batch_size": 512}, {}, "FSDPStrategy", "strategy=fsdp shards the model"),
+        ({"global_batch_size": 512}, {}, "fsdp", "strategy=fsdp shards the model"),
     ],
 )
 def test_auto_cap_refuses_what_fixes_the_split_already(data_cfg, trainer_cfg, strategy, conflict):

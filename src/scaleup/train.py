@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from scaleup.engine.checks import check_config, has_batchnorm, pitfall_warnings
 from scaleup.engine.components import build_data_and_model
 from scaleup.engine.config import log_rows, to_plain, write_yaml
 from scaleup.engine.errors import config_errors
+from scaleup.engine.fsdp import describe as describe_sharding
 from scaleup.engine.launch import (
     build_strategy,
     check_launcher,
@@ -72,6 +74,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         early_stopping=early_stopping_entry(config.get("callbacks") or {}),
         performance=config["performance"],
     )
+    if strategy_name == "fsdp":
+        plan = replace(plan, sharding=describe_sharding(model, config["strategy"]["shard_modules"], plan.world_size))
     check_config(config, plan)
     resume = resume_point(None if cfg.dry_run else cfg.ckpt_path, config, plan, model, datamodule, run_dir)
     if rank_zero_only.rank == 0:

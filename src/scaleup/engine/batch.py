@@ -101,7 +101,7 @@ def check_auto_cap(per_device_batch_size: int | None, accumulation: int | None, 
         conflict = f"data.per_device_batch_size={per_device_batch_size} fixes the per-device batch itself"
     elif accumulation is not None:
         conflict = f"trainer.accumulate_grad_batches={accumulation} fixes the accumulation it would derive"
-    elif "FSDP" in strategy:
+    elif strategy == "fsdp":
         conflict = "strategy=fsdp shards the model, and the probe measures one whole replica per device"
     if conflict:
         raise UserError(

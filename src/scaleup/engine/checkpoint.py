@@ -20,6 +20,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+from scaleup.engine import sharded_checkpoint
 from scaleup.engine.errors import UserError
 
 # Prefixes other code adds to parameter names: DDP's wrapper and torch.compile's OptimizedModule.
@@ -32,7 +33,11 @@ def is_url(path: str | Path) -> bool:
 
 
 def exists(path: str | Path) -> bool:
-    return get_filesystem(path).isfile(str(path)) if is_url(path) else Path(path).is_file()
+    """A checkpoint file, or a sharded checkpoint directory (engine/sharded_checkpoint.py), is there."""
+    if is_url(path):
+        return get_filesystem(path).isfile(str(path))
+    sharded_checkpoint.recover(path)
+    return Path(path).is_file() or sharded_checkpoint.is_sharded(path)
 
 
 def find_checkpoint(path: str | Path, prefer: str = "best") -> str | Path:
@@ -53,7 +58,7 @@ def find_checkpoint(path: str | Path, prefer: str = "best") -> str | Path:
     given = Path(text)
     if given.name in ("best", "last") and not given.exists():
         given, prefer = given.parent, given.name
-    if not given.is_dir():
+    if not given.is_dir() or sharded_checkpoint.is_sharded(given):
         return given
     folder = given / "checkpoints" if (given / "checkpoints").is_dir() else given
     patterns = ["best-*.ckpt", "last.ckpt"] if prefer == "best" else ["last.ckpt"]
@@ -71,15 +76,18 @@ def only_match(pattern: str, matches: list[str]) -> str:
     raise UserError(f"ckpt_path={pattern} matches {len(matches)} files ({', '.join(matches)}): name one of them")
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, weights: bool = True) -> dict[str, Any]:
     """`torch.load` with `weights_only=True` on CPU, with one clear message for each way it can fail.
 
     `weights_only=True` refuses pickles that would import or call anything beyond tensors and plain
-    containers, so a crafted file cannot run code here.
+    containers, so a crafted file cannot run code here. A sharded checkpoint (a directory) is read as the file
+    one process would have written: full tensors; with `weights=False` only the shapes of its weights.
     """
     if not exists(path):
         raise UserError(f"checkpoint {path} does not exist (checkpoints are in <run dir>/checkpoints/)")
     try:
+        if not is_url(path) and sharded_checkpoint.is_sharded(path):
+            return sharded_checkpoint.read_sharded(path, weights=weights)
         with get_filesystem(path).open(str(path), "rb") if is_url(path) else open(path, "rb") as f:
             checkpoint = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
@@ -141,7 +149,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        sharded_checkpoint.put_in_place(tmp, path)  # over a sharded checkpoint (a directory) too
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -154,10 +162,12 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
 
 def remove_interrupted_writes(directory: str | Path) -> list[Path]:
     """Delete temporary files that a killed `atomic_torch_save` left behind (never a finished checkpoint)."""
-    stale = list(Path(directory).glob(".*.tmp")) if Path(directory).is_dir() else []
+    if not Path(directory).is_dir():
+        return []
+    stale = list(Path(directory).glob(".*.tmp"))
     for path in stale:
         path.unlink(missing_ok=True)
-    return stale
+    return stale + sharded_checkpoint.remove_interrupted(Path(directory))
 
 
 def save_checkpoint(obj: Any, path: str | Path) -> None:

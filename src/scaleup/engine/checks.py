@@ -31,13 +31,24 @@ def check_data_config(data_cfg: Mapping[str, Any]) -> None:
 
 def check_config(cfg: dict[str, Any], plan: Plan) -> None:
     """Mistakes that would crash later or silently change results: refuse them now."""
-    if plan.accelerator == "cpu" and "FSDP" in plan.strategy:
-        raise UserError(
-            "strategy=fsdp needs GPUs (Lightning runs FSDP on CUDA only); on CPU use the default DDP strategy"
-        )
+    if plan.strategy == "fsdp":
+        check_fsdp_options(cfg["strategy"], plan)
     if plan.accelerator == "cpu" and plan.precision.startswith("16"):
         raise UserError(
             f"trainer.precision={plan.precision} needs a GPU; on CPU use trainer.precision=bf16-mixed or 32-true"
+        )
+
+
+def check_fsdp_options(strategy_cfg: Mapping[str, Any], plan: Plan) -> None:
+    """FSDP's GPU options where they cannot do what they say."""
+    if strategy_cfg.get("cpu_offload") and plan.accelerator == "cpu":
+        raise UserError(
+            "strategy.cpu_offload=true moves the shards off the GPU into host memory; on CPU they are there"
+        )
+    if strategy_cfg.get("mixed_precision") and plan.precision != "32-true":
+        raise UserError(
+            f"strategy.mixed_precision={strategy_cfg['mixed_precision']} is FSDP's own mixed precision (float32 master "
+            f"weights and gradient reduction); with it pass trainer.precision=32-true, not {plan.precision}"
         )
 
 

@@ -114,14 +114,6 @@ def shut_down_process_group() -> None:
         dist.destroy_process_group()
 
 
-def fsdp_strategy(wrap_modules: list[str], timeout: timedelta, **kwargs: Any) -> Any:
-    """Lightning's FSDPStrategy, sharding at the given module classes (dotted names, as config can hold)."""
-    from hydra.utils import get_class
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    return FSDPStrategy(auto_wrap_policy={get_class(name) for name in wrap_modules}, timeout=timeout, **kwargs)
-
-
 def build_strategy(strategy_cfg: dict[str, Any], world_size: int, multirun: bool) -> tuple[Any, str]:
     """The Trainer's `strategy` argument and a name for the plan, from the `strategy` config group.
 
@@ -133,8 +125,12 @@ def build_strategy(strategy_cfg: dict[str, Any], world_size: int, multirun: bool
     name = str(options.pop("name"))
     timeout = timedelta(minutes=float(options.pop("timeout_minutes", 30)))
     if name == "fsdp":
-        instance = fsdp_strategy(timeout=timeout, **options)
-        return instance, type(instance).__name__
+        from scaleup.engine.fsdp import FSDPStrategy
+
+        # One process has nothing to shard: it trains as DDP's single process does, and writes one file.
+        if world_size == 1:
+            return "auto", "auto"
+        return FSDPStrategy(world_size=world_size, timeout=timeout, **options), name
     if name not in ("ddp", "ddp_spawn"):
         raise UserError(f"strategy.name={name} is not one of ddp, ddp_spawn, fsdp")
     if world_size == 1:

@@ -10,6 +10,7 @@ use Lightning's own behaviour or public API instead, and run the tests that name
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -297,6 +298,108 @@ class BatchProgressRescale(Callback):
         if self._checkpoint is not None and trainer.state.fn == "fit":
             rescale_batch_progress(self._checkpoint, trainer.accumulate_grad_batches)
         self._checkpoint = None
+
+
+# --- Sharded training ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def configure_model_counts_as_overridden(module: L.LightningModule) -> Iterator[None]:
+    """Lets ModelParallelStrategy.setup accept a module that the template sharded, not its `configure_model`.
+
+    Lightning 2.6.6. Reason: `ModelParallelStrategy.setup` raises TypeError unless the LightningModule overrides
+    `configure_model` (where Lightning expects users to apply the parallelism); the template applies fully_shard
+    itself, so users keep ordinary modules. While Lightning checks, the module carries an instance attribute (a
+    no-op with its own code object), removed afterwards.
+    Canary: test_model_parallel_strategy_refuses_a_module_without_configure_model.
+    """
+    overridden = "configure_model" in vars(module)
+    if not overridden:
+        module.configure_model = lambda: None  # a different __code__ than LightningModule.configure_model
+    try:
+        yield
+    finally:
+        if not overridden:
+            del module.configure_model
+
+
+def model_parallel_precision(precision: str) -> tuple[str | None, list[Any]]:
+    """(Trainer's `precision`, precision plugins) for ModelParallelStrategy: float64 as a plugin.
+
+    Lightning 2.6.6. Reason: the accelerator connector refuses `precision="64-true"` with ModelParallelStrategy (it
+    allows 32-true, bf16-mixed, bf16-true, 16-true), though FSDP2 trains float64 DTensors on CPU; the same
+    DoublePrecision plugin passed in `plugins` is accepted (the check reads only the precision flag).
+    Canary: test_model_parallel_strategy_refuses_64_true_as_a_flag.
+    """
+    from lightning.pytorch.plugins.precision import DoublePrecision
+
+    return (None, [DoublePrecision()]) if precision == "64-true" else (precision, [])
+
+
+@contextlib.contextmanager
+def optimizer_states_keyed_in_group_order(module: torch.nn.Module, optimizers: list[Optimizer]) -> Iterator[None]:
+    """While ModelParallelStrategy loads a one-file checkpoint, number its optimizer states as torch does.
+
+    Lightning 2.6.6. Reason: a one-process checkpoint keys the optimizer state by index, over the param groups in
+    order; Lightning's `_rekey_optimizer_state_if_needed` maps index i to the module's i-th parameter instead, so
+    with two param groups (weights, then biases and norms) every state lands on another parameter (a shape error).
+    Here each optimizer's own param groups give the names.
+    Canary: test_model_parallel_rekeys_optimizer_state_by_module_order.
+    """
+    import lightning.fabric.strategies.model_parallel as fabric_model_parallel
+
+    names = {id(param): name for name, param in module.named_parameters()}
+    remaining = iter(optimizers)
+
+    def rekey(state: dict[str, Any], _module: Any) -> dict[str, Any]:
+        order = [names[id(param)] for group in next(remaining).param_groups for param in group["params"]]
+        if not state["state"] or isinstance(next(iter(state["state"])), str):
+            return state
+        groups = [{**group, "params": [order[i] for i in group["params"]]} for group in state["param_groups"]]
+        return {"state": {order[i]: value for i, value in state["state"].items()}, "param_groups": groups}
+
+    original = fabric_model_parallel._rekey_optimizer_state_if_needed
+    fabric_model_parallel._rekey_optimizer_state_if_needed = rekey
+    try:
+        yield
+    finally:
+        fabric_model_parallel._rekey_optimizer_state_if_needed = original
+
+
+def read_distributed_checkpoint(path: Any) -> dict[str, Any]:
+    """Every entry of a torch.distributed.checkpoint directory, as full tensors on the CPU, without a process group.
+
+    torch 2.14.1. Reason: torch rebuilds a state dict from the stored metadata alone only with the private
+    `_EmptyStateDictLoadPlanner` and `_load_state_dict` (what its public `format_utils.dcp_to_torch_save` does,
+    which writes the result to a file; the public `dcp.load` fills only the keys it is given).
+    Canary: test_private_empty_planner_reads_a_distributed_checkpoint_without_a_process_group.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
+def stored_tensor_shapes(path: Any, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """(shape, dtype) of every tensor under `prefix.` in a torch.distributed.checkpoint directory, read from its
+    metadata alone (public API: `FileSystemReader.read_metadata`; here for its key format, `<prefix>.<name>`).
+
+    torch 2.14.1. Reason: the flattened key format of the metadata is not documented.
+    Canary: test_private_empty_planner_reads_a_distributed_checkpoint_without_a_process_group.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    start = f"{prefix}."
+    return {
+        key[len(start) :]: (entry.size, entry.properties.dtype)
+        for key, entry in metadata.items()
+        if key.startswith(start) and isinstance(entry, TensorStorageMetadata)
+    }
 
 
 # --- Exact evaluation metrics on N processes -------------------------------------------------------------------------

@@ -61,6 +61,7 @@ class Plan:
     sync_batchnorm_reason: str = ""
     early_stopping: str | None = None  # e.g. "val/acc (max, patience 5)": the run may end before total_steps
     epoch_limit: str = ""  # the Lightning debug flag that shortens each epoch, e.g. "trainer.overfit_batches=3"
+    sharding: str = ""  # strategy=fsdp: the sharding units and the parameter bytes per rank (engine/fsdp.py)
 
     def with_per_device_batch(self, per_device: int) -> Plan:
         """This plan with its global batch split into micro-batches of `per_device` (what the auto cap settles)."""
@@ -100,6 +101,7 @@ class Plan:
             ("BatchNorm batch", self._bn_row()),
             ("SyncBatchNorm", f"{'on' if self.sync_batchnorm else 'off'} ({self.sync_batchnorm_reason})"),
             ("precision / strategy", f"{self.precision} / {self.strategy}"),
+            *([("sharding", self.sharding)] if self.sharding else []),
             ("TF32 / channels_last", f"{'on' if self.tf32 else 'off'} / {'on' if self.channels_last else 'off'}"),
             *([("early stopping", self._early_stopping_row())] if self.early_stopping else []),
             ("seed", str(self.seed)),
@@ -241,7 +243,7 @@ def build_plan(
     # With an auto cap the micro-batch is known only after the probe; SyncBN is decided before it (Lightning
     # converts the layers during setup) on the largest micro-batch the probe can pick.
     sync, sync_reason = resolve_sync_batchnorm(
-        trainer_cfg.get("sync_batchnorm", "auto"), topology, has_batchnorm, batch.per_device
+        trainer_cfg.get("sync_batchnorm", "auto"), topology, has_batchnorm, batch.per_device, strategy
     )
     if cap == "auto" and has_batchnorm:
         sync_reason += " (decided before the probe, on its largest split)"
@@ -308,13 +310,22 @@ def describe_early_stopping(cfg: Mapping[str, Any] | None) -> str | None:
     return f"{cfg.get('monitor')} ({cfg.get('mode', 'min')}, patience {cfg.get('patience', 3)})"
 
 
-def resolve_sync_batchnorm(setting: Any, topology: Topology, has_batchnorm: bool, per_device: int) -> tuple[bool, str]:
+def resolve_sync_batchnorm(
+    setting: Any, topology: Topology, has_batchnorm: bool, per_device: int, strategy: str = "ddp"
+) -> tuple[bool, str]:
     """Whether to sync BatchNorm across devices, and why.
 
     `auto` syncs when it can run (GPU, more than one process; torch refuses it on CPU) and the per-device
     micro-batch is below SMALL_BN_BATCH: then BN sees devices x micro-batch samples instead of too few. From
     SMALL_BN_BATCH up, per-device statistics are good enough, and skipping SyncBN saves a collective per BN layer.
     """
+    if strategy == "fsdp":  # Lightning's ModelParallelStrategy would ignore trainer.sync_batchnorm silently
+        if setting is True:
+            raise UserError(
+                "trainer.sync_batchnorm=true does not run with strategy=fsdp (it converts no layers); use "
+                "trainer.sync_batchnorm=auto, model.net.norm=group, or strategy=ddp"
+            )
+        return False, "strategy=fsdp: BatchNorm statistics stay per device" if has_batchnorm else "no BatchNorm layers"
     if setting in ("auto", None):
         if not has_batchnorm:
             return False, "no BatchNorm layers"

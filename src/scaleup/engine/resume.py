@@ -49,7 +49,7 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str, run_dir: Path)
     last = f"{checkpoint_dir.rstrip('/')}/last.ckpt"
     if is_url(last):
         return last if exists(last) else None
-    candidates = [p for p in [Path(last), *run_dir.glob("hpc_ckpt_*.ckpt")] if p.is_file()]
+    candidates = [p for p in [Path(last), *run_dir.glob("hpc_ckpt_*.ckpt")] if exists(p)]
     if candidates:
         return max(candidates, key=lambda p: p.stat().st_mtime_ns)
     earlier = [name for name in RUN_FILES if (run_dir / name).is_file()]
@@ -78,7 +78,7 @@ def resume_point(
     path = resolve_ckpt_path(ckpt_path, config["checkpoint"]["dirpath"], run_dir)
     if path is None:
         return ResumePoint()
-    checkpoint = load_checkpoint(path)
+    checkpoint = load_checkpoint(path, weights=False)  # a sharded one: its shapes, not its tensors
     step = checkpoint.get("global_step", 0)
     check_same_network(path, checkpoint, config, model)
     previous = checkpoint.get("scaleup", {}).get("plan", {})

@@ -112,10 +112,11 @@ class Strategy(Section):
     gradient_as_bucket_view: bool
     static_graph: bool
     find_unused_parameters: bool
-    # fsdp
-    wrap_modules: list[str]
-    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
-    state_dict_type: Literal["full", "sharded"]
+    # fsdp (engine/fsdp.py)
+    shard_modules: list[str] | None
+    mixed_precision: Literal["bfloat16", "float16"] | None
+    cpu_offload: bool
+    activation_checkpointing: bool
 
 
 class Loader(Section):

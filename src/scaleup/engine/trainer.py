@@ -22,12 +22,14 @@ from scaleup.engine.checkpoint import AtomicCheckpointIO, remove_interrupted_wri
 from scaleup.engine.checks import MonitorCheck, TrainLoaderCheck
 from scaleup.engine.config import instantiate_each
 from scaleup.engine.errors import config_errors
+from scaleup.engine.fsdp import FSDPStrategy
 from scaleup.engine.lightning_workarounds import (
     BatchProgressRescale,
     EpochProgressRepair,
     ExactEvalMetrics,
     StopOnSigterm,
     call_only_overridden_callback_hooks,
+    model_parallel_precision,
 )
 from scaleup.engine.plan import Plan
 from scaleup.engine.seeding import StepSeed
@@ -108,13 +110,17 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
         "precision": plan.precision,
         "accumulate_grad_batches": plan.accumulate_grad_batches,
     }
+    plugins: list[Any] = [AtomicCheckpointIO()]
+    if isinstance(strategy, FSDPStrategy):
+        trainer_kwargs["precision"], precision_plugins = model_parallel_precision(plan.precision)
+        plugins += precision_plugins
     with config_errors("trainer"):
         trainer = L.Trainer(
             **trainer_kwargs,
             strategy=strategy,
             callbacks=callbacks,
             logger=loggers or False,
-            plugins=[AtomicCheckpointIO()],
+            plugins=plugins,
             default_root_dir=run_dir,
         )
     if trainer.is_global_zero:

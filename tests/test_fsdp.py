@@ -1,0 +1,251 @@
+"""strategy=fsdp (FSDP2) on 2 CPU processes (gloo), in float64: the same weights as DDP on 1, sharded checkpoints
+that resume on another device count and evaluate and export on one CPU, atomic under kill -9.
+
+Two multi-process runs in all. The EXACT recipe on 2 FSDP processes (micro-batches of 32, the cap does not bite)
+is compared with the shared 1-process baseline (conftest `baseline("one")`, accumulation 2), and its sharded
+checkpoint at step 13 resumes on 1 process. The WIDE recipe on 2 FSDP processes (micro-batches of 16: accumulation
+6) resumes from the 1-process WIDE reference's own checkpoint at step 3 (conftest `wide_reference`): accumulation
+and a 1 -> 2 resume in one run.
+"""
+
+import math
+import multiprocessing
+import random
+import re
+import shutil
+import time
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from conftest import (
+    EXACT,
+    EXACT_EPOCHS,
+    EXACT_STEPS_PER_EPOCH,
+    EXACT_TEST,
+    TOLERANCE,
+    WIDE,
+    assert_same_weights,
+    check,
+    in_process,
+    read_json,
+    run,
+    save_every,
+)
+from scaleup.engine.checkpoint import load_checkpoint, remove_interrupted_writes
+from scaleup.engine.fsdp import bytes_per_rank, unit_names
+from scaleup.engine.sharded_checkpoint import save_sharded
+from scaleup.models import ImageClassifier
+
+pytestmark = pytest.mark.slow
+
+STEPS = EXACT_EPOCHS * EXACT_STEPS_PER_EPOCH
+
+
+def state(run_dir, name="checkpoints/last.ckpt"):
+    return load_checkpoint(run_dir / name)["state_dict"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """The EXACT recipe, `strategy=fsdp trainer.devices=2`, with a sharded checkpoint at step 13 (mid-epoch 1)."""
+    run_dir = tmp_path_factory.mktemp("fsdp") / "run"
+    check(run([*EXACT, "trainer.devices=2", "strategy=fsdp", *save_every("at13", 13), f"hydra.run.dir={run_dir}"]))
+    return run_dir
+
+
+def test_two_fsdp_processes_equal_one_ddp_process(baseline, fsdp_run):
+    """Weights, optimizer moments and the LRs of both param groups (the schedule's factor on each group's own LR,
+    applied to DTensor shards) to TOLERANCE; accuracy and sample counts exactly; losses as float32 sums allow."""
+    one = load_checkpoint(baseline("one") / "checkpoints/last.ckpt")
+    sharded = load_checkpoint(fsdp_run / "checkpoints/last.ckpt")
+    assert sharded["global_step"] == one["global_step"] == STEPS
+    worst = assert_same_weights(one["state_dict"], sharded["state_dict"], rtol=0, atol=TOLERANCE)
+    moments = [{i: s["exp_avg_sq"] for i, s in c["optimizer_states"][0]["state"].items()} for c in (one, sharded)]
+    assert_same_weights(*moments, rtol=0, atol=TOLERANCE)
+    lrs = [[group["lr"] for group in opt["optimizer_states"][0]["param_groups"]] for opt in (one, sharded)]
+    assert lrs[0] == pytest.approx(lrs[1], rel=1e-12)
+    metrics, reference = read_json(fsdp_run / "metrics.json"), read_json(baseline("one") / "metrics.json")
+    for stage in ("val", "test"):
+        assert (metrics[f"{stage}/acc"], metrics[f"{stage}/samples"]) == (
+            reference[f"{stage}/acc"],
+            reference[f"{stage}/samples"],
+        )
+        assert math.isclose(metrics[f"{stage}/loss"], reference[f"{stage}/loss"], rel_tol=1e-6)
+    assert metrics["test/samples"] == EXACT_TEST
+    print(f"2 FSDP processes vs 1 DDP process: largest weight difference {worst:.1e} after {STEPS} steps (float64)")
+
+
+def test_every_rank_writes_its_shards_into_one_directory(fsdp_run):
+    """A sharded checkpoint is a directory: Lightning's meta.pt, the metadata and one shard file per rank; no full
+    state on rank 0, no temporary directory left; the plan names the units and the bytes per rank."""
+    last = fsdp_run / "checkpoints/last.ckpt"
+    assert sorted(p.name for p in last.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    meta = torch.load(last / "meta.pt", weights_only=True)
+    assert "state_dict" not in meta and "optimizer_states" not in meta
+    assert not list((fsdp_run / "checkpoints").glob(".*"))
+    plan = read_json(fsdp_run / "plan.json")
+    assert plan["strategy"] == "fsdp" and plan["sharding"].startswith("7 unit(s) (net.0, net.1, net.3")
+    log = (fsdp_run / "train.log").read_text()
+    assert "parameters 0.36 MiB per rank of 0.72 MiB" in log
+    # Measured on every rank's tensors after the first step: half the parameters, gradients alike, AdamW's two
+    # moments twice that.
+    measured = re.search(r"parameters ([\d.]+) MiB, gradients ([\d.]+) MiB, optimizer state ([\d.]+) MiB", log)
+    params, grads, moments = map(float, measured.groups())
+    assert params == grads == 0.36 and moments == pytest.approx(0.72, abs=0.01)
+
+
+def test_sharded_checkpoint_resumes_on_one_device_with_ckpt_path_last(baseline, fsdp_run, tmp_path):
+    """2 -> 1: the step-13 shards, as this run's last.ckpt, resumed by one process (accumulation 2)."""
+    shutil.copytree(fsdp_run / "steps/at-13.ckpt", tmp_path / "checkpoints/last.ckpt")
+    in_process([*EXACT, "trainer.devices=1", "strategy=fsdp", "ckpt_path=last", f"hydra.run.dir={tmp_path}"])
+    log = (tmp_path / "train.log").read_text()
+    assert "world_size 2 -> 1" in log and "accumulate_grad_batches 1 -> 2" in log
+    assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == STEPS
+    worst = assert_same_weights(state(baseline("one")), state(tmp_path), rtol=0, atol=TOLERANCE)
+    print(f"FSDP on 2 processes, resumed on 1: largest weight difference {worst:.1e}")
+
+
+def test_sharded_checkpoint_evaluates_and_exports_on_one_cpu(fsdp_run, tmp_path):
+    best = next((fsdp_run / "checkpoints").glob("best-*.ckpt"))
+    metrics = in_process(
+        [f"ckpt_path={best}", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"], job="eval"
+    )
+    trained = read_json(fsdp_run / "metrics.json")
+    assert metrics["test/samples"] == EXACT_TEST and metrics["test/acc"] == trained["test/acc"]
+    output = tmp_path / "net.pt"
+    in_process([f"ckpt_path={fsdp_run}", f"output_path={output}", f"hydra.run.dir={tmp_path}"], job="export")
+    exported = torch.load(output, weights_only=True)
+    net = instantiate(OmegaConf.load(fsdp_run / "config.yaml").model.net)
+    net.load_state_dict(exported)  # strict: no wrapper prefix, nothing missing
+    trained_net = {
+        key.removeprefix("net."): value for key, value in state(fsdp_run, best.relative_to(fsdp_run)).items()
+    }
+    assert_same_weights(exported, trained_net, rtol=0, atol=0)
+
+
+def test_fsdp_with_accumulation_resumes_a_one_process_checkpoint(wide_reference, tmp_path):
+    """1 -> 2: the 1-process WIDE run's ordinary checkpoint at step 3 (mid-epoch 1, accumulation 12), resumed by 2
+    FSDP processes accumulating 6 micro-batches of 16 per step: the reference's final weights."""
+    shutil.copy(wide_reference / "steps/at-3.ckpt", tmp_path / "at-3.ckpt")
+    check(
+        run(
+            [
+                *WIDE,
+                "trainer.devices=2",
+                "strategy=fsdp",
+                f"ckpt_path={tmp_path / 'at-3.ckpt'}",
+                f"hydra.run.dir={tmp_path}",
+            ]
+        )
+    )
+    assert (
+        read_json(tmp_path / "plan.json")["accumulate_grad_batches"],
+        read_json(tmp_path / "plan.json")["world_size"],
+    ) == (6, 2)
+    assert "world_size 1 -> 2" in (tmp_path / "train.log").read_text()
+    worst = assert_same_weights(state(wide_reference), state(tmp_path), rtol=0, atol=TOLERANCE)
+    print(f"1 process, resumed on 2 FSDP processes with accumulation 6: largest weight difference {worst:.1e}")
+
+
+def test_clipping_takes_the_norm_over_all_shards_and_recomputation_keeps_the_gradients(tmp_path):
+    result = check(run([str(tmp_path)], script="tests/fsdp_clip.py"))
+    print(result.stdout.strip())
+
+
+def write_forever(path, saved_once):
+    """Save sharded checkpoints of version 0, 1, 2, ... as fast as possible (a real torch.distributed.checkpoint
+    write on one process): weights and meta.pt both hold the version."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.set_num_threads(1)  # forked: the parent's OpenMP pool is not usable here
+
+    def write(version):
+        def into(tmp):
+            dcp.save({"state_dict": {"w": torch.full((64, 64), float(version))}}, checkpoint_id=tmp, no_dist=True)
+            torch.save({"version": version}, tmp / "meta.pt")
+
+        return into
+
+    for version in range(10**6):
+        save_sharded(path, write(version), is_global_zero=True, barrier=lambda: None)
+        saved_once.set()
+
+
+def test_kill_9_during_sharded_saves_leaves_a_whole_checkpoint(tmp_path):
+    """A writer that does nothing but save sharded checkpoints, killed (SIGKILL) at random moments, 10 times: the
+    shards being written, or the swap of the directories: the old or the new checkpoint is there, whole."""
+    fork = multiprocessing.get_context("fork")
+    rng = random.Random(1)
+    path = tmp_path / "last.ckpt"
+    for trial in range(10):
+        saved_once = fork.Event()
+        writer = fork.Process(target=write_forever, args=(path, saved_once), daemon=True)
+        writer.start()
+        assert saved_once.wait(60)
+        time.sleep(rng.uniform(0.0, 0.1))
+        writer.kill()
+        writer.join()
+        checkpoint = load_checkpoint(path)
+        assert bool((checkpoint["state_dict"]["w"] == checkpoint["version"]).all()), trial
+    remove_interrupted_writes(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_default_units_are_the_blocks_of_every_network_and_classes_select_others():
+    net = {"_target_": "scaleup.models.nets.resnet", "name": "resnet18", "num_classes": 10}
+    resnet = ImageClassifier(net=net, optimizer={"_target_": "torch.optim.SGD"})
+    units = unit_names(resnet, None)
+    assert units[:3] == ["net.conv1", "net.bn1", "net.layer1.0"] and units[-1] == "net.fc" and len(units) == 11
+    assert unit_names(resnet, ["torchvision.models.resnet.BasicBlock"]) == [
+        f"net.layer{i}.{j}" for i in range(1, 5) for j in range(2)
+    ]
+    total, per_rank = bytes_per_rank(resnet, 8)
+    assert total / 8 <= per_rank < total / 8 * 1.01  # dim 0 padded to a multiple of 8
+
+
+def test_a_dry_run_plans_the_shards_anywhere(tmp_path):
+    """ResNet-50 on 8 GPUs, planned on a laptop: the units, and 1/8 of the parameters per rank."""
+    args = ["strategy=fsdp", "model=resnet50", "data=synthetic", "trainer.devices=8", "dry_run=true"]
+    plan = in_process([*args, f"hydra.run.dir={tmp_path}"])
+    assert plan["strategy"] == read_json(tmp_path / "plan.json")["strategy"] == "fsdp"
+    assert plan["sharding"].startswith("19 unit(s) (net.conv1, net.bn1, net.layer1.0, net.layer1.1")
+    assert "parameters 11.23 MiB per rank of 89.75 MiB" in plan["sharding"]
+    assert plan["sync_batchnorm_reason"] == "strategy=fsdp: BatchNorm statistics stay per device"
+
+
+GPU_OPTIONS = {
+    "bf16 parameters, fp32 reduction": ["strategy.mixed_precision=bfloat16", "trainer.precision=32-true"],
+    "cpu offload": ["strategy.cpu_offload=true", "strategy.activation_checkpointing=true"],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("options", GPU_OPTIONS.values(), ids=GPU_OPTIONS.keys())
+def test_fsdp_on_two_gpus_trains_and_its_shards_evaluate_on_a_cpu(options, tmp_path):
+    """NCCL, ResNet-18 sharded at its BasicBlocks, with FSDP's GPU options: it learns, the checkpoint holds float32
+    master weights under plain names, and a CPU evaluates it with the training run's numbers."""
+    data = [
+        "data=synthetic",
+        "data.train_size=512",
+        "data.val_size=64",
+        "data.test_size=64",
+        "data.global_batch_size=64",
+    ]
+    model = ["model=resnet18", "model.net.small_input=true", "trainer.max_epochs=2", "logger=none"]
+    fsdp = ["strategy=fsdp", "trainer.devices=2", "strategy.shard_modules=[torchvision.models.resnet.BasicBlock]"]
+    quiet = ["trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0"]
+    check(run([*data, *model, *fsdp, *options, *quiet, f"hydra.run.dir={tmp_path / 'train'}"]))
+    last = tmp_path / "train" / "checkpoints" / "last.ckpt"
+    assert (last / ".metadata").is_file()
+    weights = load_checkpoint(last)["state_dict"]
+    assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.float32}
+    assert weights["net.fc.weight"].shape == (10, 512) and not any("_fsdp" in key for key in weights)
+    best = next((tmp_path / "train" / "checkpoints").glob("best-*.ckpt"))
+    args = [f"ckpt_path={best}", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path / 'eval'}"]
+    check(run(args, script="eval.py"))
+    trained, evaluated = read_json(tmp_path / "train/metrics.json"), read_json(tmp_path / "eval/metrics.json")
+    assert evaluated["test/samples"] == 64 and math.isclose(evaluated["test/acc"], trained["test/acc"], abs_tol=0.05)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from scaleup.engine.callbacks.lr_scaling import base_lrs
 from scaleup.engine.callbacks.performance import set_tf32
 from scaleup.engine.checks import check_config, has_batchnorm, pitfall_warnings
+from scaleup.engine.clusters import launcher_name
 from scaleup.engine.components import build_data_and_model
 from scaleup.engine.config import log_rows, to_plain, write_yaml
 from scaleup.engine.errors import config_errors
@@ -71,6 +72,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         strategy=strategy_name,
         early_stopping=early_stopping_entry(config.get("callbacks") or {}),
         performance=config["performance"],
+        launcher="planned only (dry run)" if cfg.dry_run else launcher_name(topology.world_size),
     )
     check_config(config, plan)
     resume = resume_point(None if cfg.dry_run else cfg.ckpt_path, config, plan, model, datamodule, run_dir)

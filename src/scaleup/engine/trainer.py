@@ -20,6 +20,7 @@ from scaleup.engine.callbacks.hparams import PlanHParams
 from scaleup.engine.callbacks.performance import PerformanceSettings
 from scaleup.engine.checkpoint import AtomicCheckpointIO, remove_interrupted_writes
 from scaleup.engine.checks import MonitorCheck, TrainLoaderCheck
+from scaleup.engine.clusters import cluster_plugins
 from scaleup.engine.config import instantiate_each
 from scaleup.engine.errors import config_errors
 from scaleup.engine.lightning_workarounds import (
@@ -112,7 +113,7 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
             strategy=strategy,
             callbacks=callbacks,
             logger=loggers or False,
-            plugins=[AtomicCheckpointIO()],
+            plugins=[AtomicCheckpointIO(), *cluster_plugins()],  # a PyTorchJob's ranks: engine/clusters.py
             default_root_dir=run_dir,
         )
     if trainer.is_global_zero:

@@ -37,7 +37,8 @@ def strict(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {key: strict(value) for key, value in schema.items()}
-    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+    preserves_unknown = out.get("x-kubernetes-preserve-unknown-fields", False)
+    if "properties" in out and "additionalProperties" not in out and not preserves_unknown:
         out["additionalProperties"] = False
     if out.get("x-kubernetes-int-or-string"):
         out.pop("type", None)
@@ -55,7 +56,8 @@ def validation_errors(manifest: dict[str, Any]) -> list[str]:
     """Every way `manifest` breaks its CRD's schema (or names another API version), as one line each."""
     crd = crd_schema(manifest.get("kind", ""))
     expected = f"{crd['group']}/{crd['version']}"
-    errors = [] if manifest.get("apiVersion") == expected else [f"apiVersion {manifest.get('apiVersion')} != {expected}"]
+    version = manifest.get("apiVersion")
+    errors = [] if version == expected else [f"apiVersion {version} != {expected}"]
     validator = jsonschema.Draft7Validator(strict(crd["schema"]))
     errors += [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(manifest)]
     return errors

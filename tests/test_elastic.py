@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_launchers import free_port
 
 from conftest import EXACT, EXACT_TEST, ROOT, TOLERANCE, assert_same_weights, clean_env, merged, read_json, weights
-from test_launchers import free_port
 
 pytestmark = pytest.mark.slow
 

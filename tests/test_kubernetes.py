@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.run as torchrun
+from test_launchers import free_port
 
 from conftest import (
     EXACT,
@@ -32,7 +33,6 @@ from conftest import (
 )
 from kubeflow_operators import command, load, pytorchjob_pods, trainjob_pods, validation_errors
 from scaleup.engine.errors import UserError
-from test_launchers import free_port
 
 DEPLOY = ROOT / "deploy" / "kubernetes"
 JOBS = ["pytorchjob.yaml", "pytorchjob-torchrun.yaml", "trainjob.yaml"]
@@ -141,8 +141,8 @@ def test_pytorchjob_pods_equal_the_two_process_run_and_resume_after_sigterm(base
     procs[1].send_signal(signal.SIGTERM)  # the worker pod's node is drained
     codes, outputs = exit_codes(procs)
     assert codes == [143, 143], outputs
-    stopped = read_json(run_dir / "plan.json")
-    assert stopped["launcher"] == "Kubeflow PyTorchJob, one process per pod: ranks from WORLD_SIZE, RANK (the pod's index)"
+    launcher = read_json(run_dir / "plan.json")["launcher"]
+    assert launcher == "Kubeflow PyTorchJob, one process per pod: ranks from WORLD_SIZE, RANK (the pod's index)"
 
     codes, outputs = exit_codes(start_pods(pods, shared, free_port(), recipe))  # the operator restarts both
     assert codes == [0, 0], outputs

@@ -19,18 +19,18 @@ from conftest import EXACT, EXACT_TEST, ROOT, TOLERANCE, assert_same_weights, cl
 pytestmark = pytest.mark.slow
 
 
-def agent(port: int, is_host: bool, args: list[str]) -> subprocess.Popen:
+def agent(port: int, is_host: bool, args: list[str], log: Path) -> subprocess.Popen:
     """One node: a torchrun agent. The rendezvous
-    waits 1 s for late nodes once the minimum has joined; the store lives on the `is_host` node."""
-    rdzv_conf = f"is_host={str(is_host).lower()},join_timeout=60,last_call_timeout=1"
+    waits 1 s for late nodes once the minimum has joined; the store lives on the `is_host` node. Its output goes to
+    `log` (a pipe nobody reads while the test waits could fill and stall it)."""
+    rdzv_conf = f"is_host={str(is_host).lower()},join_timeout=60,last_call_timeout=1,keep_alive_interval=1"
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1"),
         *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic", f"--rdzv-conf={rdzv_conf}"),
         *("--monitor-interval=0.2", "train.py", *merged(args)),
     ]
-    return subprocess.Popen(
-        command, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    with log.open("w") as out:
+        return subprocess.Popen(command, cwd=ROOT, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
 
 
 def lose_node(agent_pid: int) -> None:
@@ -52,18 +52,18 @@ def test_a_node_lost_mid_run_continues_on_the_survivor_with_exact_weights(baseli
         f"paths.log_dir={tmp_path}",
     ]
     port = free_port()
-    lost = agent(port, is_host=False, args=args)  # waits for the store: joins as soon as the host is up
+    logs = [tmp_path / "lost.log", tmp_path / "survivor.log"]
+    lost = agent(port, is_host=False, args=args, log=logs[0])  # waits for the store: joins as soon as the host is up
     time.sleep(1)
-    survivor = agent(port, is_host=True, args=args)
+    survivor = agent(port, is_host=True, args=args, log=logs[1])
     run_dir = tmp_path / "train" / "torchrun-elastic"  # named after --rdzv-id, on both nodes and after the loss
     deadline = time.monotonic() + 180
     while not (run_dir / "checkpoints" / "last.ckpt").exists() and time.monotonic() < deadline:
         assert survivor.poll() is None and lost.poll() is None, (survivor.poll(), lost.poll())
         time.sleep(0.05)
     lose_node(lost.pid)
-    output = survivor.communicate(timeout=300)[0]
-    assert survivor.returncode == 0, output[-5000:]
-    lost.communicate()
+    assert survivor.wait(timeout=300) == 0, logs[1].read_text()[-5000:]
+    lost.wait()
 
     assert [p.name for p in (tmp_path / "train").iterdir()] == ["torchrun-elastic"]
     log = (run_dir / "train.log").read_text()

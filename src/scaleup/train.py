@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from scaleup.engine.callbacks.lr_scaling import base_lrs
 from scaleup.engine.callbacks.performance import set_tf32
 from scaleup.engine.checks import check_config, has_batchnorm, pitfall_warnings
+from scaleup.engine.clusters import launcher_name
 from scaleup.engine.components import build_data_and_model
 from scaleup.engine.config import log_rows, to_plain, write_yaml
 from scaleup.engine.errors import config_errors
@@ -73,6 +74,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         strategy=strategy_name,
         early_stopping=early_stopping_entry(config.get("callbacks") or {}),
         performance=config["performance"],
+        launcher="planned only (dry run)" if cfg.dry_run else launcher_name(topology.world_size),
     )
     if strategy_name == "fsdp":
         plan = replace(plan, sharding=describe_sharding(model, config["strategy"]["shard_modules"], plan.world_size))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import uuid
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
 
+from scaleup.engine.clusters import check_one_process_per_pod, launched_world_size
 from scaleup.engine.errors import UserError
 from scaleup.engine.lightning_workarounds import SpawnDDPStrategy
 from scaleup.engine.topology import Topology
@@ -38,27 +40,41 @@ def _process_start_time(pid: int) -> datetime | None:
     return datetime.fromtimestamp(boot) + timedelta(seconds=ticks / os.sysconf("SC_CLK_TCK"))
 
 
+def _is_uuid(text: str) -> bool:
+    try:
+        return str(uuid.UUID(text)) == text
+    except ValueError:
+        return False
+
+
 def run_stamp() -> str:
     """A run name that every process of one launch agrees on, without talking to each other.
 
     Each process resolves Hydra's config on its own, so `${now:...}` can differ by a second between ranks
     and split one run into several directories. Instead:
     - SLURM: the job id (a requeued job gets the same directory back, so `ckpt_path=last` resumes it);
+    - torchrun with a rendezvous id (`--rdzv-id`, not --standalone's made-up one): that id, on every node and
+      whatever the node count of an elastic job;
     - torchrun on one node: the start time of the torchrun agent, the parent of all local workers (the same
       after `--max-restarts` restarts them);
-    - torchrun on several nodes: the rendezvous id (`--rdzv-id`), or else an error asking for hydra.run.dir;
+    - torchrun on several nodes without an id: an error asking for hydra.run.dir;
     - otherwise (a plain `python train.py`; Lightning passes its run dir to the processes it starts): now.
     """
     if "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ:
         step = os.environ.get("SLURM_STEP_ID")
         return f"slurm-{os.environ['SLURM_JOB_ID']}" + (f".{step}" if step not in (None, "0", "batch") else "")
     if "TORCHELASTIC_RUN_ID" in os.environ:
+        run_id = os.environ["TORCHELASTIC_RUN_ID"]
+        given = bool(run_id) and run_id != "none"
+        # An id the user gave names the run on every node, also after an elastic job lost a node (then
+        # WORLD_SIZE = LOCAL_WORLD_SIZE on the survivor); --standalone makes up a uuid of its own.
+        if given and not _is_uuid(run_id):
+            return f"torchrun-{run_id}"
         if os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE"):
             started = _process_start_time(os.getppid())
             if started is not None:
                 return started.strftime("%Y-%m-%d_%H-%M-%S")
-        run_id = os.environ["TORCHELASTIC_RUN_ID"]
-        if run_id and run_id != "none":
+        if given:
             return f"torchrun-{run_id}"
         raise ValueError(
             "multi-node torchrun without a rendezvous id: give every node the same shared run directory with "
@@ -135,7 +151,7 @@ def build_strategy(strategy_cfg: dict[str, Any], world_size: int, multirun: bool
         raise UserError(f"strategy.name={name} is not one of ddp, ddp_spawn, fsdp")
     if world_size == 1:
         return "auto", "auto"
-    if name == "ddp" and multirun:
+    if name == "ddp" and multirun and external_world_size() is None:  # srun (submitit) started every process
         name = "ddp_spawn"
     if name == "ddp_spawn":
         return SpawnDDPStrategy(on_exit=shut_down_process_group, timeout=timeout, **options), name
@@ -143,16 +159,13 @@ def build_strategy(strategy_cfg: dict[str, Any], world_size: int, multirun: bool
 
 
 def external_world_size() -> tuple[str, int] | None:
-    """(launcher, world size) when torchrun or SLURM started this process, else None."""
-    if os.environ.get("TORCHELASTIC_RUN_ID") is not None and "WORLD_SIZE" in os.environ:
-        return "torchrun", int(os.environ["WORLD_SIZE"])
-    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
-        return "SLURM", int(os.environ["SLURM_NTASKS"])
-    return None
+    """(launcher, world size) when torchrun, SLURM or a PyTorchJob's pods started this process, else None."""
+    return launched_world_size()
 
 
 def check_launcher(topology: Topology) -> None:
     """torchrun and srun fix the number of processes; it must match trainer.devices x trainer.num_nodes."""
+    check_one_process_per_pod(topology.devices)
     launched = external_world_size()
     if launched and launched[1] != topology.world_size:
         launcher, size = launched

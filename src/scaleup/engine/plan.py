@@ -62,6 +62,7 @@ class Plan:
     early_stopping: str | None = None  # e.g. "val/acc (max, patience 5)": the run may end before total_steps
     epoch_limit: str = ""  # the Lightning debug flag that shortens each epoch, e.g. "trainer.overfit_batches=3"
     sharding: str = ""  # strategy=fsdp: the sharding units and the parameter bytes per rank (engine/fsdp.py)
+    launcher: str = ""  # what started the processes (engine/clusters.py), e.g. "torchrun, restart 0: ..."
 
     def with_per_device_batch(self, per_device: int) -> Plan:
         """This plan with its global batch split into micro-batches of `per_device` (what the auto cap settles)."""
@@ -92,6 +93,7 @@ class Plan:
                 "world size",
                 f"{self.world_size} = {self.num_nodes} node(s) x {self.devices} {self.accelerator}",
             ),
+            *([("launcher", self.launcher)] if self.launcher else []),
             ("per-device batch", self._per_device_row()),
             ("accumulation", self._accumulation_row()),
             ("global batch", f"{self.global_batch_size} ({self.batch_mode} mode)"),
@@ -220,6 +222,7 @@ def build_plan(
     strategy: str,
     early_stopping: Mapping[str, Any] | None = None,
     performance: Mapping[str, Any] | None = None,
+    launcher: str = "",
 ) -> Plan:
     """Check the settings, then derive the batch split, the LR schedule, BatchNorm and precision for `topology`."""
     check_plan_inputs(trainer_cfg=trainer_cfg, data_cfg=data_cfg, lr_cfg=lr_cfg, strategy=strategy)
@@ -284,6 +287,7 @@ def build_plan(
         base_bn_batch_size=int(lr_cfg.get("base_bn_batch_size") or base_batch),
         sync_batchnorm_reason=sync_reason,
         early_stopping=describe_early_stopping(early_stopping),
+        launcher=launcher,
     )
 
 

@@ -169,7 +169,7 @@ def best_checkpoint(checkpoint: dict[str, Any], config: dict[str, Any], path: Pa
 
 
 def log_changes(path: Path | str, previous: dict[str, Any], plan: Plan) -> None:
-    skipped = {"dataset_sizes", "sync_batchnorm_reason"}
+    skipped = {"dataset_sizes", "sync_batchnorm_reason", "launcher"}
     if plan.max_per_device_batch_size == "auto":  # settled again at the start of fit
         skipped |= {"per_device_batch_size", "accumulate_grad_batches", "bn_batch_size"}
     changed = [

@@ -151,7 +151,9 @@ class TrainerArgs(Section):
 
     accelerator: Accelerator
     devices: Devices
-    num_nodes: PositiveInt
+    num_nodes: PositiveInt | Literal["auto"] = Field(
+        description="an integer >= 1, or auto (the nodes torchrun, srun or the PyTorchJob started)"
+    )
     precision: Precision
     sync_batchnorm: bool | Literal["auto"] | None
     accumulate_grad_batches: PositiveInt | None

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from scaleup.engine.clusters import launched_nodes
 from scaleup.engine.errors import UserError
 
 
@@ -40,7 +41,9 @@ def resolve_topology(trainer_cfg: dict[str, Any], *, dry_run: bool = False) -> T
     elif devices in ("auto", "-1", -1):
         devices = torch.cuda.device_count() if accelerator == "gpu" and not dry_run else 1
     devices = int(devices)
-    num_nodes = int(trainer_cfg.get("num_nodes", 1))
+    num_nodes = trainer_cfg.get("num_nodes", 1)
+    # auto: as many nodes as the launcher started, e.g. an elastic torchrun job's after it lost one.
+    num_nodes = launched_nodes() if num_nodes == "auto" else int(num_nodes)
     if accelerator == "gpu" and not dry_run:
         visible = torch.cuda.device_count()
         if visible == 0:

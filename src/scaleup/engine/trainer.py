@@ -20,6 +20,7 @@ from scaleup.engine.callbacks.hparams import PlanHParams
 from scaleup.engine.callbacks.performance import PerformanceSettings
 from scaleup.engine.checkpoint import AtomicCheckpointIO, remove_interrupted_writes
 from scaleup.engine.checks import MonitorCheck, TrainLoaderCheck
+from scaleup.engine.clusters import cluster_plugins
 from scaleup.engine.config import instantiate_each
 from scaleup.engine.errors import config_errors
 from scaleup.engine.fsdp import FSDPStrategy
@@ -110,7 +111,7 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
         "precision": plan.precision,
         "accumulate_grad_batches": plan.accumulate_grad_batches,
     }
-    plugins: list[Any] = [AtomicCheckpointIO()]
+    plugins: list[Any] = [AtomicCheckpointIO(), *cluster_plugins()]  # a PyTorchJob's ranks: engine/clusters.py
     if isinstance(strategy, FSDPStrategy):
         trainer_kwargs["precision"], precision_plugins = model_parallel_precision(plan.precision)
         plugins += precision_plugins

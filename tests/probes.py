@@ -54,7 +54,9 @@ class RankProbe(L.Callback):
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         sampler = trainer.train_dataloader.sampler  # the sampler this rank's loader iterates, after set_epoch
-        self.record["epochs"][str(trainer.current_epoch)] = [index for _, index in sampler]  # (epoch, index) pairs
+        # (epoch, index) pairs where the split is seeded per sample, plain indices where it draws nothing random
+        keys = list(sampler)
+        self.record["epochs"][str(trainer.current_epoch)] = [key[1] if isinstance(key, tuple) else key for key in keys]
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)

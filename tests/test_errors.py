@@ -308,7 +308,11 @@ WRONG_VALUES = {
     # the Trainer's arguments
     "devices 0": ("train.py", ["trainer.devices=0"], f"trainer.devices=0 must be {DEVICES}"),
     "devices abc": ("train.py", ["trainer.devices=abc"], f"trainer.devices=abc must be {DEVICES}"),
-    "nodes abc": ("train.py", ["trainer.num_nodes=abc"], "trainer.num_nodes=abc must be an integer >= 1"),
+    "nodes abc": (
+        "train.py",
+        ["trainer.num_nodes=abc"],
+        "trainer.num_nodes=abc must be an integer >= 1, or auto (the nodes torchrun, srun or the PyTorchJob started)",
+    ),
     "accelerator": (
         "train.py",
         ["trainer.accelerator=tpu"],

@@ -187,7 +187,8 @@ def test_multirun_sweep_with_two_devices_runs_ddp_spawn(tmp_path):
 @pytest.mark.parametrize(
     ("sweep", "plans"),
     [
-        (["seed=1,2"], [("seed", 1), ("seed", 2)]),
+        # Through submitit's local launcher (the [slurm] extra): the sweep a SLURM user types, run here.
+        (["hydra/launcher=submitit_local", "seed=1,2"], [("seed", 1), ("seed", 2)]),
         (
             ["experiment=char_lm,cifar10_resnet18", "dry_run=true"],
             [("global_batch_size", 64), ("global_batch_size", 512)],
@@ -196,14 +197,22 @@ def test_multirun_sweep_with_two_devices_runs_ddp_spawn(tmp_path):
     ids=["seeds", "experiments"],
 )
 def test_multirun_needs_no_extra_keys(sweep, plans, tmp_path):
-    """The sweeps a user types first, exactly as typed: one sweep directory in ./outputs, a run directory per job."""
+    """The sweeps a user types first, exactly as typed: one sweep directory in ./outputs, a run directory per job
+    (for submitit's jobs: each a clean run, with one log, metrics.json and last.ckpt, and submitit's results)."""
     result = check(run(["-m", *sweep], timeout=600, cwd=tmp_path))
     (sweep_dir,) = (tmp_path / "outputs" / "train-sweep").iterdir()
-    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1"]
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")) == ["0", "1"]
     assert [
         (key, read_json(sweep_dir / job / "plan.json")[key]) for job, (key, _) in zip("01", plans, strict=True)
     ] == plans
     assert "Traceback" not in result.stderr
+    assert not (tmp_path / "outputs" / "train").exists()  # no stray per-job run directories
+    if "hydra/launcher=submitit_local" in sweep:
+        for job in ("0", "1"):
+            assert [p.name for p in (sweep_dir / job).glob("*.log")] == ["train.log"]
+            assert (sweep_dir / job / "metrics.json").is_file()
+            assert (sweep_dir / job / "checkpoints" / "last.ckpt").is_file()
+        assert len(list((sweep_dir / ".submitit").glob("*/*_result.pkl"))) == 2  # submitit ran both jobs
 
 
 def test_a_failing_rank_stops_every_process_quickly(tmp_path):

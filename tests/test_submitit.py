@@ -1,6 +1,7 @@
-"""Hydra sweeps through submitit (`pip install -e ".[slurm]"`): `hydra/launcher=submitit_local` runs a sweep here,
-one run directory per job; `hydra/launcher=submitit_slurm` writes the sbatch script that srun's one task per
-device on every node (submitted to a stand-in `sbatch` that keeps the script: no SLURM here)."""
+"""Hydra sweeps through submitit (`pip install -e ".[slurm]"`): `hydra/launcher=submitit_slurm` writes the sbatch
+script that srun's one task per device on every node (submitted to a stand-in `sbatch` that keeps the script: no
+SLURM here). `hydra/launcher=submitit_local` runs a sweep here: tests/test_launchers.py's
+test_multirun_needs_no_extra_keys[seeds]."""
 
 import os
 import re
@@ -8,27 +9,13 @@ import re
 import pytest
 from test_launchers import slurm_env
 
-from conftest import QUICK, check, clean_env, read_json, run
+from conftest import QUICK, clean_env, run
 from scaleup.engine.launch import build_strategy
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the [slurm] extra is not installed")
 
 TINY = [*QUICK, "trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1"]
 TINY += ["trainer.limit_test_batches=1", "logger=none"]
-
-
-@pytest.mark.slow
-def test_submitit_local_sweep_runs_each_job_in_its_own_directory(tmp_path):
-    """`python train.py -m hydra/launcher=submitit_local seed=1,2`: 2 submitit jobs, each its own clean run."""
-    check(run(["-m", "hydra/launcher=submitit_local", "seed=1,2", *TINY], timeout=300, cwd=tmp_path))
-    (sweep,) = (tmp_path / "outputs" / "train-sweep").iterdir()
-    assert sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")) == ["0", "1"]
-    for job, seed in (("0", 1), ("1", 2)):
-        assert [p.name for p in (sweep / job).glob("*.log")] == ["train.log"]
-        assert read_json(sweep / job / "plan.json")["seed"] == seed
-        assert (sweep / job / "metrics.json").is_file() and (sweep / job / "checkpoints" / "last.ckpt").is_file()
-    assert len(list((sweep / ".submitit").glob("*/*_result.pkl"))) == 2  # submitit ran both jobs
-    assert not (tmp_path / "outputs" / "train").exists()
 
 
 @pytest.mark.slow

@@ -18,9 +18,12 @@ import contextlib
 import json
 import logging
 import math
+import multiprocessing
 import os
+import random
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -229,6 +232,25 @@ def assert_same_weights(a: dict, b: dict, rtol: float, atol: float) -> float:
         else:
             assert torch.equal(a[key], b[key]), key
     return worst
+
+
+def kill_writer_at_random(
+    write_forever: Callable[[Path, Any], None], path: Path, max_delay: float, trials: int = 10
+) -> Iterator[int]:
+    """Fork `write_forever(path, saved_once)` (a process that saves checkpoints to `path` in a loop and sets the
+    event after its first complete save), SIGKILL it at a random moment of the saves that follow, `trials` times:
+    yields the trial number after each kill, for the caller to check what the kill left at `path`."""
+    fork = multiprocessing.get_context("fork")  # the writer starts without importing torch again
+    rng = random.Random(1)
+    for trial in range(trials):
+        saved_once = fork.Event()
+        writer = fork.Process(target=write_forever, args=(path, saved_once), daemon=True)
+        writer.start()
+        assert saved_once.wait(60)  # one complete save, then kill somewhere in the following ones
+        time.sleep(rng.uniform(0.0, max_delay))
+        writer.kill()
+        writer.join()
+        yield trial
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,12 @@
 """Safe loading, prefix repair and atomic writes, on real files."""
 
-import multiprocessing
 import os
 import pathlib
-import random
-import time
 
 import pytest
 import torch
 
+from conftest import kill_writer_at_random
 from scaleup.engine.checkpoint import (
     atomic_torch_save,
     find_checkpoint,
@@ -126,17 +124,8 @@ def test_kill_9_during_writes_leaves_old_or_new_file(tmp_path):
     """A writer process that does nothing but save 4 MB checkpoints, killed (SIGKILL) at random moments, 10 times:
     each kill lands in a stream of saves (one every few ms) and must leave the previous or the next file whole.
     The writer is forked from this process, so it starts without importing torch again."""
-    fork = multiprocessing.get_context("fork")
-    rng = random.Random(1)
     path = tmp_path / "last.ckpt"
-    for trial in range(10):
-        saved_once = fork.Event()
-        writer = fork.Process(target=write_forever, args=(path, saved_once), daemon=True)
-        writer.start()
-        assert saved_once.wait(60)  # one complete save, then kill somewhere in the following ones
-        time.sleep(rng.uniform(0.0, 0.2))
-        writer.kill()
-        writer.join()
+    for trial in kill_writer_at_random(write_forever, path, max_delay=0.2):
         checkpoint = load_checkpoint(path)
         assert bool((checkpoint["weights"] == checkpoint["version"]).all()), trial
     stale = remove_interrupted_writes(tmp_path)

@@ -9,11 +9,8 @@ and a 1 -> 2 resume in one run.
 """
 
 import math
-import multiprocessing
-import random
 import re
 import shutil
-import time
 
 import pytest
 import torch
@@ -30,6 +27,7 @@ from conftest import (
     assert_same_weights,
     check,
     in_process,
+    kill_writer_at_random,
     read_json,
     run,
     save_every,
@@ -177,17 +175,8 @@ def write_forever(path, saved_once):
 def test_kill_9_during_sharded_saves_leaves_a_whole_checkpoint(tmp_path):
     """A writer that does nothing but save sharded checkpoints, killed (SIGKILL) at random moments, 10 times: the
     shards being written, or the swap of the directories: the old or the new checkpoint is there, whole."""
-    fork = multiprocessing.get_context("fork")
-    rng = random.Random(1)
     path = tmp_path / "last.ckpt"
-    for trial in range(10):
-        saved_once = fork.Event()
-        writer = fork.Process(target=write_forever, args=(path, saved_once), daemon=True)
-        writer.start()
-        assert saved_once.wait(60)
-        time.sleep(rng.uniform(0.0, 0.1))
-        writer.kill()
-        writer.join()
+    for trial in kill_writer_at_random(write_forever, path, max_delay=0.1):
         checkpoint = load_checkpoint(path)
         assert bool((checkpoint["state_dict"]["w"] == checkpoint["version"]).all()), trial
     remove_interrupted_writes(tmp_path)

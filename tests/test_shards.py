@@ -29,6 +29,8 @@ from conftest import (
 )
 from scaleup.data import ShardedDataModule
 from scaleup.data.convert import main as convert
+from scaleup.data.image_batches import normalize
+from scaleup.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
 from scaleup.data.shards import ShardIndex, ShardWindowOrder, remote
 from scaleup.data.shards.index import shard_list_checksum
 from scaleup.engine.errors import UserError
@@ -266,6 +268,13 @@ def test_imagefolder_converts_its_jpeg_files_unchanged_and_decodes_them(tmp_path
     image, label = dm.splits["train"][5]
     expected = decode_image(str(tmp_path / "tree/train/dog/2.jpg")).float() / 255
     assert label == 1 and image.dtype == torch.float32 and torch.equal(image, expected)
+    # With mean and std, as ImageFolder's: uint8 batches, normalised after the transfer.
+    dm = module(out, global_batch_size=2, mean=IMAGENET_MEAN, std=IMAGENET_STD)
+    images, labels = next(iter(dm.rank_loader(split="val")))
+    assert images.dtype == torch.uint8
+    normalised, _ = dm.on_after_batch_transfer((images, labels), 0)
+    torch.testing.assert_close(normalised, normalize(images, IMAGENET_MEAN, IMAGENET_STD))
+    assert normalised.dtype == torch.float32 and normalised.mean() < images.float().mean() / 255
 
 
 def test_webdataset_reads_the_shards_as_its_own(shards):

@@ -56,13 +56,18 @@ class ImageDataModule(ClassificationDataModule):
         return batch
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        images, labels = batch
-        trainer = self.trainer
-        channels_last = trainer is not None and any(
-            isinstance(callback, PerformanceSettings) and callback.channels_last for callback in trainer.callbacks
-        )
-        x = normalize(images, self.mean, self.std, channels_last)
-        if trainer is not None:
-            # Lightning casts inputs for the precision before the transfer, when they were still uint8.
-            x = trainer.precision_plugin.convert_input(x)
-        return x, labels
+        return normalized_batch(batch, self.mean, self.std, self.trainer)
+
+
+def normalized_batch(batch: Any, mean: Sequence[float], std: Sequence[float], trainer: Any) -> tuple[Any, ...]:
+    """`(images, *rest)` with the uint8 images normalised where they lie (`normalize`), in NHWC under
+    `performance.channels_last=true`, then cast for the Trainer's precision (none without a Trainer)."""
+    images, *rest = batch
+    channels_last = trainer is not None and any(
+        isinstance(callback, PerformanceSettings) and callback.channels_last for callback in trainer.callbacks
+    )
+    x = normalize(images, mean, std, channels_last)
+    if trainer is not None:
+        # Lightning casts inputs for the precision before the transfer, when they were still uint8.
+        x = trainer.precision_plugin.convert_input(x)
+    return (x, *rest)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Annotated, Any
 
 from lightning.pytorch.utilities import rank_zero_only
 from pydantic import Field
 from torch.utils.data import DataLoader, Dataset
 
+from scaleup.data.image_batches import normalized_batch
 from scaleup.data.shards.dataset import ShardSplit
 from scaleup.data.shards.index import INDEX, ShardIndex
 from scaleup.data.shards.order import ShardWindowSampler
@@ -54,12 +55,17 @@ class ShardedDataModule(GlobalBatchDataModule):
         cache_gb: Annotated[float, Field(gt=0)] = 50.0,
         train_transform: Any = None,
         eval_transform: Any = None,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
         **loader_kwargs,
     ) -> None:
         super().__init__(**loader_kwargs)
         self.url, self.window_shards = url.rstrip("/"), window_shards
         self.cache_dir, self.cache_bytes = cache_dir, int(cache_gb * 2**30)
         self.train_transform, self.eval_transform = train_transform, eval_transform
+        if (mean is None) != (std is None):
+            raise UserError("data.mean and data.std go together: set both (per channel, of pixels in [0, 1]) or none")
+        self.mean, self.std = mean, std
         self._indexes: dict[str, ShardIndex] | None = None
 
     @property
@@ -79,6 +85,12 @@ class ShardedDataModule(GlobalBatchDataModule):
                 )
             self._indexes = indexes
         return self._indexes
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """With `mean` and `std`: the uint8 images normalised on the device, as ImageFolder's are."""
+        if self.mean is None:
+            return batch
+        return normalized_batch(batch, self.mean, self.std, self.trainer)
 
     def draws_random_numbers(self, split: str) -> bool:
         """Only a transform draws: without one, the samples need no seeding."""
@@ -102,6 +114,7 @@ class ShardedDataModule(GlobalBatchDataModule):
             split: ShardSplit(
                 index,
                 transform=self.train_transform if split == "train" else self.eval_transform,
+                uint8_images=self.mean is not None,
                 cache_dir=self.cache_dir,
                 cache_bytes=self.cache_bytes,
                 # A global batch draws from one window, two at its boundary.

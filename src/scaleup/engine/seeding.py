@@ -34,7 +34,9 @@ _MASK = 2**64 - 1
 
 
 def _splitmix64(x: int) -> int:
-    """SplitMix64's finaliser: a bijection of 64-bit integers in which every input bit flips half the output bits."""
+    """SplitMix64's step (the golden-ratio increment, then the finaliser that engine/permutation.py's `mix64` applies
+    to arrays) on one Python int, which is faster than numpy scalars for a single value: a bijection of 64-bit
+    integers in which every input bit flips each output bit with probability ~1/2."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK

@@ -21,18 +21,20 @@ class ShardSplit(Dataset):
     The order of access is the sampler's business (`ShardWindowSampler`, or the contiguous evaluation shards): it
     asks for the samples of a few shards at a time, and this dataset keeps those open (`ShardCache`), in each
     process its own, made on first use after the dataset reached that process (a loader worker).
-    Without a transform, an image field becomes float32 in [0, 1].
+    Without a transform, an image field becomes float32 in [0, 1], unless `uint8_images` (the data module then
+    normalises the batches on the device).
     """
 
     def __init__(
         self,
         index: ShardIndex,
         transform: Any = None,
+        uint8_images: bool = False,
         cache_dir: str | None = None,
         cache_bytes: int = 50 << 30,
         keep_open: int = 2,
     ) -> None:
-        self.index, self.transform = index, transform
+        self.index, self.transform, self.uint8_images = index, transform, uint8_images
         self.cache_dir, self.cache_bytes, self.keep_open = cache_dir, cache_bytes, keep_open
         self._ends = np.cumsum(index.counts)
         self._image = index.fields[0].rsplit(".", 1)[-1] in IMAGE_TYPES
@@ -70,6 +72,6 @@ class ShardSplit(Dataset):
         first = values[0]
         if self.transform is not None:
             first = self.transform(first)
-        elif self._image:
+        elif self._image and not self.uint8_images:
             first = first.to(torch.float32) / 255
         return (first, *values[1:])

@@ -151,22 +151,17 @@ def build_strategy(strategy_cfg: dict[str, Any], world_size: int, multirun: bool
         raise UserError(f"strategy.name={name} is not one of ddp, ddp_spawn, fsdp")
     if world_size == 1:
         return "auto", "auto"
-    if name == "ddp" and multirun and external_world_size() is None:  # srun (submitit) started every process
+    if name == "ddp" and multirun and launched_world_size() is None:  # srun (submitit) started every process
         name = "ddp_spawn"
     if name == "ddp_spawn":
         return SpawnDDPStrategy(on_exit=shut_down_process_group, timeout=timeout, **options), name
     return DDPStrategy(start_method="popen", timeout=timeout, **options), name
 
 
-def external_world_size() -> tuple[str, int] | None:
-    """(launcher, world size) when torchrun, SLURM or a PyTorchJob's pods started this process, else None."""
-    return launched_world_size()
-
-
 def check_launcher(topology: Topology) -> None:
     """torchrun and srun fix the number of processes; it must match trainer.devices x trainer.num_nodes."""
     check_one_process_per_pod(topology.devices)
-    launched = external_world_size()
+    launched = launched_world_size()
     if launched and launched[1] != topology.world_size:
         launcher, size = launched
         raise UserError(

@@ -263,6 +263,15 @@ def test_imagefolder_converts_its_jpeg_files_unchanged_and_decodes_them(tmp_path
     assert index.model_settings == {"net.num_classes": 2, "net.in_channels": 3}
     with tarfile.open(out / "train/shard-000001.tar") as tar:  # samples 4 and 5: dog/1.jpg and dog/2.jpg
         assert tar.extractfile("000000000005.0.jpg").read() == (tmp_path / "tree/train/dog/2.jpg").read_bytes()
+    # A BMP (which ImageFolder lists and torchvision.io cannot decode) is stored re-encoded as PNG.
+    bmp = tmp_path / "bmp"
+    for split in ("train", "val"):
+        (bmp / split / "cat").mkdir(parents=True)
+        Image.new("RGB", (8, 6), (10, 20, 30)).save(bmp / split / "cat" / "0.bmp")
+    assert convert(["data=imagefolder", f"data.root={bmp}", f"out={bmp / 'shards'}"]) == 0
+    assert ShardIndex.load(f"{bmp / 'shards'}/train").fields == ("0.png", "1.cls")
+    pixels, _ = next(iter(module(bmp / "shards", global_batch_size=1).rank_loader()))
+    assert torch.equal(pixels[0, :, 0, 0], torch.tensor([10, 20, 30]) / 255)
     dm = module(out, global_batch_size=2)
     dm.setup()
     image, label = dm.splits["train"][5]

@@ -2,7 +2,7 @@
 
 A shard is a plain POSIX (ustar) tar. Sample `i` of a split is the run of consecutive members named
 `<i, 12 digits>.<field>`: `000000000123.0.jpg`, `000000000123.1.cls`. The field names say position and type:
-`jpg`/`jpeg`/`png`/`webp`/`gif`/`bmp` are encoded images (decoded with `decode_image_bytes`), `npy` a numpy
+`jpg`/`jpeg`/`png`/`webp`/`gif` are encoded images (decoded with `decode_image_bytes`), `npy` a numpy
 array (`numpy.save`), `cls` an integer class in ASCII decimal, `txt` UTF-8 text. That is WebDataset's convention,
 so `tar tvf`, `webdataset.WebDataset` and `wids` read the same files (docs/sharded-data.md).
 
@@ -24,7 +24,8 @@ import torch
 
 BLOCK = 512
 KEY_DIGITS = 12  # sample keys up to 10^12 per split
-IMAGE_TYPES = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp"})
+# What torchvision.io decodes; the converter stores other image files (BMP, TIFF, PPM) re-encoded as PNG.
+IMAGE_TYPES = frozenset({"jpg", "jpeg", "png", "webp", "gif"})
 
 
 class ShardFormatError(ValueError):

@@ -157,8 +157,10 @@ def _call_overridden_callback_hooks(
     if pl_module:
         previous, pl_module._current_fx_name = pl_module._current_fx_name, hook_name
     for callback in _callbacks_overriding(trainer, hook_name):
-        monitoring = isinstance(callback, (EarlyStopping, Checkpoint))
-        if monitoring_callbacks is not None and monitoring != monitoring_callbacks:
+        if (
+            monitoring_callbacks is not None
+            and isinstance(callback, (EarlyStopping, Checkpoint)) != monitoring_callbacks
+        ):
             continue
         fn = getattr(callback, hook_name)
         if callable(fn):

@@ -126,18 +126,76 @@ def run_lightning() -> None:
     bare_trainer([StepTimer()]).fit(Bare(), digits_loader())
 
 
-def template_command(run_dir: str, overrides: list[str]) -> list[str]:
-    """train.py with its defaults: only the batch, one epoch on CPU, and the step timer added."""
+def run_lightning_calls() -> None:
+    bare_trainer([CallCounter()]).fit(Bare(), digits_loader())
+
+
+def template_command(run_dir: str, overrides: list[str], callback: str = "overhead.StepTimer") -> list[str]:
+    """train.py with its defaults: only the batch, the epochs and CPU set, and the step timer (or `callback`)."""
     return [
         sys.executable,
         "train.py",
         f"data.global_batch_size={BATCH}",
         f"trainer.max_epochs={EPOCHS}",
         "trainer.accelerator=cpu",
-        "+callbacks.step_timer._target_=overhead.StepTimer",
+        f"+callbacks.measure._target_={callback}",
         f"hydra.run.dir={run_dir}",
         *overrides,
     ]
+
+
+# --- Python calls per step: a count, the same on every machine ------------------------------------------------------
+
+CALLS = "PYTHON_CALLS"
+COUNTED = range(20, 50)  # 30 steps of the first epoch; with log_every_n_steps=10, 3 of them are logging steps
+
+
+class CallCounter(L.Callback):
+    """Counts the main thread's Python-level calls (of Python functions, and of C functions from Python) in each
+    `COUNTED` training step with `sys.setprofile`, from the end of the step before to this callback's hook, and
+    prints the counts when training ends. Unlike times, counts do not move with the machine's load."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self._count = self._step = 0
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            self._count += 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if sys.getprofile() is not None:  # this step was counted
+            sys.setprofile(None)
+            self.calls.append(self._count)
+            self._count = 0
+        self._step += 1
+        if self._step in COUNTED:
+            sys.setprofile(self._profile)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        print(CALLS, *self.calls, file=sys.__stdout__, flush=True)
+
+
+def count_calls(args: argparse.Namespace, env: dict[str, str], itself: list[str]) -> dict[str, Any]:
+    """Python calls per training step of bare Lightning and of train.py, one run each."""
+    with tempfile.TemporaryDirectory() as tmp:
+        commands = {
+            "bare Lightning": [*itself, "lightning-calls"],
+            "train.py": template_command(f"{tmp}/run", args.override, callback="step_overhead.CallCounter"),
+        }
+        counts = {}
+        for name, command in commands.items():
+            out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+            line = next(line for line in out.stdout.splitlines() if CALLS in line)
+            counts[name] = [int(n) for n in line[line.index(CALLS) :].split()[1:]]
+    mean = {name: statistics.fmean(calls) for name, calls in counts.items()}
+    print(f"\nPython calls per training step, main thread, steps {COUNTED.start}-{COUNTED.stop - 1} (3 logging steps)")
+    for name, calls in counts.items():
+        row = f"mean {mean[name]:7.0f}, ordinary step {min(calls):6d}, logging step {max(calls):6d}"
+        print(f"{name:15s} {row}   x bare Lightning {mean[name] / mean['bare Lightning']:.3f}")
+    return {"per_step": counts, "mean": mean, "ratio": mean["train.py"] / mean["bare Lightning"]}
 
 
 class StopTiming(Exception):
@@ -306,9 +364,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="alternating runs of each variant")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the parts")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
-    parser.add_argument("--only", choices=["variants", "parts"], help="run one half of the benchmark")
+    parser.add_argument("--only", choices=["variants", "calls", "parts"], help="run one part of the benchmark")
     parser.add_argument("--override", action="append", default=[], help="a train.py override (repeatable)")
-    parser.add_argument("--variant", choices=["lightning", "plain", "parts"], help=argparse.SUPPRESS)  # internal
+    variants = ["lightning", "plain", "parts", "lightning-calls"]
+    parser.add_argument("--variant", choices=variants, help=argparse.SUPPRESS)  # internal
     parser.add_argument("--parts-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
@@ -316,7 +375,7 @@ def main() -> None:
         if args.variant == "parts":
             run_parts(args.rounds, args.parts_out)
         else:
-            {"lightning": run_lightning, "plain": run_plain}[args.variant]()
+            {"lightning": run_lightning, "plain": run_plain, "lightning-calls": run_lightning_calls}[args.variant]()
         return
 
     env = {
@@ -330,10 +389,12 @@ def main() -> None:
     report["config"] = {"batch": BATCH, "warmup": WARMUP, "steps": STEPS, "epochs": EPOCHS} | vars(args)
     report["config"] |= {"json": str(args.json), "threads": 1}
     report["load_average"]["start"] = os.getloadavg()
-    if args.only != "parts":
+    if args.only in (None, "variants"):
         report["variants"] = compare_variants(args, env, itself)
         report["load_average"]["after_variants"] = os.getloadavg()
-    if args.only != "variants":
+    if args.only in (None, "calls"):
+        report["python_calls"] = count_calls(args, env, itself)
+    if args.only in (None, "parts"):
         report["parts"] = compare_parts(args, env, itself)
         report["load_average"]["end"] = os.getloadavg()
     print(f"\nload average (1, 5, 15 min): {report['load_average']}")

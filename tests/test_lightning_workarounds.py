@@ -4,6 +4,7 @@ Each asserts the Lightning 2.6.6 behaviour (or private API) that made its workar
 after an upgrade, Lightning changed that behaviour: delete the workaround its docstring names, and this canary.
 """
 
+import copy
 import inspect
 import os
 import queue
@@ -23,13 +24,16 @@ from lightning.pytorch.plugins.precision import DoublePrecision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer import call
-from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _Sync
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric, _Sync
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import SumMetric
 
 from scaleup.engine import lightning_workarounds as workarounds
+from scaleup.engine.lightning_workarounds import _get_instance_once, _result_metric_to
+from scaleup.engine.metrics import SampleSum, TopKAccuracy
 
 BATCHES_PER_EPOCH = 4
 
@@ -361,3 +365,160 @@ def test_model_parallel_rekeys_optimizer_state_by_module_order():
         fixed = fabric_model_parallel._rekey_optimizer_state_if_needed(optimizer.state_dict(), module)
     assert fixed["state"]["1.weight"]["exp_avg"].shape == module[1].weight.shape
     assert fixed["param_groups"][1]["params"] == ["0.bias", "1.bias"]
+
+
+class LogsEverything(Tiny):
+    """Logs a per-step value, an epoch mean and a torchmetrics Metric in training, and a value in test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = SumMetric()
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.total.update(batch[0].sum())
+        self.log("step_loss", loss, on_step=True, on_epoch=False)
+        self.log("epoch_loss", loss, on_step=False, on_epoch=True, batch_size=len(batch[0]) + batch_idx)
+        self.log("total", self.total, on_step=False, on_epoch=True)
+        return loss
+
+
+def test_lightning_log_rebuilds_the_accumulator_on_every_call(monkeypatch):
+    """log_without_redundant_moves. Every `log` call moves the value's accumulator to the value's device, and the
+    move rebuilds the accumulator's metadata although nothing moves."""
+    moves = []
+
+    def counted(self, *args, **kwargs):
+        moves.append(args)
+        return workarounds._lightning_result_metric_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(_ResultMetric, "to", counted)
+    results = _ResultCollection(training=True)
+    for _ in range(3):
+        results.log("training_step", "loss", torch.tensor(1.0), on_step=True, on_epoch=False, batch_size=1)
+    assert moves == [(torch.device("cpu"),)] * 3
+    metric = results["training_step.loss"]
+    metadata = metric.meta
+    workarounds._lightning_result_metric_to(metric, torch.device("cpu"))
+    assert metric.meta is not metadata and metric.meta == metadata
+
+
+def test_logging_without_redundant_moves_logs_the_same_values(tmp_path, monkeypatch):
+    """With the workaround, step values, sample-weighted epoch means and a logged Metric come out as Lightning's own
+    gives them, with one move of Lightning's instead of 21; a move to another device still moves (the meta device
+    stands in for a GPU)."""
+    seen, moves = {}, []
+
+    def counted(self, *args, **kwargs):
+        moves.append(args)
+        return lightning_move(self, *args, **kwargs)
+
+    lightning_move = workarounds._lightning_result_metric_to
+    monkeypatch.setattr(workarounds, "_lightning_result_metric_to", counted)  # what the workaround falls back to
+    for name, move in {"lightning": counted, "workaround": _result_metric_to}.items():
+        moves.clear()
+        monkeypatch.setattr(_ResultMetric, "to", move)
+        torch.manual_seed(0)
+        run = trainer(tmp_path / name, max_steps=6, log_every_n_steps=1)
+        run.fit(LogsEverything())
+        seen[name] = {key: value.item() for key, value in run.callback_metrics.items()}
+        seen[f"{name} moves"] = len(moves)
+    assert seen["workaround"] == seen["lightning"] and set(seen["lightning"]) == {"step_loss", "epoch_loss", "total"}
+    # 3 values logged in 6 steps, and 3 moves to the CPU at the end; only the Metric's first log, before it holds
+    # its Metric, falls through to Lightning's move.
+    assert (seen["lightning moves"], seen["workaround moves"]) == (21, 1)
+    results = _ResultCollection(training=True)
+    results.log("training_step", "loss", torch.tensor(2.0), on_step=False, on_epoch=True, batch_size=1)
+    moved = _result_metric_to(results["training_step.loss"], torch.device("meta"))
+    assert moved.value.device == moved.cumulated_batch_size.device == torch.device("meta")
+
+
+class DoublesInputs(L.LightningDataModule):
+    """Tiny's data with an `on_after_batch_transfer` that doubles every batch."""
+
+    def train_dataloader(self) -> DataLoader:
+        return Tiny().train_dataloader()
+
+    def on_after_batch_transfer(self, batch: list[torch.Tensor], dataloader_idx: int) -> list[torch.Tensor]:
+        return [batch[0] * 2]
+
+
+class SeesBatches(Tiny):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[torch.Tensor] = []
+
+    def on_before_batch_transfer(self, batch: list[torch.Tensor], dataloader_idx: int) -> list[torch.Tensor]:
+        return [batch[0] + 1]
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.batches.append(batch[0])
+        return super().training_step(batch, batch_idx)
+
+
+def test_lightning_resolves_the_data_hooks_on_every_batch(tmp_path, monkeypatch):
+    """look_up_data_hooks_once. With a DataModule, every batch asks which of it and the module overrides each of the
+    three batch hooks, and each answer inspects both with `is_overridden`."""
+    import lightning.pytorch.trainer.connectors.data_connector as data_connector
+
+    monkeypatch.setattr(data_connector._DataHookSelector, "get_instance", workarounds._lightning_get_instance)
+    checks = []
+    lightning_is_overridden = data_connector.is_overridden
+    monkeypatch.setattr(
+        data_connector, "is_overridden", lambda *args: checks.append(args[0]) or lightning_is_overridden(*args)
+    )
+    trainer(tmp_path, max_steps=4).fit(Tiny(), datamodule=DoublesInputs())
+    assert checks.count("transfer_batch_to_device") == 4 * 2  # the DataModule's and the module's, per batch
+
+
+def test_data_hooks_looked_up_once_run_the_same_hooks(tmp_path, monkeypatch):
+    """With the workaround, the module's `on_before_batch_transfer` and the DataModule's `on_after_batch_transfer`
+    both run on every batch, as with Lightning's own lookup."""
+    import lightning.pytorch.trainer.connectors.data_connector as data_connector
+
+    seen = {}
+    for name, lookup in {"lightning": workarounds._lightning_get_instance, "workaround": _get_instance_once}.items():
+        monkeypatch.setattr(data_connector._DataHookSelector, "get_instance", lookup)
+        module = SeesBatches()
+        trainer(tmp_path / name, max_steps=4).fit(module, datamodule=DoublesInputs())
+        seen[name] = torch.stack(module.batches)
+    expected = (torch.stack(Tiny().train_dataloader().dataset.tensors[0].split(2)) + 1) * 2
+    assert torch.equal(seen["lightning"], expected) and torch.equal(seen["workaround"], expected)
+
+
+def test_torchmetrics_wraps_update_through_wrap_update():
+    """LeanUpdateMetric. torchmetrics wraps `update` with the overridable `Metric._wrap_update` (also when a metric
+    is copied), keeps the update count and `compute()` cache as plain attributes, and its own wrapper writes both
+    through `__setattr__` on every update."""
+
+    class Writes(SumMetric):
+        def __setattr__(self, name, value):
+            if name in ("_update_count", "_computed"):
+                object.__getattribute__(self, "__dict__").setdefault("writes", []).append(name)
+            super().__setattr__(name, value)
+
+    stock = Writes()
+    stock.__dict__["writes"] = []
+    stock.update(torch.tensor(1.0))
+    assert sorted(stock.writes) == ["_computed", "_update_count"]
+    assert {"_update_count", "_computed"} <= set(vars(stock))
+
+    class Wrapped(SumMetric):
+        def _wrap_update(self, update):
+            return lambda *args: "wrapped"
+
+    assert Wrapped().update(1.0) == "wrapped" and copy.deepcopy(Wrapped()).update(1.0) == "wrapped"
+
+
+def test_lean_update_metrics_count_updates_and_refresh_compute():
+    """TopKAccuracy and SampleSum (LeanUpdateMetric) count their updates, recompute after an update, keep no graph
+    of what they add, and do so in a deep copy too."""
+    accuracy, total = TopKAccuracy(k=1), SampleSum()
+    logits = torch.tensor([[2.0, 1.0], [0.0, 3.0]], requires_grad=True)
+    for metric in (accuracy, copy.deepcopy(accuracy)):
+        metric.update(logits, torch.tensor([0, 0]))
+        assert metric.compute().item() == 0.5
+        metric.update(logits, torch.tensor([0, 1]))
+        assert metric.compute().item() == 0.75 and metric.update_count == 2
+    total.update(logits.sum())
+    assert total.update_called and not total.total.requires_grad

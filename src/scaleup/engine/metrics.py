@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric, MetricCollection
 
-from scaleup.engine.lightning_workarounds import is_logging_step
+from scaleup.engine.lightning_workarounds import LeanUpdateMetric, is_logging_step
 
 __all__ = ["SampleMean", "SampleSum", "StageMetrics", "TopKAccuracy", "is_logging_step"]
 
@@ -18,7 +18,7 @@ STAGES = ("train", "val", "test")
 RESERVED = ("loss", "samples")
 
 
-class SampleSum(Metric):
+class SampleSum(LeanUpdateMetric):
     """A sum over every process, updated without reading anything back from the device.
 
     torchmetrics' SumMetric and MeanMetric check each update for NaN (`if isnan(x).any()`, a host read that waits
@@ -33,8 +33,9 @@ class SampleSum(Metric):
         self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
 
     def update(self, value: torch.Tensor | float) -> None:
-        # In place: `+=` would also reassign the state through Module.__setattr__, a few us per call.
-        self.total.add_(value)  # a Python number is a kernel argument: no copy
+        # In place: `+=` would also reassign the state through Module.__setattr__, a few us per call. A Python
+        # number is a kernel argument: no copy.
+        self.total.add_(value.detach() if isinstance(value, torch.Tensor) else value)
 
     def compute(self) -> torch.Tensor:
         return self.total
@@ -55,7 +56,7 @@ class SampleMean(SampleSum):
         return self.total / self.samples
 
 
-class TopKAccuracy(Metric):
+class TopKAccuracy(LeanUpdateMetric):
     """Micro-averaged top-k accuracy: the share of samples whose target is among their k highest scores, from two
     counts summed over every process.
 
@@ -73,10 +74,11 @@ class TopKAccuracy(Metric):
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
         """`preds`: (N, C) scores or logits; `target`: (N,) class indices."""
+        preds = preds.detach()  # topk of a tensor that requires grad would also record its backward
         if self.k == 1:
             hits = preds.argmax(dim=-1) == target
-        else:
-            hits = (preds.topk(self.k, dim=-1).indices == target.unsqueeze(-1)).any(dim=-1)
+        else:  # a target appears at most once among a sample's k indices: the matches count the hits
+            hits = preds.topk(self.k, dim=-1).indices == target.unsqueeze(-1)
         self.correct.add_(hits.sum())
         self.total.add_(target.numel())  # a Python number: no host read
 
@@ -142,8 +144,11 @@ class StageMetrics(nn.Module):
 
     def update(self, stage: str, *args: Any, batch_size: int, loss: torch.Tensor | None = None, **kwargs: Any) -> None:
         metrics = self._stage(stage)
-        if len(metrics["task"]):
+        if kwargs:  # the collection hands each metric the keyword arguments its update takes
             metrics["task"].update(*args, **kwargs)
+        else:  # the same calls, without the collection's per-metric filtering (about 10 us a step)
+            for metric in metrics["task"].values(copy_state=False):
+                metric.update(*args)
         metrics["samples"].update(batch_size)
         if loss is not None:
             metrics["loss"].update(loss, weight=batch_size)

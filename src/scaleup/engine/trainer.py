@@ -29,7 +29,7 @@ from scaleup.engine.lightning_workarounds import (
     EpochProgressRepair,
     ExactEvalMetrics,
     StopOnSigterm,
-    call_only_overridden_callback_hooks,
+    install_step_fast_paths,
     model_parallel_precision,
 )
 from scaleup.engine.plan import Plan
@@ -90,7 +90,7 @@ def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> lis
 
 def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> L.Trainer:
     """A Trainer with the template's callbacks and the user's, the loggers, and the plan's resolved settings."""
-    call_only_overridden_callback_hooks()
+    install_step_fast_paths()
     callbacks = template_callbacks(config, plan, run_dir)
     with config_errors("callbacks"):
         callbacks += instantiate_each(config.get("callbacks"))

@@ -212,8 +212,8 @@ def log_without_redundant_moves() -> None:
 
     Lightning 2.6.6. Reason: every `self.log` call runs `_ResultMetric.to(value.device)`, which walks all of the
     accumulator's attributes with `apply_to_collection` and deep-copies its metadata, also when nothing moves:
-    about 1,700 Python calls, near 1 ms on a CPU, per call. A module that logs 5 values per step paid that 5 times
-    a step. Moves to another device (the first log of a value, `.cpu()` at the end of a loop) are Lightning's own.
+    about 1,700 Python calls, so a `log` call took 210 us on a CPU, 16 us with this (`_ResultCollection.log` in a
+    loop). Moves to another device (the first log of a value, `.cpu()` at the end of a loop) are Lightning's own.
     Canary: test_lightning_log_rebuilds_the_accumulator_on_every_call.
     """
     _ResultMetric.to = _result_metric_to
@@ -263,8 +263,9 @@ def look_up_data_hooks_once() -> None:
 
     Lightning 2.6.6. Reason: with a DataModule, every batch asks `_DataHookSelector.get_instance` which of the two
     overrides `on_before_batch_transfer`, `transfer_batch_to_device` and `on_after_batch_transfer`, and each answer
-    inspects both classes with `is_overridden`: about 120 Python calls, 50 us, per batch. The answer is kept per
-    selector (Lightning makes one for each fit, validate or test) while its module and DataModule stay the same.
+    inspects both classes with `is_overridden`: about 120 Python calls and 11 us per batch (0.7 us with this). The
+    answer is kept per selector (Lightning makes one for each fit, validate or test) while its module and
+    DataModule stay the same.
     Canary: test_lightning_resolves_the_data_hooks_on_every_batch.
     """
     _DataHookSelector.get_instance = _get_instance_once

@@ -132,6 +132,15 @@ def template_command(steps: int, batch: int, run_dir: str) -> list[str]:
     ]
 
 
+def printed_numbers(command: list[str], env: dict[str, str], marker: str, timeout: float | None = None) -> list[float]:
+    """Runs `command` in the project root and returns the numbers it printed after `marker` on one line."""
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    line = next(line for line in out.stdout.splitlines() if marker in line)  # a progress bar may precede it
+    return [float(n) for n in line[line.index(marker) :].split()[1:]]
+
+
 def seconds_per_step(
     command: list[str],
     env: dict[str, str],
@@ -142,11 +151,7 @@ def seconds_per_step(
 ) -> dict[str, float]:
     """Wall and CPU seconds per step over the `steps` steps after `warmup`, in each of `epochs` epochs of
     `warmup + steps` steps: what happens between epochs (validation, checkpoints) is not counted."""
-    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    line = next(line for line in out.stdout.splitlines() if STEP_TIMES in line)  # a progress bar may precede it
-    pairs = [float(t) for t in line[line.index(STEP_TIMES) :].split()[1:]]
+    pairs = printed_numbers(command, env, STEP_TIMES, timeout)
     wall, cpu = pairs[0::2], pairs[1::2]
     spans = [(e * (warmup + steps) + warmup - 1, (e + 1) * (warmup + steps) - 1) for e in range(epochs)]
     return {

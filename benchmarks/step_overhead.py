@@ -44,7 +44,15 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer import call
 from torch.utils.data import ConcatDataset, DataLoader
 
-from overhead import StepTimer, compare, diagnostics_seconds_per_step, now, plain_loop, seconds_per_step
+from overhead import (
+    StepTimer,
+    compare,
+    diagnostics_seconds_per_step,
+    now,
+    plain_loop,
+    printed_numbers,
+    seconds_per_step,
+)
 from scaleup.data import DigitsDataModule
 from scaleup.engine.callbacks import (
     ConfigInCheckpoint,
@@ -183,13 +191,7 @@ def count_calls(args: argparse.Namespace, env: dict[str, str], itself: list[str]
             "bare Lightning": [*itself, "lightning-calls"],
             "train.py": template_command(f"{tmp}/run", args.override, callback="step_overhead.CallCounter"),
         }
-        counts = {}
-        for name, command in commands.items():
-            out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-            if out.returncode != 0:
-                raise SystemExit(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-            line = next(line for line in out.stdout.splitlines() if CALLS in line)
-            counts[name] = [int(n) for n in line[line.index(CALLS) :].split()[1:]]
+        counts = {name: [int(n) for n in printed_numbers(command, env, CALLS)] for name, command in commands.items()}
     mean = {name: statistics.fmean(calls) for name, calls in counts.items()}
     print(f"\nPython calls per training step, main thread, steps {COUNTED.start}-{COUNTED.stop - 1} (3 logging steps)")
     for name, calls in counts.items():

@@ -15,9 +15,20 @@ per step show.
    Lightning's step, and, timed alone, the diagnostics' hooks and what each dispatch spends on a callback that
    does nothing in a step.
 
+3. In lockstep (`--only lockstep`), the comparison the ratio is read from: bare Lightning and train.py run at
+   the same time as two processes that take turns step by step (a pipe passes the turn at each step's end), so a
+   machine getting busier or quieter slows both alike, step for step; the process that leads and the order they
+   start in alternate between pairs. A pair of bare Lightning against itself shows the method's own noise.
+   Printed per pair: each one's CPU ms per step over the timed steps and their ratio, and the median ratio of
+   their 10-step windows (each holds one logging step); then over the pairs the geometric mean (which cancels
+   what leading does, with an even number of pairs) and the median, and the extra us of train.py in ordinary
+   steps and in logging steps (medians). The helper threads' work counts (CPU time of all of a
+   process's threads); the progress bar's drawing, paced by the clock, counts up to twice, as a step takes twice
+   as long in lockstep.
+
 Wall time is what users wait for; CPU time (all the process's threads) is steadier on a shared machine.
 
-    python benchmarks/step_overhead.py [--repeats 5] [--rounds 3] [--override KEY=VALUE ...] [--json FILE]
+    python benchmarks/step_overhead.py [--repeats 5] [--rounds 3] [--pairs 6] [--override KEY=VALUE ...] [--json FILE]
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ from lightning.pytorch.trainer import call
 from torch.utils.data import ConcatDataset, DataLoader
 
 from overhead import (
+    STEP_TIMES,
     StepTimer,
     compare,
     diagnostics_seconds_per_step,
@@ -136,6 +148,30 @@ def run_lightning() -> None:
 
 def run_lightning_calls() -> None:
     bare_trainer([CallCounter()]).fit(Bare(), digits_loader())
+
+
+class Lockstep(StepTimer):
+    """StepTimer in a pair of processes taking turns: after each of its first `steps` steps it hands the turn over
+    on the pipe `send` and waits for it on `receive`. The process that is not `first` waits for the turn before
+    its first step."""
+
+    def __init__(self, receive: str, send: str, first: bool, steps: int = EPOCHS * (WARMUP + STEPS)) -> None:
+        super().__init__()
+        # Read-write opens of a FIFO do not wait for the other end (Linux): both processes can open both pipes.
+        self.receive, self.send = os.open(receive, os.O_RDWR), os.open(send, os.O_RDWR)
+        self.first, self.steps = first, steps
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if not self.first:
+            os.read(self.receive, 1)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        taken = len(self.times) // 2
+        if taken <= self.steps:
+            os.write(self.send, b"x")
+            if taken < self.steps:  # after its last step, the other process takes its own without waiting
+                os.read(self.receive, 1)
 
 
 def template_command(run_dir: str, overrides: list[str], callback: str = "overhead.StepTimer") -> list[str]:
@@ -366,16 +402,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="alternating runs of each variant")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the parts")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
-    parser.add_argument("--only", choices=["variants", "calls", "parts"], help="run one part of the benchmark")
+    parser.add_argument("--pairs", type=int, default=6, help="lockstep pairs of each comparison")
+    parser.add_argument(
+        "--only", choices=["lockstep", "variants", "calls", "parts"], help="run one part of the benchmark"
+    )
     parser.add_argument("--override", action="append", default=[], help="a train.py override (repeatable)")
     variants = ["lightning", "plain", "parts", "lightning-calls"]
     parser.add_argument("--variant", choices=variants, help=argparse.SUPPRESS)  # internal
     parser.add_argument("--parts-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--receive", help=argparse.SUPPRESS)  # lockstep: the pipes and who takes the first step
+    parser.add_argument("--send", help=argparse.SUPPRESS)
+    parser.add_argument("--first", choices=["True", "False"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
         torch.set_num_threads(1)
         if args.variant == "parts":
             run_parts(args.rounds, args.parts_out)
+        elif args.receive:
+            bare_trainer([Lockstep(args.receive, args.send, args.first == "True")]).fit(Bare(), digits_loader())
         else:
             {"lightning": run_lightning, "plain": run_plain, "lightning-calls": run_lightning_calls}[args.variant]()
         return
@@ -391,6 +435,9 @@ def main() -> None:
     report["config"] = {"batch": BATCH, "warmup": WARMUP, "steps": STEPS, "epochs": EPOCHS} | vars(args)
     report["config"] |= {"json": str(args.json), "threads": 1}
     report["load_average"]["start"] = os.getloadavg()
+    if args.only in (None, "lockstep"):
+        report["lockstep"] = compare_in_lockstep(args, env, itself)
+        report["load_average"]["after_lockstep"] = os.getloadavg()
     if args.only in (None, "variants"):
         report["variants"] = compare_variants(args, env, itself)
         report["load_average"]["after_variants"] = os.getloadavg()
@@ -426,6 +473,115 @@ def compare_variants(args: argparse.Namespace, env: dict[str, str], itself: list
         clock: compare({name: [r[clock] for r in runs] for name, runs in results.items()}, clock, "bare Lightning")
         for clock in ("wall", "cpu")
     }
+
+
+LOG_EVERY = 10  # train.py's trainer.log_every_n_steps: step k (0-based, counted over epochs) logs when k % 10 == 9
+
+
+def timed_steps() -> list[int]:
+    """Indices of the timed steps (each step's time ends at its own mark, starts at the one before)."""
+    return [e * (WARMUP + STEPS) + k for e in range(EPOCHS) for k in range(WARMUP, WARMUP + STEPS)]
+
+
+def lockstep_pair(commands: dict[str, list[str]], lead: str, env: dict[str, str], tmp: str) -> dict[str, list[float]]:
+    """Runs the two commands (name: command with the Lockstep callback's pipes still to add) in lockstep, `lead`
+    started first and taking the first step; returns each one's CPU time at the end of every step."""
+    receive = {name: f"{tmp}/to-{i}" for i, name in enumerate(commands)}
+    for path in receive.values():
+        os.mkfifo(path)
+    (a, b), procs = commands, {}
+    for name in sorted(commands, key=lambda n: n != lead):
+        other = b if name == a else a
+        pipes = {"receive": receive[name], "send": receive[other], "first": name == lead}
+        command = [arg.format(**pipes) for arg in commands[name]]
+        procs[name] = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    times = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{out[-2000:]}\n{err[-4000:]}")
+        line = next(line for line in out.splitlines() if STEP_TIMES in line)
+        times[name] = [float(n) for n in line[line.index(STEP_TIMES) :].split()[2::2]]  # the CPU times
+    for path in receive.values():
+        os.unlink(path)
+    return times
+
+
+def pair_ratios(times: dict[str, list[float]], reference: str, other: str) -> dict[str, Any]:
+    """`other` over `reference`: mean CPU s/step over the timed steps, the median ratio of 10-step windows, and
+    the per-step differences of ordinary and of logging steps."""
+    steps = timed_steps()
+
+    def step(name: str, k: int) -> float:
+        return times[name][k] - times[name][k - 1]
+
+    mean = {name: statistics.fmean(step(name, k) for k in steps) for name in (reference, other)}
+    windows = [steps[i : i + LOG_EVERY] for i in range(0, len(steps) - LOG_EVERY + 1, LOG_EVERY)]
+    window_ratios = [sum(step(other, k) for k in w) / sum(step(reference, k) for k in w) for w in windows]
+    extra = {
+        kind: statistics.median(
+            step(other, k) - step(reference, k) for k in steps if (k % LOG_EVERY == LOG_EVERY - 1) == logging
+        )
+        for kind, logging in (("ordinary", False), ("logging", True))
+    }
+    return {
+        "s_per_step": mean,
+        "ratio": mean[other] / mean[reference],
+        "window_ratio": statistics.median(window_ratios),
+        "extra_s": extra,
+    }
+
+
+def compare_in_lockstep(args: argparse.Namespace, env: dict[str, str], itself: list[str]) -> dict[str, Any]:
+    """bare Lightning against train.py, and against itself, each pair in lockstep, `args.pairs` times."""
+    pipes = ["--receive", "{receive}", "--send", "{send}", "--first", "{first}"]
+    lockstep = "+callbacks.measure.{}={{{}}}"
+    template = [*template_command("RUN", args.override, callback="step_overhead.Lockstep")]
+    template += [lockstep.format(key, key) for key in ("receive", "send", "first")]
+    results: dict[str, list[dict[str, Any]]] = {"train.py": [], "bare Lightning (itself)": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.pairs):
+            run_dir = f"hydra.run.dir={tmp}/run{i}"
+            pairs = {
+                "train.py": {
+                    "bare": [*itself, "lightning", *pipes],
+                    "train.py": [a.replace("hydra.run.dir=RUN", run_dir) for a in template],
+                },
+                "bare Lightning (itself)": {
+                    "bare": [*itself, "lightning", *pipes],
+                    "again": [*itself, "lightning", *pipes],
+                },
+            }
+            for name, commands in pairs.items():
+                lead = list(commands)[i % 2]  # who leads, and starts first, alternates
+                ratios = pair_ratios(lockstep_pair(commands, lead, env, tmp), "bare", list(commands)[1])
+                results[name].append(ratios | {"lead": lead})
+                ms = " vs ".join(f"{v * 1e3:.2f}" for v in ratios["s_per_step"].values())
+                row = f"{ratios['ratio']:.3f}, windows {ratios['window_ratio']:.3f}"
+                print(f"  pair {i + 1}/{args.pairs} {name:24s} ms/step {ms}: {row}")
+    print(f"\nin lockstep, CPU time, {args.pairs} pairs; train.py overrides: {args.override or 'none'}")
+    summary = {}
+    for name, runs in results.items():
+        # The geometric mean over pairs that lead in turn cancels what leading does to a process (the core it
+        # lands on, starting first): one pair in two has each lead.
+        summary[name] = {
+            "ratio": statistics.geometric_mean(r["ratio"] for r in runs),
+            "median_ratio": statistics.median(r["ratio"] for r in runs),
+            "window_ratio": statistics.geometric_mean(r["window_ratio"] for r in runs),
+            "extra_us": {
+                kind: statistics.median(r["extra_s"][kind] for r in runs) * 1e6 for kind in ("ordinary", "logging")
+            },
+            "pairs": runs,
+        }
+        row = summary[name]
+        print(
+            f"{name:24s} x bare Lightning: {row['ratio']:.3f} (geometric mean of the pairs; median"
+            f" {row['median_ratio']:.3f}), windows {row['window_ratio']:.3f}; extra us in an ordinary step"
+            f" {row['extra_us']['ordinary']:+.0f}, in a logging step {row['extra_us']['logging']:+.0f}"
+        )
+    return summary
 
 
 def compare_parts(args: argparse.Namespace, env: dict[str, str], itself: list[str]) -> dict[str, Any]:

@@ -75,6 +75,16 @@ class StopAfterEpochs(L.Callback):
             trainer.should_stop = True
 
 
+class CallbackNames(L.Callback):
+    """Writes the class names of the Trainer's callbacks, in order, to `out` when fit starts."""
+
+    def __init__(self, out: str) -> None:
+        self.out = Path(out)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.out.write_text(json.dumps([type(callback).__name__ for callback in trainer.callbacks]))
+
+
 class FailOnRank(L.Callback):
     """Raises on one rank at one step, as a bug or a dying GPU would; with `first_attempt_only`, only before
     torchrun's first restart."""

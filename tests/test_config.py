@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import ROOT, in_process, start
+from conftest import ROOT, in_process, read_json, start
 from scaleup.engine.config import build_model, instantiate_each
 from scaleup.engine.datamodule import apply_model_settings
 from scaleup.engine.errors import UserError
@@ -101,6 +101,26 @@ def test_every_model_builds_with_every_optimizer(model, optimizer):
     opt = module.configure_optimizers()
     assert [g["name"] for g in opt.param_groups] == ["decay", "no_decay"]
     assert opt.param_groups[1]["weight_decay"] == 0.0  # norms and biases are not decayed
+
+
+def test_no_progress_bar_among_the_callbacks_gets_the_throttled_one(tmp_path):
+    """callbacks=[] with the bar on: Lightning would add its TQDM bar, which redraws after every step."""
+    names = tmp_path / "callbacks.json"
+    in_process(
+        [
+            "callbacks=[]",
+            "logger=none",
+            "trainer.max_steps=1",
+            "trainer.limit_val_batches=1",
+            "trainer.limit_test_batches=1",
+            "trainer.num_sanity_val_steps=0",
+            "+callbacks.names._target_=probes.CallbackNames",
+            f"+callbacks.names.out={names}",
+            f"hydra.run.dir={tmp_path}",
+        ]
+    )
+    callbacks = read_json(names)
+    assert "ThrottledRichProgressBar" in callbacks and "TQDMProgressBar" not in callbacks
 
 
 # mlflow opens (and on first use creates) its tracking store when built: tests/test_loggers.py runs it for real.

@@ -522,3 +522,52 @@ def test_lean_update_metrics_count_updates_and_refresh_compute():
         assert metric.compute().item() == 0.75 and metric.update_count == 2
     total.update(logits.sum())
     assert total.update_called and not total.total.requires_grad
+
+
+def count_state_checks(monkeypatch) -> list[int]:
+    """Counts ModelCheckpoint's `_should_skip_saving_checkpoint` calls (the trainer-state check)."""
+    checks = []
+    lightning_check = ModelCheckpoint._should_skip_saving_checkpoint
+    monkeypatch.setattr(
+        ModelCheckpoint, "_should_skip_saving_checkpoint", lambda self, t: checks.append(1) or lightning_check(self, t)
+    )
+    return checks
+
+
+def test_model_checkpoint_checks_the_trainer_state_on_every_batch(tmp_path, monkeypatch):
+    """LeanModelCheckpoint. Without a step or time trigger, ModelCheckpoint still checks the trainer's state at the
+    end of every training batch (4 here), then at the epoch's end, where it saves."""
+    checks = count_state_checks(monkeypatch)
+    callback = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{step}", save_top_k=-1)
+    trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(Tiny())
+    assert len(checks) == BATCHES_PER_EPOCH + 1 and sorted(os.listdir(tmp_path)) == ["epoch=0-step=4.ckpt"]
+
+
+@pytest.mark.parametrize("every_n_train_steps", [None, 3])
+def test_lean_model_checkpoint_saves_what_lightnings_saves(tmp_path, monkeypatch, every_n_train_steps):
+    """With and without a step trigger, LeanModelCheckpoint writes the files Lightning's ModelCheckpoint writes, under
+    Lightning's state key; without a trigger it skips the check of each batch."""
+    checks = count_state_checks(monkeypatch)
+    saved, keys, counts = {}, {}, {}
+    for kind in (ModelCheckpoint, workarounds.LeanModelCheckpoint):
+        checks.clear()
+        dirpath = tmp_path / kind.__name__
+        callback = kind(
+            dirpath=dirpath, filename="{epoch}-{step}", save_top_k=-1, every_n_train_steps=every_n_train_steps
+        )
+        trainer(tmp_path, max_epochs=2, callbacks=[callback]).fit(Tiny())
+        saved[kind], counts[kind] = sorted(os.listdir(dirpath)), len(checks)
+        keys[kind] = list(torch.load(dirpath / saved[kind][-1], weights_only=False)["callbacks"])
+    assert saved[ModelCheckpoint] == saved[workarounds.LeanModelCheckpoint]
+    assert keys[ModelCheckpoint] == keys[workarounds.LeanModelCheckpoint] and keys[ModelCheckpoint][0].startswith(
+        "ModelCheckpoint{"
+    )
+    skipped = 0 if every_n_train_steps else 2 * BATCHES_PER_EPOCH
+    assert counts[ModelCheckpoint] - counts[workarounds.LeanModelCheckpoint] == skipped
+    # A step trigger replaces the epoch-end saves.
+    expected = (
+        ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
+        if every_n_train_steps
+        else ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
+    )
+    assert saved[ModelCheckpoint] == expected

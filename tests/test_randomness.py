@@ -42,7 +42,7 @@ def test_a_micro_batch_offset_is_its_place_in_the_global_batch():
 
 
 def test_seeds_are_a_function_of_their_keys_and_unrelated_for_neighbours():
-    assert mixed_seed(42, 1, 3, 32) == mixed_seed(42, 1, 3, 32)
+    assert mixed_seed(42, 1, 3, 32) == mixed_seed(42, 1, 3, 32) == mixed_seed(3, 32, start=mixed_seed(42, 1))
     neighbours = {mixed_seed(42, family, step, offset) for family in (0, 1) for step in (3, 4) for offset in (0, 32)}
     assert len(neighbours) == 8
     seed_generators(mixed_seed(42, 1, 3, 32))

@@ -49,7 +49,8 @@ class SampleMean(SampleSum):
         self.add_state("samples", default=torch.tensor(0.0), dist_reduce_fx="sum")
 
     def update(self, value: torch.Tensor, weight: float) -> None:
-        self.total.add_(value.detach().sum(), alpha=weight)
+        value = value.detach()
+        self.total.add_(value if value.ndim == 0 else value.sum(), alpha=weight)  # a loss is 0-dim: one op fewer
         self.samples.add_(weight)
 
     def compute(self) -> torch.Tensor:
@@ -74,11 +75,11 @@ class TopKAccuracy(LeanUpdateMetric):
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
         """`preds`: (N, C) scores or logits; `target`: (N,) class indices."""
-        preds = preds.detach()  # topk of a tensor that requires grad would also record its backward
-        if self.k == 1:
+        if self.k == 1:  # argmax records no backward: nothing to detach
             hits = preds.argmax(dim=-1) == target
         else:  # a target appears at most once among a sample's k indices: the matches count the hits
-            hits = preds.topk(self.k, dim=-1).indices == target.unsqueeze(-1)
+            # detached: topk of a tensor that requires grad would also record its backward
+            hits = preds.detach().topk(self.k, dim=-1).indices == target.unsqueeze(-1)
         self.correct.add_(hits.sum())
         self.total.add_(target.numel())  # a Python number: no host read
 
@@ -136,35 +137,45 @@ class StageMetrics(nn.Module):
                 "samples": SampleSum(),
             }
             self.add_module(f"{stage}_metrics", nn.ModuleDict(per_stage))
+        # The same modules by stage name, in a plain dict: nn.Module's attribute and ModuleDict lookups are a few
+        # Python calls each, and `update` and `log` run every step.
+        self._by_stage = {
+            stage: (group["task"], tuple(group["task"].values(copy_state=False)), group["loss"], group["samples"])
+            for stage in self.stages
+            for group in [getattr(self, f"{stage}_metrics")]
+        }
 
-    def _stage(self, stage: str) -> nn.ModuleDict:
-        if stage not in self.stages:
+    def _stage(self, stage: str) -> tuple[MetricCollection, tuple[Metric, ...], SampleMean, SampleSum]:
+        """(the wrapped collection, its metrics, loss, samples) of `stage`."""
+        metrics = self._by_stage.get(stage)
+        if metrics is None:
             raise ValueError(f"unknown stage {stage!r}; StageMetrics has {', '.join(self.stages)}")
-        return getattr(self, f"{stage}_metrics")
+        return metrics
 
     def update(self, stage: str, *args: Any, batch_size: int, loss: torch.Tensor | None = None, **kwargs: Any) -> None:
-        metrics = self._stage(stage)
+        collection, task, loss_mean, samples = self._stage(stage)
         if kwargs:  # the collection hands each metric the keyword arguments its update takes
-            metrics["task"].update(*args, **kwargs)
+            collection.update(*args, **kwargs)
         else:  # the same calls, without the collection's per-metric filtering (about 10 us a step)
-            for metric in metrics["task"].values(copy_state=False):
+            for metric in task:
                 metric.update(*args)
-        metrics["samples"].update(batch_size)
+        samples.update(batch_size)
         if loss is not None:
-            metrics["loss"].update(loss, weight=batch_size)
+            loss_mean.update(loss, weight=batch_size)
 
     def items(self, stage: str) -> list[tuple[str, Metric]]:
         """(name, metric) pairs of one stage: the wrapped metrics, `loss` once updated, and `samples`."""
-        metrics = self._stage(stage)
-        task = list(metrics["task"].items(keep_base=False, copy_state=False))
-        loss = [("loss", metrics["loss"])] if metrics["loss"].update_called else []
-        return [*task, *loss, ("samples", metrics["samples"])]
+        collection, _, loss_mean, samples = self._stage(stage)
+        task = list(collection.items(keep_base=False, copy_state=False))
+        loss = [("loss", loss_mean)] if loss_mean.update_called else []
+        return [*task, *loss, ("samples", samples)]
 
     def log(self, module: L.LightningModule, stage: str, prog_bar: Iterable[str] = ()) -> None:
         """Log every metric of `stage` as `<stage>/<name>`: computed (and all-gathered) once per epoch.
 
         Call it every step, after `update`: only the first step of the stage's epoch hands the objects over."""
-        if self._stage(stage)["samples"].update_count > 1:  # already with Lightning, which holds the objects
+        *_, samples = self._stage(stage)
+        if samples.update_count > 1:  # already with Lightning, which holds the objects
             return
         prog_bar = set(prog_bar)
         for name, metric in self.items(stage):

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 
 from scaleup.engine.batch_probe import AutoBatchSize
 from scaleup.engine.callbacks import (
@@ -18,6 +18,7 @@ from scaleup.engine.callbacks import (
 )
 from scaleup.engine.callbacks.hparams import PlanHParams
 from scaleup.engine.callbacks.performance import PerformanceSettings
+from scaleup.engine.callbacks.progress import ThrottledRichProgressBar
 from scaleup.engine.checkpoint import AtomicCheckpointIO, remove_interrupted_writes
 from scaleup.engine.checks import MonitorCheck, TrainLoaderCheck
 from scaleup.engine.clusters import cluster_plugins
@@ -28,6 +29,7 @@ from scaleup.engine.lightning_workarounds import (
     BatchProgressRescale,
     EpochProgressRepair,
     ExactEvalMetrics,
+    LeanModelCheckpoint,
     StopOnSigterm,
     install_step_fast_paths,
     model_parallel_precision,
@@ -37,7 +39,7 @@ from scaleup.engine.seeding import StepSeed
 from scaleup.engine.topology import Topology
 
 
-def checkpoint_callbacks(config: dict[str, Any], checkpoint_dir: str) -> list[ModelCheckpoint]:
+def checkpoint_callbacks(config: dict[str, Any], checkpoint_dir: str) -> list[LeanModelCheckpoint]:
     """The best epoch by `monitor.metric` (what train.py tests), and last.ckpt, rewritten after every epoch (and
     every `checkpoint.every_n_train_steps`): what `ckpt_path=last` resumes.
 
@@ -45,7 +47,7 @@ def checkpoint_callbacks(config: dict[str, Any], checkpoint_dir: str) -> list[Mo
     (Lightning 2.6): after the best epoch it would go stale.
     """
     metric, mode = config["monitor"]["metric"], config["monitor"]["mode"]
-    best = ModelCheckpoint(
+    best = LeanModelCheckpoint(
         dirpath=checkpoint_dir,
         filename=f"best-epoch{{epoch:03d}}-{{{metric}:.4f}}",  # e.g. best-epoch011-0.9861.ckpt
         auto_insert_metric_name=False,  # metric names contain "/"
@@ -53,7 +55,7 @@ def checkpoint_callbacks(config: dict[str, Any], checkpoint_dir: str) -> list[Mo
         mode=mode,
         save_top_k=1,
     )
-    last = ModelCheckpoint(
+    last = LeanModelCheckpoint(
         dirpath=checkpoint_dir,
         filename="last",
         save_top_k=1,  # no monitor: keep only the newest
@@ -94,12 +96,16 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
     callbacks = template_callbacks(config, plan, run_dir)
     with config_errors("callbacks"):
         callbacks += instantiate_each(config.get("callbacks"))
+    # Lightning refuses a progress bar it was told not to show; and given none, it adds its TQDM bar, which redraws
+    # after every step (a quarter of a 7 ms step on a CPU): the throttled one instead.
+    if not config["trainer"].get("enable_progress_bar", True):
+        callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
+    elif not any(isinstance(cb, ProgressBar) for cb in callbacks):
+        callbacks.append(ThrottledRichProgressBar())
     callbacks.append(StopOnSigterm())  # last: every other callback finishes the batch it stops after
     with config_errors("logger"):
         loggers = instantiate_each(config["logger"])
-    # Lightning refuses a progress bar it was told not to show, and an LR monitor with nowhere to log.
-    if not config["trainer"].get("enable_progress_bar", True):
-        callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
+    # Lightning refuses an LR monitor with nowhere to log.
     if not loggers:
         callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
     trainer_kwargs = {

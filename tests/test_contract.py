@@ -55,6 +55,11 @@ def test_stage_metrics_wrap_any_metric_per_stage_and_add_loss_and_samples():
     assert [name for name, _ in StageMetrics(MeanSquaredError()).items("test")] == ["MeanSquaredError", "samples"]
     with pytest.raises(ValueError, match="rename your metric 'samples'"):
         StageMetrics({"samples": MeanSquaredError()})
+    evaluation_only = StageMetrics({"acc": MulticlassAccuracy(3), "mse": MeanSquaredError()}, eval_only=["mse"])
+    assert [name for name, _ in evaluation_only.items("train")] == ["acc", "samples"]
+    assert [name for name, _ in evaluation_only.items("val")] == ["acc", "mse", "samples"]
+    with pytest.raises(ValueError, match="eval_only names 'acc5', which is not one of the metrics: acc, mse"):
+        StageMetrics({"acc": MulticlassAccuracy(3), "mse": MeanSquaredError()}, eval_only=["acc5"])
 
 
 def test_monitor_mode_must_be_min_or_max(tmp_path):

@@ -1,34 +1,32 @@
 """Per-step overhead at steps small enough that the framework, not the model, sets the pace: digits (8x8), DigitsCNN
-width 32, batch 16, one torch thread, CPU. About 10 ms a step, the range of GPU steps, where a few ms of Python
-per step show.
+width 32, batch 16, one torch thread, CPU. About 7 ms a step, the range of GPU steps, where a few hundred us of
+Python per step show. Each part can run alone with `--only`; they run in this order:
 
-1. Side by side, in alternating fresh processes (plain, Lightning, train.py, plain, ...): a plain PyTorch loop, a
-   bare Lightning script and `python train.py` as users run it (progress bar, TensorBoard, diagnostics,
-   checkpoints, metrics), with the same data, network and optimizer. Each run times the 73 steps after the
-   first 5 of each of 3 epochs (78 steps each), logging steps included, validation between epochs not.
-   Printed: median, min and spread of the runs' mean s/step, and each one's ratio to bare Lightning.
-2. The parts, in one process: bare Lightning plus one part (a callback of train.py or of the default callbacks,
-   the TensorBoard logger, or the template's LightningModule with its metrics and logging), each against bare
-   Lightning alone, in alternating rounds (one epoch of the digits three times over, 219 steps timed).
-   Each part runs with the hook dispatch train.py installs (only the hooks a callback overrides are called),
-   bare Lightning with Lightning's own. Printed: the extra ms per step of each part and its share of bare
-   Lightning's step, and, timed alone, the diagnostics' hooks and what each dispatch spends on a callback that
-   does nothing in a step.
-
-3. In lockstep (`--only lockstep`), the comparison the ratio is read from: bare Lightning and train.py run at
+1. `lockstep`, where the ratio is read: bare Lightning and `python train.py` as users run it (progress bar,
+   TensorBoard, LR monitor, diagnostics, checkpoints, metrics), with the same data, network and optimizer, run at
    the same time as two processes that take turns step by step (a pipe passes the turn at each step's end), so a
-   machine getting busier or quieter slows both alike, step for step; the process that leads and the order they
-   start in alternate between pairs. A pair of bare Lightning against itself shows the method's own noise.
-   Printed per pair: each one's CPU ms per step over the timed steps and their ratio, and the median ratio of
-   their 10-step windows (each holds one logging step); then over the pairs the geometric mean (which cancels
-   what leading does, with an even number of pairs) and the median, and the extra us of train.py in ordinary
-   steps and in logging steps (medians). The helper threads' work counts (CPU time of all of a
-   process's threads); the progress bar's drawing, paced by the clock, counts up to twice, as a step takes twice
-   as long in lockstep.
+   machine getting busier or quieter slows both alike, step for step. The process that leads (and starts first)
+   alternates between pairs; a pair of bare Lightning against itself shows the method's own noise. Each process
+   times the 73 steps after the first 5 of each of 3 epochs (78 steps each), logging steps included, validation
+   between epochs not, in CPU time of all its threads (the helper threads' work counts; the progress bar's
+   drawing, paced by the clock, counts up to twice, as a step takes twice as long in lockstep). Printed per pair:
+   CPU ms per step and their ratio, and the median ratio of 10-step windows (each holds one logging step); over
+   the pairs, the geometric mean (which cancels what leading does, with an even number of pairs) and the median,
+   and train.py's extra us in ordinary and in logging steps.
+2. `hooks`: inside train.py's steps, each callback's step hooks, the module's metric updates and log calls and the
+   loggers' writes, timed with the main thread's CPU clock (HookTimer): what each piece costs in a real step.
+3. `variants`: in alternating fresh processes, a plain PyTorch loop, bare Lightning and train.py, each run alone:
+   median, min and spread of the runs' mean s/step (wall and CPU), and each one's ratio to bare Lightning.
+4. `calls`: the main thread's Python calls per step, bare Lightning and train.py (CallCounter): a count, the
+   same under any load.
+5. `parts`, in one process: bare Lightning plus one part (a callback of train.py or of the default callbacks, the
+   TensorBoard logger, or the template's LightningModule with its metrics and logging), each against bare
+   Lightning alone, in alternating rounds (219 steps timed). Each part runs with the hook dispatch train.py
+   installs (only the hooks a callback overrides are called), bare Lightning with Lightning's own. Printed: the
+   extra ms per step of each part and its share of bare Lightning's step, and, timed alone, the diagnostics'
+   hooks and what each dispatch spends on a callback that does nothing in a step.
 
-Wall time is what users wait for; CPU time (all the process's threads) is steadier on a shared machine.
-
-    python benchmarks/step_overhead.py [--repeats 5] [--rounds 3] [--pairs 6] [--override KEY=VALUE ...] [--json FILE]
+    python benchmarks/step_overhead.py [--pairs 6] [--repeats 5] [--rounds 3] [--override KEY=VALUE ...] [--json FILE]
 """
 
 from __future__ import annotations
@@ -87,6 +85,7 @@ from scaleup.engine.lightning_workarounds import (
     StopOnSigterm,
     _call_overridden_callback_hooks,
 )
+from scaleup.engine.metrics import StageMetrics
 from scaleup.engine.seeding import StepSeed
 from scaleup.models import DigitsCNN, ImageClassifier
 from scaleup.models.optim import build_optimizer
@@ -234,6 +233,83 @@ def count_calls(args: argparse.Namespace, env: dict[str, str], itself: list[str]
         row = f"mean {mean[name]:7.0f}, ordinary step {min(calls):6d}, logging step {max(calls):6d}"
         print(f"{name:15s} {row}   x bare Lightning {mean[name] / mean['bare Lightning']:.3f}")
     return {"per_step": counts, "mean": mean, "ratio": mean["train.py"] / mean["bare Lightning"]}
+
+
+# --- Each piece's CPU time inside a training step ------------------------------------------------------------------
+
+HOOK_TIMES = "HOOK_TIMES"
+TIMED_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+               "on_before_zero_grad", "on_train_batch_end")  # fmt: skip
+
+
+class HookTimer(L.Callback):
+    """Times, with the main thread's CPU clock, every step hook of every other callback, the module's metric updates
+    and `log` calls and the loggers' writes, inside the training steps of the epochs after the first (the first
+    of each epoch not counted: it hands the metric objects to Lightning), and prints each one's microseconds per
+    step when training ends. Inside a real step a piece costs more than in a loop of its own, where its code and
+    data stay in the caches."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.steps = 0
+        self._on = False
+
+    def _time(self, owner: Any, attribute: str, name: str) -> None:
+        call = getattr(owner, attribute)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self._on:
+                return call(*args, **kwargs)
+            start = time.thread_time()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.thread_time() - start
+
+        setattr(owner, attribute, timed)  # an instance attribute: Lightning's dispatch finds it
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        for callback in trainer.callbacks:
+            for hook in TIMED_HOOKS:
+                if callback is not self and getattr(type(callback), hook) is not getattr(L.Callback, hook):
+                    self._time(callback, hook, f"{type(callback).__name__}.{hook}")
+        if isinstance(getattr(pl_module, "metrics", None), StageMetrics):
+            self._time(pl_module.metrics, "update", "StageMetrics.update")
+            self._time(pl_module.metrics, "log", "StageMetrics.log")
+        self._time(pl_module, "log", "LightningModule.log")
+        for logger in trainer.loggers:
+            self._time(logger, "log_metrics", f"{type(logger).__name__}.log_metrics")
+            self._time(logger, "save", f"{type(logger).__name__}.save")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._on = trainer.current_epoch > 0 and batch_idx > 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.steps += self._on
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        times = [f"{name}={seconds / max(self.steps, 1)}" for name, seconds in self.seconds.items()]
+        print(HOOK_TIMES, *times, file=sys.__stdout__, flush=True)
+
+
+def time_hooks(args: argparse.Namespace, env: dict[str, str]) -> dict[str, float]:
+    """train.py with HookTimer, `args.repeats` runs: each piece's median microseconds per step."""
+    runs: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            command = template_command(f"{tmp}/run{i}", args.override, callback="step_overhead.HookTimer")
+            out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"{' '.join(command)} failed:\n{out.stderr[-4000:]}")
+            line = next(line for line in out.stdout.splitlines() if HOOK_TIMES in line)
+            for item in line[line.index(HOOK_TIMES) :].split()[1:]:
+                name, seconds = item.split("=")
+                runs.setdefault(name, []).append(float(seconds) * 1e6)
+    costs = {name: statistics.median(us) for name, us in runs.items()}
+    print(f"\ninside train.py's steps, main thread CPU time, median of {args.repeats} runs (us per step)")
+    for name, us in sorted(costs.items(), key=lambda item: -item[1]):
+        print(f"{us:8.1f}  {name}")
+    return costs
 
 
 class StopTiming(Exception):
@@ -438,6 +514,8 @@ def main() -> None:
     if args.only in (None, "lockstep"):
         report["lockstep"] = compare_in_lockstep(args, env, itself)
         report["load_average"]["after_lockstep"] = os.getloadavg()
+    if args.only in (None, "hooks"):
+        report["hooks_us_per_step"] = time_hooks(args, env)
     if args.only in (None, "variants"):
         report["variants"] = compare_variants(args, env, itself)
         report["load_average"]["after_variants"] = os.getloadavg()

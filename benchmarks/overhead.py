@@ -137,7 +137,12 @@ def printed_numbers(command: list[str], env: dict[str, str], marker: str, timeou
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    line = next(line for line in out.stdout.splitlines() if marker in line)  # a progress bar may precede it
+    return numbers_after(out.stdout, marker)
+
+
+def numbers_after(output: str, marker: str) -> list[float]:
+    """The numbers printed after `marker` on its line of `output` (a progress bar may precede it there)."""
+    line = next(line for line in output.splitlines() if marker in line)
     return [float(n) for n in line[line.index(marker) :].split()[1:]]
 
 

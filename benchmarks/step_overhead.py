@@ -59,6 +59,7 @@ from overhead import (
     compare,
     diagnostics_seconds_per_step,
     now,
+    numbers_after,
     plain_loop,
     printed_numbers,
     seconds_per_step,
@@ -86,6 +87,7 @@ from scaleup.engine.lightning_workarounds import (
     _call_overridden_callback_hooks,
 )
 from scaleup.engine.metrics import StageMetrics
+from scaleup.engine.plan import resolve_log_every_n_steps
 from scaleup.engine.seeding import StepSeed
 from scaleup.models import DigitsCNN, ImageClassifier
 from scaleup.models.optim import build_optimizer
@@ -172,6 +174,10 @@ class Lockstep(StepTimer):
             if taken < self.steps:  # after its last step, the other process takes its own without waiting
                 os.read(self.receive, 1)
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        print(LOG_EVERY, trainer.log_every_n_steps, file=sys.__stdout__, flush=True)
+
 
 def template_command(run_dir: str, overrides: list[str], callback: str = "overhead.StepTimer") -> list[str]:
     """train.py with its defaults: only the batch, the epochs and CPU set, and the step timer (or `callback`)."""
@@ -190,7 +196,7 @@ def template_command(run_dir: str, overrides: list[str], callback: str = "overhe
 # --- Python calls per step: a count, the same on every machine ------------------------------------------------------
 
 CALLS = "PYTHON_CALLS"
-COUNTED = range(20, 50)  # 30 steps of the first epoch; with log_every_n_steps=10, 3 of them are logging steps
+COUNTED = range(20, 50)  # 30 steps of the first epoch; with train.py's log_every_n_steps (auto: 19), 2 log
 
 
 class CallCounter(L.Callback):
@@ -238,6 +244,7 @@ def count_calls(args: argparse.Namespace, env: dict[str, str], itself: list[str]
 # --- Each piece's CPU time inside a training step ------------------------------------------------------------------
 
 HOOK_TIMES = "HOOK_TIMES"
+LOG_EVERY = "LOG_EVERY"
 TIMED_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
                "on_before_zero_grad", "on_train_batch_end")  # fmt: skip
 
@@ -399,7 +406,9 @@ def time_part(make: Callable[[], tuple[L.LightningModule, list[L.Callback], Any]
     call._call_callback_hooks = _call_overridden_callback_hooks if template else LIGHTNING_DISPATCH
     module, callbacks, logger = make()
     timer = PartTimer()
-    trainer = bare_trainer([*callbacks, timer], logger=logger, log_every_n_steps=10)
+    # Logging steps as often as in train.py (its `auto` on an epoch of 78 steps).
+    every = resolve_log_every_n_steps("auto", WARMUP + STEPS)
+    trainer = bare_trainer([*callbacks, timer], logger=logger, log_every_n_steps=every)
     with contextlib.suppress(StopTiming):
         trainer.fit(module, digits_loader())
     if logger:
@@ -479,9 +488,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the parts")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--pairs", type=int, default=6, help="lockstep pairs of each comparison")
-    parser.add_argument(
-        "--only", choices=["lockstep", "variants", "calls", "parts"], help="run one part of the benchmark"
-    )
+    parts = ["lockstep", "hooks", "variants", "calls", "parts"]
+    parser.add_argument("--only", choices=parts, help="run one part of the benchmark")
     parser.add_argument("--override", action="append", default=[], help="a train.py override (repeatable)")
     variants = ["lightning", "plain", "parts", "lightning-calls"]
     parser.add_argument("--variant", choices=variants, help=argparse.SUPPRESS)  # internal
@@ -553,17 +561,17 @@ def compare_variants(args: argparse.Namespace, env: dict[str, str], itself: list
     }
 
 
-LOG_EVERY = 10  # train.py's trainer.log_every_n_steps: step k (0-based, counted over epochs) logs when k % 10 == 9
-
-
 def timed_steps() -> list[int]:
     """Indices of the timed steps (each step's time ends at its own mark, starts at the one before)."""
     return [e * (WARMUP + STEPS) + k for e in range(EPOCHS) for k in range(WARMUP, WARMUP + STEPS)]
 
 
-def lockstep_pair(commands: dict[str, list[str]], lead: str, env: dict[str, str], tmp: str) -> dict[str, list[float]]:
+def lockstep_pair(
+    commands: dict[str, list[str]], lead: str, env: dict[str, str], tmp: str
+) -> tuple[dict[str, list[float]], dict[str, int]]:
     """Runs the two commands (name: command with the Lockstep callback's pipes still to add) in lockstep, `lead`
-    started first and taking the first step; returns each one's CPU time at the end of every step."""
+    started first and taking the first step; returns each one's CPU time at the end of every step, and its
+    Trainer's log_every_n_steps."""
     receive = {name: f"{tmp}/to-{i}" for i, name in enumerate(commands)}
     for path in receive.values():
         os.mkfifo(path)
@@ -575,32 +583,33 @@ def lockstep_pair(commands: dict[str, list[str]], lead: str, env: dict[str, str]
         procs[name] = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-    times = {}
+    times, log_every = {}, {}
     for name, proc in procs.items():
         out, err = proc.communicate()
         if proc.returncode != 0:
             raise SystemExit(f"{name} failed:\n{out[-2000:]}\n{err[-4000:]}")
-        line = next(line for line in out.splitlines() if STEP_TIMES in line)
-        times[name] = [float(n) for n in line[line.index(STEP_TIMES) :].split()[2::2]]  # the CPU times
+        numbers = {marker: numbers_after(out, marker) for marker in (STEP_TIMES, LOG_EVERY)}
+        times[name], log_every[name] = numbers[STEP_TIMES][1::2], int(numbers[LOG_EVERY][0])  # the CPU times
     for path in receive.values():
         os.unlink(path)
-    return times
+    return times, log_every
 
 
-def pair_ratios(times: dict[str, list[float]], reference: str, other: str) -> dict[str, Any]:
-    """`other` over `reference`: mean CPU s/step over the timed steps, the median ratio of 10-step windows, and
-    the per-step differences of ordinary and of logging steps."""
+def pair_ratios(times: dict[str, list[float]], reference: str, other: str, log_every: int) -> dict[str, Any]:
+    """`other` over `reference`: mean CPU s/step over the timed steps, the median ratio of windows of `log_every`
+    steps (each holds one logging step), and the per-step differences of ordinary and of logging steps (step k,
+    0-based over the epochs, logs when (k + 1) % log_every == 0)."""
     steps = timed_steps()
 
     def step(name: str, k: int) -> float:
         return times[name][k] - times[name][k - 1]
 
     mean = {name: statistics.fmean(step(name, k) for k in steps) for name in (reference, other)}
-    windows = [steps[i : i + LOG_EVERY] for i in range(0, len(steps) - LOG_EVERY + 1, LOG_EVERY)]
+    windows = [steps[i : i + log_every] for i in range(0, len(steps) - log_every + 1, log_every)]
     window_ratios = [sum(step(other, k) for k in w) / sum(step(reference, k) for k in w) for w in windows]
     extra = {
         kind: statistics.median(
-            step(other, k) - step(reference, k) for k in steps if (k % LOG_EVERY == LOG_EVERY - 1) == logging
+            step(other, k) - step(reference, k) for k in steps if ((k + 1) % log_every == 0) == logging
         )
         for kind, logging in (("ordinary", False), ("logging", True))
     }
@@ -634,7 +643,10 @@ def compare_in_lockstep(args: argparse.Namespace, env: dict[str, str], itself: l
             }
             for name, commands in pairs.items():
                 lead = list(commands)[i % 2]  # who leads, and starts first, alternates
-                ratios = pair_ratios(lockstep_pair(commands, lead, env, tmp), "bare", list(commands)[1])
+                times, log_every = lockstep_pair(commands, lead, env, tmp)
+                if name == "train.py":  # bare Lightning against itself is cut into train.py's windows
+                    every = log_every["train.py"]
+                ratios = pair_ratios(times, "bare", list(commands)[1], every)
                 results[name].append(ratios | {"lead": lead})
                 ms = " vs ".join(f"{v * 1e3:.2f}" for v in ratios["s_per_step"].values())
                 row = f"{ratios['ratio']:.3f}, windows {ratios['window_ratio']:.3f}"

@@ -561,7 +561,7 @@ class Widget:
             {"trainer": {"min_epochs": -1, "log_every_n_steps": 0, "check_val_every_n_epoch": 0}},
             "train",
             "trainer.min_epochs=-1 must be an integer >= 0 or null; "
-            "trainer.log_every_n_steps=0 must be an integer >= 1 or null; "
+            "trainer.log_every_n_steps=0 must be an integer >= 1, auto or null; "
             "trainer.check_val_every_n_epoch=0 must be an integer >= 1 or null",
         ),
         (

@@ -242,6 +242,18 @@ def test_sync_batchnorm_auto_decides_by_the_per_device_batch(topology, global_, 
     assert dict(plan.rows())["SyncBatchNorm"] == f"{'on' if sync else 'off'} ({reason})"
 
 
+@pytest.mark.parametrize(
+    "train_size, setting, every",
+    [(10_000, "auto", 4), (512 * 400, "auto", 50), (512 * 3, "auto", 1), (None, "auto", 50), (10_000, 7, 7)],
+)
+def test_log_every_n_steps_auto_is_50_or_a_quarter_epoch(train_size, setting, every):
+    """19 steps an epoch: every 4; 400 steps: Lightning's 50; 3 steps: every step; sizes unknown (a dry run
+    without the files): 50; a number is kept."""
+    sizes = {"train": train_size, "val": 100, "test": 100} if train_size else {}
+    plan = plan_for(trainer_cfg={"max_epochs": 1, "log_every_n_steps": setting}, dataset_sizes=sizes)
+    assert plan.log_every_n_steps == every
+
+
 def test_one_gpu_with_accumulation_warns_that_batchnorm_sees_less_than_the_synced_recipe():
     """An 8-GPU SyncBN recipe (BN over 256) on 1 GPU with a cap of 32: BN normalises each micro-batch of 32."""
     one_gpu = plan_for(

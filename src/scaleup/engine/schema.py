@@ -168,7 +168,7 @@ class TrainerArgs(Section):
     max_time: Duration | None = Field(description='null, "DD:HH:MM:SS" or a mapping such as {hours: 12}')
     gradient_clip_val: NonNegative | None
     gradient_clip_algorithm: Literal["norm", "value"] | None
-    log_every_n_steps: PositiveInt | None
+    log_every_n_steps: PositiveInt | Literal["auto"] | None
     val_check_interval: PositiveInt | Annotated[float, Field(gt=0, le=1)] | Duration | None = Field(
         description='null, an integer >= 1 (batches), a number in (0, 1] (of an epoch), or a time ("DD:HH:MM:SS")'
     )

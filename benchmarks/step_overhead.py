@@ -623,19 +623,15 @@ def pair_ratios(times: dict[str, list[float]], reference: str, other: str, log_e
 
 def compare_in_lockstep(args: argparse.Namespace, env: dict[str, str], itself: list[str]) -> dict[str, Any]:
     """bare Lightning against train.py, and against itself, each pair in lockstep, `args.pairs` times."""
+    # The Lockstep callback's arguments, filled in by lockstep_pair.
     pipes = ["--receive", "{receive}", "--send", "{send}", "--first", "{first}"]
-    lockstep = "+callbacks.measure.{}={{{}}}"
-    template = [*template_command("RUN", args.override, callback="step_overhead.Lockstep")]
-    template += [lockstep.format(key, key) for key in ("receive", "send", "first")]
+    hydra_pipes = [f"+callbacks.measure.{key}={{{key}}}" for key in ("receive", "send", "first")]
     results: dict[str, list[dict[str, Any]]] = {"train.py": [], "bare Lightning (itself)": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.pairs):
-            run_dir = f"hydra.run.dir={tmp}/run{i}"
+            template = template_command(f"{tmp}/run{i}", args.override, callback="step_overhead.Lockstep")
             pairs = {
-                "train.py": {
-                    "bare": [*itself, "lightning", *pipes],
-                    "train.py": [a.replace("hydra.run.dir=RUN", run_dir) for a in template],
-                },
+                "train.py": {"bare": [*itself, "lightning", *pipes], "train.py": [*template, *hydra_pipes]},
                 "bare Lightning (itself)": {
                     "bare": [*itself, "lightning", *pipes],
                     "again": [*itself, "lightning", *pipes],

@@ -134,7 +134,8 @@ class StageMetrics(nn.Module):
         members = dict(collection.items(keep_base=False, copy_state=False))
         if clash := [name for name in RESERVED if name in members]:
             raise ValueError(f"StageMetrics adds {', '.join(RESERVED)} itself; rename your metric {clash[0]!r}")
-        if unknown := sorted(set(eval_only) - set(members)):
+        eval_only = set(eval_only)
+        if unknown := sorted(eval_only - set(members)):
             raise ValueError(f"eval_only names {unknown[0]!r}, which is not one of the metrics: {', '.join(members)}")
         self.stages = tuple(stages)
         for stage in self.stages:

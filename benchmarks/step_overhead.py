@@ -10,9 +10,9 @@ Python per step show. Each part can run alone with `--only`; they run in this or
    times the 73 steps after the first 5 of each of 3 epochs (78 steps each), logging steps included, validation
    between epochs not, in CPU time of all its threads (the helper threads' work counts; the progress bar's
    drawing, paced by the clock, counts up to twice, as a step takes twice as long in lockstep). Printed per pair:
-   CPU ms per step and their ratio, and the median ratio of 10-step windows (each holds one logging step); over
-   the pairs, the geometric mean (which cancels what leading does, with an even number of pairs) and the median,
-   and train.py's extra us in ordinary and in logging steps.
+   CPU ms per step and their ratio, and the median ratio of windows of train.py's log_every_n_steps steps (one
+   logging step each); over the pairs, the geometric mean (which cancels what leading does, with an even number
+   of pairs) and the median, and train.py's extra us in ordinary and in logging steps.
 2. `hooks`: inside train.py's steps, each callback's step hooks, the module's metric updates and log calls and the
    loggers' writes, timed with the main thread's CPU clock (HookTimer): what each piece costs in a real step.
 3. `variants`: in alternating fresh processes, a plain PyTorch loop, bare Lightning and train.py, each run alone:
@@ -234,7 +234,8 @@ def count_calls(args: argparse.Namespace, env: dict[str, str], itself: list[str]
         }
         counts = {name: [int(n) for n in printed_numbers(command, env, CALLS)] for name, command in commands.items()}
     mean = {name: statistics.fmean(calls) for name, calls in counts.items()}
-    print(f"\nPython calls per training step, main thread, steps {COUNTED.start}-{COUNTED.stop - 1} (3 logging steps)")
+    steps = f"steps {COUNTED.start}-{COUNTED.stop - 1}, logging steps included"
+    print(f"\nPython calls per training step, main thread, {steps}")
     for name, calls in counts.items():
         row = f"mean {mean[name]:7.0f}, ordinary step {min(calls):6d}, logging step {max(calls):6d}"
         print(f"{name:15s} {row}   x bare Lightning {mean[name] / mean['bare Lightning']:.3f}")

@@ -54,15 +54,20 @@ def mixed_seed(*keys: int, start: int = 0) -> int:
     return mixed
 
 
+def seed_host_generators(seed: int) -> None:
+    """Seed python's, numpy's and torch's CPU generator."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # numpy's legacy global generator takes 32 bits
+    torch.default_generator.manual_seed(seed)
+
+
 def seed_generators(seed: int) -> None:
     """Seed python's, numpy's and torch's CPU generator, and the current GPU's when CUDA is in use.
 
     Not `torch.manual_seed`: it also probes every accelerator backend, 300 us on a CPU-only machine against 4 us
     for the CPU generator itself. Under DDP each process uses one GPU, the current one.
     """
-    random.seed(seed)
-    np.random.seed(seed % 2**32)  # numpy's legacy global generator takes 32 bits
-    torch.default_generator.manual_seed(seed)
+    seed_host_generators(seed)
     if torch.cuda.is_initialized():
         torch.cuda.manual_seed(seed)
 
@@ -114,6 +119,7 @@ class StepSeed(L.Callback):
         self._micro_batch = 0
         self._stream = mixed_seed(seed, MODEL)  # the keys every step shares, mixed once
         self._rank_offset = self._per_device = 0
+        self._gpu_generator: torch.Generator | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The topology is fixed for the fit (and settled by now, also by AutoBatchSize): read from the Trainer's
@@ -121,6 +127,11 @@ class StepSeed(L.Callback):
         accumulation = trainer.accumulate_grad_batches
         self._per_device = self.global_batch_size // (trainer.world_size * accumulation)
         self._rank_offset = micro_batch_offset(trainer.global_rank, accumulation, 0, self._per_device)
+        # The process's GPU generator itself: `torch.cuda.manual_seed` looks it up through a lazy-init queue.
+        device = pl_module.device
+        if device.type == "cuda":
+            index = torch.cuda.current_device() if device.index is None else device.index
+            self._gpu_generator = torch.cuda.default_generators[index]
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -131,4 +142,7 @@ class StepSeed(L.Callback):
         self._micro_batch = self._micro_batch + 1 if step == self._step else 0
         self._step = step
         offset = self._rank_offset + self._micro_batch * self._per_device  # micro_batch_offset
-        seed_generators(mixed_seed(step, offset, start=self._stream))
+        seed = mixed_seed(step, offset, start=self._stream)
+        seed_host_generators(seed)
+        if self._gpu_generator is not None:
+            self._gpu_generator.manual_seed(seed)

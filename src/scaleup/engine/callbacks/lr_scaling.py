@@ -101,14 +101,28 @@ class LRScaling(L.Callback):
     def __init__(self, schedule: LRSchedule) -> None:
         self.schedule = schedule
         self.base_lrs: list[list[float]] = []
+        self._groups: list[tuple[dict[str, Any], float]] = []  # (param group, its base LR), flat
+        self._step: int | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.base_lrs = [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # After a checkpoint's optimizer state is loaded, which replaces every param group dict.
+        self._groups = [
+            (group, base_lr)
+            for optimizer, base_lrs in zip(trainer.optimizers, self.base_lrs, strict=True)
+            for group, base_lr in zip(optimizer.param_groups, base_lrs, strict=True)
+        ]
+        self._step = None
+
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        factor = self.schedule.factor_at(trainer.global_step)
-        for optimizer, base_lrs in zip(trainer.optimizers, self.base_lrs, strict=True):
-            for group, base_lr in zip(optimizer.param_groups, base_lrs, strict=True):
-                group["lr"] = base_lr * factor
+        step = trainer.global_step
+        if step == self._step:  # the next micro-batch of an accumulated step: set already
+            return
+        self._step = step
+        factor = self.schedule.factor_at(step)
+        for group, base_lr in self._groups:
+            group["lr"] = base_lr * factor

@@ -24,7 +24,7 @@ FOLD_EVERY = 32  # updates a HeldSum holds at most before adding them to its sta
 class _Held:
     """A HeldSum state and what has not been added to it yet: a Python number, and tensors by their weight."""
 
-    __slots__ = ("state", "number", "tensors", "count")
+    __slots__ = ("count", "number", "state", "tensors")
 
     def __init__(self, state: torch.Tensor) -> None:
         self.state, self.number, self.tensors, self.count = state, 0, {}, 0

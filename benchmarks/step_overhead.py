@@ -593,7 +593,25 @@ def lockstep_pair(
         times[name], log_every[name] = numbers[STEP_TIMES][1::2], int(numbers[LOG_EVERY][0])  # the CPU times
     for path in receive.values():
         os.unlink(path)
+    if short := {name: len(t) for name, t in times.items() if len(t) < EPOCHS * (WARMUP + STEPS)}:
+        # Seen once in about a hundred pairs: a process printed fewer step times than it took steps.
+        raise IncompletePair(f"fewer step times than steps: {short}")
     return times, log_every
+
+
+class IncompletePair(RuntimeError):
+    pass
+
+
+def lockstep_pair_retried(
+    commands: dict[str, list[str]], lead: str, env: dict[str, str], tmp: str
+) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """`lockstep_pair`, run once more if a process's step times came back incomplete."""
+    try:
+        return lockstep_pair(commands, lead, env, tmp)
+    except IncompletePair as error:
+        print(f"  {error}: the pair runs again")
+        return lockstep_pair(commands, lead, env, tmp)
 
 
 def pair_ratios(times: dict[str, list[float]], reference: str, other: str, log_every: int) -> dict[str, Any]:
@@ -640,7 +658,7 @@ def compare_in_lockstep(args: argparse.Namespace, env: dict[str, str], itself: l
             }
             for name, commands in pairs.items():
                 lead = list(commands)[i % 2]  # who leads, and starts first, alternates
-                times, log_every = lockstep_pair(commands, lead, env, tmp)
+                times, log_every = lockstep_pair_retried(commands, lead, env, tmp)
                 if name == "train.py":  # bare Lightning against itself is cut into train.py's windows
                     every = log_every["train.py"]
                 ratios = pair_ratios(times, "bare", list(commands)[1], every)

@@ -21,6 +21,7 @@ from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.plugins.precision import DoublePrecision
+from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer import call
@@ -296,6 +297,123 @@ def test_skipping_unoverridden_hooks_calls_the_same_hooks_in_the_same_order(tmp_
         seen[name] = (records.calls, steps.seen)
     assert len(seen["lightning"][0]) == 60 and seen["lightning"][1] == [False, True] * 3
     assert seen["workaround"] == seen["lightning"]
+
+
+MODULE_HOOKS = [*HOOKS, "training_step", "validation_step", "test_step", "backward", "optimizer_step",
+                "optimizer_zero_grad", "configure_gradient_clipping", "on_before_batch_transfer",
+                "transfer_batch_to_device", "on_after_batch_transfer"]  # fmt: skip
+
+
+class FxNames(Tiny):
+    """Records (hook, `_current_fx_name` inside it) for every hook Lightning calls on it, and logs from the step
+    and batch-end hooks (which `self.log` allows by `_current_fx_name`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str | None]] = []
+        for hook in MODULE_HOOKS:
+            method = getattr(self, hook, None)
+            if callable(method):
+                setattr(self, hook, self._recorded(hook, method))
+
+    def _recorded(self, hook, method):
+        def recorded(*args, **kwargs):
+            self.calls.append((hook, self._current_fx_name))
+            output = method(*args, **kwargs)
+            if hook in ("training_step", "on_train_batch_end"):
+                self.log(f"logged_in_{hook}", 1.0)
+            return output
+
+        return recorded
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
+
+def test_lightning_wraps_every_module_hook_call_in_a_profiler_context(tmp_path, monkeypatch):
+    """call_module_and_strategy_hooks_directly. With no profiler (PassThroughProfiler), Lightning still opens a
+    profiler context, named after the hook, around every module and strategy hook call of a training step."""
+    monkeypatch.setattr(call, "_call_lightning_module_hook", workarounds._lightning_call_module_hook)
+    monkeypatch.setattr(call, "_call_strategy_hook", workarounds._lightning_call_strategy_hook)
+    opened = []
+    lightning_profile = PassThroughProfiler.profile
+    monkeypatch.setattr(
+        PassThroughProfiler, "profile", lambda self, name: opened.append(name) or lightning_profile(self, name)
+    )
+    trainer(tmp_path, max_steps=2).fit(FxNames())
+    assert {
+        "[LightningModule]FxNames.on_train_batch_start",
+        "[Strategy]SingleDeviceStrategy.training_step",
+        "[Strategy]SingleDeviceStrategy.backward",
+        "[LightningModule]FxNames.optimizer_step",
+    } <= set(opened)
+
+
+def test_direct_hook_calls_call_the_same_hooks_with_the_same_fx_names(tmp_path, monkeypatch):
+    """With the workaround, the module sees the same hook calls in the same order, each with the same
+    `_current_fx_name`, and `self.log` works where Lightning allows it, through fit and test."""
+    seen = {}
+    for name, (module_hook, strategy_hook) in {
+        "lightning": (workarounds._lightning_call_module_hook, workarounds._lightning_call_strategy_hook),
+        "workaround": (workarounds._call_module_hook, workarounds._call_strategy_hook),
+    }.items():
+        monkeypatch.setattr(call, "_call_lightning_module_hook", module_hook)
+        monkeypatch.setattr(call, "_call_strategy_hook", strategy_hook)
+        module = FxNames()
+        run = trainer(tmp_path / name, max_steps=3, log_every_n_steps=1)
+        run.fit(module)
+        logged = sorted(run.logged_metrics)
+        run.test(module)
+        seen[name] = (module.calls, logged)
+    calls, logged = seen["lightning"]
+    assert ("training_step", "training_step") in calls and ("optimizer_step", "optimizer_step") in calls
+    assert ("on_train_batch_end", "on_train_batch_end") in calls and len(calls) > 60
+    assert logged == ["logged_in_on_train_batch_end", "logged_in_training_step"]
+    assert seen["workaround"] == seen["lightning"]
+
+
+class BatchHookData(L.LightningDataModule):
+    """Scales each batch in its `on_after_batch_transfer`, counting the calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.ones(8, 4)), batch_size=2)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        self.calls += 1
+        return [batch[0] * 2]
+
+
+def test_direct_datamodule_hook_calls_transform_the_same_batches(tmp_path, monkeypatch):
+    weights = {}
+    for name, hook in {
+        "lightning": workarounds._lightning_call_datamodule_hook,
+        "workaround": workarounds._call_datamodule_hook,
+    }.items():
+        monkeypatch.setattr(call, "_call_lightning_datamodule_hook", hook)
+        torch.manual_seed(0)
+        module, data = Tiny(), BatchHookData()
+        trainer(tmp_path / name, max_steps=3).fit(module, data)
+        weights[name] = (data.calls, module.layer.weight.detach().clone())
+    assert weights["lightning"][0] == 3
+    assert weights["workaround"][0] == 3 and torch.equal(weights["workaround"][1], weights["lightning"][1])
+
+
+def test_with_a_profiler_every_hook_call_is_still_timed(tmp_path, monkeypatch):
+    """The workaround steps aside while a profiler runs (`debug=profiler`): its report still times each hook."""
+    monkeypatch.setattr(call, "_call_lightning_module_hook", workarounds._call_module_hook)
+    monkeypatch.setattr(call, "_call_strategy_hook", workarounds._call_strategy_hook)
+    run = trainer(tmp_path, max_steps=2, profiler="simple")
+    run.fit(FxNames())
+    assert {"[LightningModule]FxNames.on_train_batch_start", "[Strategy]SingleDeviceStrategy.training_step"} <= set(
+        run.profiler.recorded_durations
+    )
 
 
 def test_model_parallel_strategy_refuses_a_module_without_configure_model():

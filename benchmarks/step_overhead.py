@@ -25,8 +25,11 @@ Python per step show. Each part can run alone with `--only`; they run in this or
    installs (only the hooks a callback overrides are called), bare Lightning with Lightning's own. Printed: the
    extra ms per step of each part and its share of bare Lightning's step, and, timed alone, the diagnostics'
    hooks and what each dispatch spends on a callback that does nothing in a step.
+6. `versus`, only on request (`--only versus --versus DIR`): train.py of this checkout against train.py of another
+   checkout of the project (`git worktree add DIR REV`), in lockstep like part 1: what a change does to the step.
 
     python benchmarks/step_overhead.py [--pairs 6] [--repeats 5] [--rounds 3] [--override KEY=VALUE ...] [--json FILE]
+    python benchmarks/step_overhead.py --only versus --versus ../main-before [--pairs 16]
 """
 
 from __future__ import annotations
@@ -489,8 +492,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the parts")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--pairs", type=int, default=6, help="lockstep pairs of each comparison")
-    parts = ["lockstep", "hooks", "variants", "calls", "parts"]
+    parts = ["lockstep", "hooks", "variants", "calls", "parts", "versus"]
     parser.add_argument("--only", choices=parts, help="run one part of the benchmark")
+    parser.add_argument("--versus", type=Path, help="another checkout of the project, for --only versus")
     parser.add_argument("--override", action="append", default=[], help="a train.py override (repeatable)")
     variants = ["lightning", "plain", "parts", "lightning-calls"]
     parser.add_argument("--variant", choices=variants, help=argparse.SUPPRESS)  # internal
@@ -499,6 +503,8 @@ def main() -> None:
     parser.add_argument("--send", help=argparse.SUPPRESS)
     parser.add_argument("--first", choices=["True", "False"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if (args.only == "versus") != (args.versus is not None):
+        parser.error("--only versus and --versus DIR go together")
     if args.variant:
         torch.set_num_threads(1)
         if args.variant == "parts":
@@ -533,6 +539,8 @@ def main() -> None:
     if args.only in (None, "parts"):
         report["parts"] = compare_parts(args, env, itself)
         report["load_average"]["end"] = os.getloadavg()
+    if args.only == "versus":
+        report["versus"] = compare_checkouts(args, env)
     print(f"\nload average (1, 5, 15 min): {report['load_average']}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -640,20 +648,53 @@ def pair_ratios(times: dict[str, list[float]], reference: str, other: str, log_e
     }
 
 
+# The Lockstep callback's arguments, filled in by lockstep_pair: for the bare Lightning variant, and through Hydra.
+PIPES = ["--receive", "{receive}", "--send", "{send}", "--first", "{first}"]
+HYDRA_PIPES = [f"+callbacks.measure.{key}={{{key}}}" for key in ("receive", "send", "first")]
+
+
+def compare_checkouts(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    """train.py of this checkout against train.py of the checkout `args.versus`, in lockstep, `args.pairs` times:
+    what a change does to the step, without bare Lightning's noise in between."""
+
+    def command(root: Path, run_dir: str) -> list[str]:
+        train = template_command(run_dir, args.override, callback="step_overhead.Lockstep")
+        train[1] = str(root / "train.py")
+        # Each side imports its own package; the Lockstep callback comes from this file.
+        return ["env", f"PYTHONPATH={root / 'src'}{os.pathsep}{ROOT / 'benchmarks'}", *train, *HYDRA_PIPES]
+
+    versus, runs = args.versus.resolve(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.pairs):
+            commands = {"bare": command(versus, f"{tmp}/versus{i}"), "this": command(ROOT, f"{tmp}/this{i}")}
+            lead = list(commands)[i % 2]
+            times, log_every = lockstep_pair_retried(commands, lead, env, tmp)
+            runs.append(pair_ratios(times, "bare", "this", log_every["this"]) | {"lead": lead})
+            print(f"  pair {i + 1}/{args.pairs}: this checkout x {args.versus}: {runs[-1]['ratio']:.3f}")
+    summary = {
+        "versus": str(args.versus),
+        "ratio": statistics.geometric_mean(r["ratio"] for r in runs),
+        "median_ratio": statistics.median(r["ratio"] for r in runs),
+        "pairs": runs,
+    }
+    print(
+        f"\nin lockstep, CPU time, {args.pairs} pairs: this checkout's train.py x {args.versus}'s:"
+        f" {summary['ratio']:.3f} (geometric mean; median {summary['median_ratio']:.3f})"
+    )
+    return summary
+
+
 def compare_in_lockstep(args: argparse.Namespace, env: dict[str, str], itself: list[str]) -> dict[str, Any]:
     """bare Lightning against train.py, and against itself, each pair in lockstep, `args.pairs` times."""
-    # The Lockstep callback's arguments, filled in by lockstep_pair.
-    pipes = ["--receive", "{receive}", "--send", "{send}", "--first", "{first}"]
-    hydra_pipes = [f"+callbacks.measure.{key}={{{key}}}" for key in ("receive", "send", "first")]
     results: dict[str, list[dict[str, Any]]] = {"train.py": [], "bare Lightning (itself)": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.pairs):
             template = template_command(f"{tmp}/run{i}", args.override, callback="step_overhead.Lockstep")
             pairs = {
-                "train.py": {"bare": [*itself, "lightning", *pipes], "train.py": [*template, *hydra_pipes]},
+                "train.py": {"bare": [*itself, "lightning", *PIPES], "train.py": [*template, *HYDRA_PIPES]},
                 "bare Lightning (itself)": {
-                    "bare": [*itself, "lightning", *pipes],
-                    "again": [*itself, "lightning", *pipes],
+                    "bare": [*itself, "lightning", *PIPES],
+                    "again": [*itself, "lightning", *PIPES],
                 },
             }
             for name, commands in pairs.items():

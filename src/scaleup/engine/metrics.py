@@ -12,7 +12,7 @@ from torchmetrics import Metric, MetricCollection
 
 from scaleup.engine.lightning_workarounds import LeanUpdateMetric, is_logging_step
 
-__all__ = ["SampleMean", "SampleSum", "StageMetrics", "TopKAccuracy", "is_logging_step"]
+__all__ = ["HeldSum", "SampleMean", "SampleSum", "StageMetrics", "TopKAccuracy", "is_logging_step"]
 
 STAGES = ("train", "val", "test")
 RESERVED = ("loss", "samples")

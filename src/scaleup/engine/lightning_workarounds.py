@@ -204,25 +204,22 @@ def _call_module_hook(
     if pl_module is None:
         raise TypeError("No `LightningModule` is available to call hooks on.")
     fn = getattr(pl_module, hook_name)
-    if not callable(fn):
-        return None
-    previous = pl_module._current_fx_name
-    _set_fx_name(pl_module, hook_name)
-    output = fn(*args, **kwargs)
-    _set_fx_name(pl_module, previous)
-    return output
+    return _run_as(pl_module, hook_name, fn, *args, **kwargs) if callable(fn) else None
 
 
 def _call_strategy_hook(trainer: L.Trainer, hook_name: str, *args: Any, **kwargs: Any) -> Any:
     """Lightning's `_call_strategy_hook`, without the per-call debug message and profiler context."""
     if _dispatch_by_lightning(trainer):
         return _lightning_call_strategy_hook(trainer, hook_name, *args, **kwargs)
-    pl_module = trainer.lightning_module
+    fn = getattr(trainer.strategy, hook_name)
+    return _run_as(trainer.lightning_module, hook_name, fn, *args, **kwargs) if callable(fn) else None
+
+
+def _run_as(pl_module: L.LightningModule, hook_name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` with `pl_module._current_fx_name` set to `hook_name` (restored after, as Lightning
+    does: not when `fn` raises)."""
     previous = pl_module._current_fx_name
     _set_fx_name(pl_module, hook_name)
-    fn = getattr(trainer.strategy, hook_name)
-    if not callable(fn):
-        return None  # as Lightning does, leaving the hook's name set
     output = fn(*args, **kwargs)
     _set_fx_name(pl_module, previous)
     return output

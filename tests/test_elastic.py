@@ -21,9 +21,10 @@ pytestmark = pytest.mark.slow
 
 def agent(port: int, is_host: bool, args: list[str], log: Path) -> subprocess.Popen:
     """One node: a torchrun agent. The rendezvous
-    waits 1 s for late nodes once the minimum has joined; the store lives on the `is_host` node. Its output goes to
-    `log` (a pipe nobody reads while the test waits could fill and stall it)."""
-    rdzv_conf = f"is_host={str(is_host).lower()},join_timeout=60,last_call_timeout=1,keep_alive_interval=1"
+    waits 5 s for late nodes once the minimum has joined (with 1 s, on a loaded 2-core machine the host once
+    started alone and the other node joined a second round); the store lives on the `is_host` node. Its output
+    goes to `log` (a pipe nobody reads while the test waits could fill and stall it)."""
+    rdzv_conf = f"is_host={str(is_host).lower()},join_timeout=60,last_call_timeout=5,keep_alive_interval=1"
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1"),
         *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic", f"--rdzv-conf={rdzv_conf}"),

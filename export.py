@@ -2,8 +2,8 @@
 
 import hydra
 
-from scaleup.engine.errors import exit_on_user_error
-from scaleup.engine.launch import register_resolvers
+from scaleup.distributed.launch import register_resolvers
+from scaleup.errors import exit_on_user_error
 from scaleup.export import export
 
 register_resolvers()

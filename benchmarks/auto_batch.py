@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from scaleup.engine.batch_probe import per_device_candidates
+from scaleup.plan.batch_probe import per_device_candidates
 
 ROOT = Path(__file__).resolve().parents[1]
 

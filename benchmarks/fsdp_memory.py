@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from scaleup.engine.fsdp import model_state_bytes, shard
+from scaleup.distributed.fsdp import model_state_bytes, shard
 
 WIDTH, BLOCKS, SAMPLES, STEPS = 1024, 12, 512, 2
 RESULTS = Path(__file__).parent / "results" / "fsdp_memory_cpu.json"

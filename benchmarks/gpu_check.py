@@ -35,9 +35,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from myproject.models import resnet
 from overhead import seconds_per_step
-from scaleup.engine.callbacks.performance import set_tf32
-from scaleup.models import resnet
+from scaleup.callbacks.performance import set_tf32
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = {"A100 80GB, AMP, NVIDIA DeepLearningExamples (img/s)": 2470}

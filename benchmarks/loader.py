@@ -44,10 +44,11 @@ from torchvision import transforms as T
 from torchvision.datasets import ImageFolder
 from torchvision.io import decode_jpeg, read_file
 
-from scaleup.data import ImageFolderDataModule, ShardedDataModule
+from myproject.data import ImageFolderDataModule
+from myproject.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
 from scaleup.data.convert import convert
-from scaleup.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
 from scaleup.data.images import ImageTransform
+from scaleup.data.sharded import ShardedDataModule
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WIDTH, HEIGHT, SIZE, BATCH, CLASSES = 500, 375, 224, 32, 2

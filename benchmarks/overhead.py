@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from scaleup.data.synthetic import SyntheticImages
-from scaleup.engine.callbacks import TrainingDiagnostics
-from scaleup.models import resnet
+from myproject.data.synthetic import SyntheticImages
+from myproject.models import resnet
+from scaleup.observability.diagnostics import TrainingDiagnostics
 
 ROOT = Path(__file__).resolve().parents[1]
 LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 5e-4  # configs/model/optimizer/sgd.yaml

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from first_step import FirstStepTimer
-from scaleup.data import DigitsDataModule
-from scaleup.models import DigitsCNN
+from myproject.data import DigitsDataModule
+from myproject.models import DigitsCNN
 
 
 class Plain(L.LightningModule):

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def sampler_class(name: str) -> type:
     """The sampler under test (imported before the memory baseline: its imports are not the sampler's cost)."""
     if name == "scaleup":
-        from scaleup.engine.samplers import GlobalBatchSampler
+        from scaleup.data.samplers import GlobalBatchSampler
 
         return GlobalBatchSampler
     from torch.utils.data import DistributedSampler

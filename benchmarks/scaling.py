@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from scaleup.data.synthetic import SyntheticImages
-from scaleup.models import resnet
+from myproject.data.synthetic import SyntheticImages
+from myproject.models import resnet
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

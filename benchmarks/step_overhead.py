@@ -56,6 +56,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer import call
 from torch.utils.data import ConcatDataset, DataLoader
 
+from myproject.data import DigitsDataModule
+from myproject.models import DigitsCNN, ImageClassifier
 from overhead import (
     STEP_TIMES,
     StepTimer,
@@ -67,39 +69,33 @@ from overhead import (
     printed_numbers,
     seconds_per_step,
 )
-from scaleup.data import DigitsDataModule
-from scaleup.engine.callbacks import (
-    ConfigInCheckpoint,
-    LRScaling,
-    MetricsFile,
-    PreemptionCheckpoint,
-    PrivateMetricStates,
-    TrainingDiagnostics,
-)
-from scaleup.engine.callbacks.figures import ClassificationFigures
-from scaleup.engine.callbacks.hparams import PlanHParams
-from scaleup.engine.callbacks.lr_scaling import LRSchedule
-from scaleup.engine.callbacks.performance import PerformanceSettings
-from scaleup.engine.callbacks.progress import ThrottledRichProgressBar
-from scaleup.engine.checks import MonitorCheck, TrainLoaderCheck
-from scaleup.engine.lightning_workarounds import (
+from scaleup.callbacks.lr_scaling import LRScaling
+from scaleup.callbacks.metric_states import PrivateMetricStates
+from scaleup.callbacks.performance import PerformanceSettings
+from scaleup.callbacks.run_files import ConfigInCheckpoint, MetricsFile
+from scaleup.compat.workarounds import (
     BatchProgressRescale,
     EpochProgressRepair,
     ExactEvalMetrics,
-    StopOnSigterm,
     _call_overridden_callback_hooks,
 )
-from scaleup.engine.metrics import StageMetrics
-from scaleup.engine.plan import resolve_log_every_n_steps
-from scaleup.engine.seeding import StepSeed
-from scaleup.models import DigitsCNN, ImageClassifier
-from scaleup.models.optim import build_optimizer
+from scaleup.data.seeding import StepSeed
+from scaleup.distributed.preemption import PreemptionCheckpoint, StopOnSigterm
+from scaleup.observability.diagnostics import TrainingDiagnostics
+from scaleup.observability.figures import ClassificationFigures
+from scaleup.observability.hparams import PlanHParams
+from scaleup.observability.metrics import StageMetrics
+from scaleup.observability.progress import ThrottledRichProgressBar
+from scaleup.optim import build_optimizer
+from scaleup.plan.checks import MonitorCheck, TrainLoaderCheck
+from scaleup.plan.lr import LRSchedule
+from scaleup.plan.resolve import resolve_log_every_n_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 LIGHTNING_DISPATCH = call._call_callback_hooks
 BATCH, WARMUP, STEPS, EPOCHS = 16, 5, 73, 3  # 1,257 training digits: 78 steps of 16 in an epoch
 SGD = {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4, "nesterov": True}
-NET = {"_target_": "scaleup.models.DigitsCNN", "num_classes": 10, "in_channels": 1, "width": 32}
+NET = {"_target_": "myproject.models.DigitsCNN", "num_classes": 10, "in_channels": 1, "width": 32}
 # Rich draws as it would in a terminal (the output goes to a pipe here), where it costs what users pay.
 TERMINAL = {"FORCE_COLOR": "1", "TTY_COMPATIBLE": "1", "COLUMNS": "120"}
 

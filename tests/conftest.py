@@ -35,7 +35,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict, read_write
 
-from scaleup.engine.launch import register_resolvers
+from scaleup.distributed.launch import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -51,7 +51,7 @@ QUICK = [
 # The float64 runs behind the equivalence and resume guarantees. float32 results differ between CPUs (rounding
 # depends on the kernels, and training amplifies it), so weights are compared in float64, to TOLERANCE (absolute).
 # With randomness on: dropout 0.5 and a random shift and rotation of every training image, both drawn by
-# (seed, step or epoch, position), never by rank or worker (engine/seeding.py). Dropout masks are drawn per
+# (seed, step or epoch, position), never by rank or worker (data/seeding.py). Dropout masks are drawn per
 # micro-batch, so every topology runs micro-batches of 32: the cap splits the global batch of 64 into 2 x 32 on
 # one device, and does not bite on two. AdamW (stateful) and a warmup that ramps (base batch 32: peak = 2 x base,
 # over epochs 0 and 1), so that a resume must restore the optimizer's moments and a ramping LR exactly.

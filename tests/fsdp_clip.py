@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-from scaleup.engine.fsdp import shard
-from scaleup.models import DigitsCNN
+from myproject.models import DigitsCNN
+from scaleup.distributed.fsdp import shard
 
 CLIP = 0.05  # well below the gradient norm (~1): clipping binds
 

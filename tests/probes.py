@@ -12,8 +12,8 @@ import lightning as L
 import torch
 from torch import nn
 
-from scaleup.data import DigitsDataModule
-from scaleup.models import ImageClassifier
+from myproject.data import DigitsDataModule
+from myproject.models import ImageClassifier
 
 
 @torch.no_grad()
@@ -130,7 +130,7 @@ class SimulatedMemoryLimit(L.Callback):
         self.max_batch = list(max_batch)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        from scaleup.engine.batch_probe import AutoBatchSize
+        from scaleup.plan.batch_probe import AutoBatchSize
 
         probe = next(cb for cb in trainer.callbacks if isinstance(cb, AutoBatchSize))
         probe.forward = limited(probe.forward, self.max_batch[trainer.global_rank])

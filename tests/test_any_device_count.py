@@ -28,18 +28,18 @@ from conftest import (
     weights,
 )
 from probes import limited
-from scaleup.engine.batch_probe import (
+from scaleup.checkpoints.io import load_checkpoint
+from scaleup.compat.workarounds import rescale_batch_progress
+from scaleup.config.plain import build_model
+from scaleup.plan.batch_probe import (
     AUTO_MARGIN,
     AutoBatchSize,
     largest_that_fits,
     per_device_candidates,
     training_loss,
 )
-from scaleup.engine.checkpoint import load_checkpoint
-from scaleup.engine.config import build_model
-from scaleup.engine.lightning_workarounds import rescale_batch_progress
-from scaleup.engine.plan import build_plan
-from scaleup.engine.topology import Topology
+from scaleup.plan.resolve import build_plan
+from scaleup.plan.topology import Topology
 
 STEPS = EXACT_EPOCHS * EXACT_STEPS_PER_EPOCH
 
@@ -60,9 +60,9 @@ def test_the_probe_finds_the_limit_and_leaves_no_trace():
     """A real forward and backward of a BatchNorm + dropout network per candidate, on a device that runs out of
     memory above 24 samples: the model's weights, BatchNorm statistics, gradients and random stream are as
     before."""
-    net = {"_target_": "scaleup.models.DigitsCNN", "num_classes": 10, "norm": "batch", "dropout": 0.5}
+    net = {"_target_": "myproject.models.DigitsCNN", "num_classes": 10, "norm": "batch", "dropout": 0.5}
     model = build_model(
-        {"_target_": "scaleup.models.ImageClassifier", "net": net, "optimizer": {"_target_": "torch.optim.SGD"}},
+        {"_target_": "myproject.models.ImageClassifier", "net": net, "optimizer": {"_target_": "torch.optim.SGD"}},
         precision="64-true",
     )
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="64-true", logger=False, enable_progress_bar=False)

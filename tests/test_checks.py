@@ -9,12 +9,12 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-from scaleup.engine.checks import TrainLoaderCheck, check_config, check_data_config, pitfall_warnings
-from scaleup.engine.config import build_model
-from scaleup.engine.errors import UserError
-from scaleup.engine.launch import build_strategy
-from scaleup.engine.plan import build_plan
-from scaleup.engine.topology import Topology
+from scaleup.config.plain import build_model
+from scaleup.distributed.launch import build_strategy
+from scaleup.errors import UserError
+from scaleup.plan.checks import TrainLoaderCheck, check_config, check_data_config, pitfall_warnings
+from scaleup.plan.resolve import build_plan
+from scaleup.plan.topology import Topology
 
 DDP_OPTIONS = {
     "timeout_minutes": 90,
@@ -109,8 +109,8 @@ class Stream(torch.utils.data.IterableDataset):
 def test_custom_train_loaders_that_break_invariance_are_reported(loader, message, caplog):
     model = build_model(
         {
-            "_target_": "scaleup.models.ImageClassifier",
-            "net": {"_target_": "scaleup.models.DigitsCNN", "num_classes": 10},
+            "_target_": "myproject.models.ImageClassifier",
+            "net": {"_target_": "myproject.models.DigitsCNN", "num_classes": 10},
             "optimizer": {"_target_": "torch.optim.SGD", "lr": 0.1},
         }
     )
@@ -122,6 +122,6 @@ def test_custom_train_loaders_that_break_invariance_are_reported(loader, message
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    with caplog.at_level(logging.WARNING, logger="scaleup.engine.checks"):
+    with caplog.at_level(logging.WARNING, logger="scaleup.plan.checks"):
         trainer.fit(model, train_dataloaders=loader)
     assert message in caplog.text

@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from conftest import QUICK, in_process, read_json
-from scaleup.engine.errors import UserError
+from scaleup.errors import UserError
 
 ONE_EPOCH = [*QUICK, "trainer.max_epochs=1", "logger=none", "callbacks=[]"]
 

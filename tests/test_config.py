@@ -13,10 +13,10 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import ROOT, in_process, read_json, start
-from scaleup.engine.config import build_model, instantiate_each
-from scaleup.engine.datamodule import apply_model_settings
-from scaleup.engine.errors import UserError
-from scaleup.engine.launch import register_resolvers
+from scaleup.config.plain import build_model, instantiate_each
+from scaleup.data.datamodule import apply_model_settings
+from scaleup.distributed.launch import register_resolvers
+from scaleup.errors import UserError
 
 CONFIGS = ROOT / "configs"
 PATHS = ["paths.root_dir=/tmp/scaleup-root", "paths.output_dir=/tmp/scaleup-out"]

@@ -8,11 +8,11 @@ from torchmetrics import MeanSquaredError, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassRecall
 
 from conftest import QUICK, in_process, read_json
-from scaleup.engine.checkpoint import load_checkpoint
-from scaleup.engine.config import build_model
-from scaleup.engine.datamodule import apply_model_settings
-from scaleup.engine.errors import UserError
-from scaleup.engine.metrics import StageMetrics
+from scaleup.checkpoints.io import load_checkpoint
+from scaleup.config.plain import build_model
+from scaleup.data.datamodule import apply_model_settings
+from scaleup.errors import UserError
+from scaleup.observability.metrics import StageMetrics
 
 # A LightningModule that is not the template's classifier: its network is `self.encoder`, built from
 # `model.encoder`, and it takes none of ImageClassifier's arguments.
@@ -24,7 +24,7 @@ ENCODER = [
     "~model.label_smoothing",
     "~model.compile",
     "~model.figures",
-    "+model.encoder._target_=scaleup.models.DigitsCNN",
+    "+model.encoder._target_=myproject.models.DigitsCNN",
     "+model.encoder.num_classes=10",
     "+model.encoder.width=8",
 ]

@@ -7,9 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
-from scaleup.data import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule, SyntheticDataModule
-from scaleup.engine.datamodule import random_split_indices, sizes_for_plan
-from scaleup.engine.errors import UserError
+from myproject.data import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule, SyntheticDataModule
+from scaleup.data.datamodule import random_split_indices, sizes_for_plan
+from scaleup.errors import UserError
 
 
 def test_digits_splits_are_fixed_and_disjoint():

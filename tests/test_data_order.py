@@ -25,8 +25,8 @@ from torchvision.datasets import CIFAR10
 from torchvision.datasets.utils import calculate_md5
 
 from conftest import in_process
-from scaleup.data import CIFAR10DataModule, DigitsDataModule
-from scaleup.engine.datamodule import GlobalBatchDataModule, sizes_for_plan
+from myproject.data import CIFAR10DataModule, DigitsDataModule
+from scaleup.data.datamodule import GlobalBatchDataModule, sizes_for_plan
 
 QUICK = [
     "trainer.max_epochs=1",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import in_process
-from scaleup.engine.checkpoint import load_checkpoint
+from scaleup.checkpoints.io import load_checkpoint
 
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "model.net.width=8"]
 

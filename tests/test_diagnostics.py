@@ -8,8 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from scaleup.engine.callbacks import TrainingDiagnostics
-from scaleup.engine.callbacks.diagnostics import compute_dtype, loader_workers_needed
+from scaleup.observability.diagnostics import TrainingDiagnostics, compute_dtype, loader_workers_needed
 
 
 class SlowData(Dataset):

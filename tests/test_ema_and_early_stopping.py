@@ -10,9 +10,9 @@ from hydra.utils import instantiate
 from torch.utils.data import default_collate
 
 from conftest import EXACT, TOLERANCE, assert_same_weights, in_process, read_json
-from scaleup.engine.checkpoint import load_checkpoint, load_weights
-from scaleup.engine.config import build_model
-from scaleup.engine.errors import UserError
+from scaleup.checkpoints.io import load_checkpoint, load_weights
+from scaleup.config.plain import build_model
+from scaleup.errors import UserError
 
 pytestmark = pytest.mark.slow
 

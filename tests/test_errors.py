@@ -2,7 +2,7 @@
 
 The matrix runs each job in this process, with the config composed from the same overrides a user would type, and
 turns what it raises into the message the entry point would print (`as_user_error`, what `exit_on_user_error` uses).
-The table of wrong values (engine/schema.py: a type or a range) and a handful of other cases run the real entry
+The table of wrong values (config/schema.py: a type or a range) and a handful of other cases run the real entry
 points, to check the exit code, the error line, that no traceback is printed and that nothing was written or
 downloaded: all of them in one interpreter (tests/entry_point_cases.py), which starts once for all.
 """
@@ -19,8 +19,8 @@ import torch
 from pydantic import Field
 
 from conftest import ROOT, TESTS, clean_env, in_process
-from scaleup.engine.errors import EXIT_USER_ERROR, UserError, as_user_error
-from scaleup.engine.schema import validate_config
+from scaleup.config.schema import validate_config
+from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error
 from user_modules import SCHEDULER_REFUSED
 
 QUIET = [
@@ -47,7 +47,7 @@ def paths(tmp_path_factory) -> dict[str, str]:
 
 # (id, job, overrides, a piece of the expected message). {tmp} and {ckpt} are filled in from `paths`.
 CASES = [
-    # config values that pass the schema (engine/schema.py) but not the objects built from them
+    # config values that pass the schema (config/schema.py) but not the objects built from them
     ("unknown net argument", "train", ["+model.net.depth=3"], "unexpected keyword argument 'depth'"),
     (
         "unknown data argument",
@@ -584,29 +584,29 @@ class Widget:
         (
             {
                 "model": {
-                    "_target_": "scaleup.models.ImageClassifier",
+                    "_target_": "myproject.models.ImageClassifier",
                     "label_smoothing": "abc",
-                    "net": {"_target_": "scaleup.models.resnet", "small_input": 3, "num_classes": None},
+                    "net": {"_target_": "myproject.models.resnet", "small_input": 3, "num_classes": None},
                 }
             },
             "train",
             "model.label_smoothing=abc must be a number; model.net.small_input=3 must be true or false",
         ),
         (
-            {"model": {"net": {"_target_": "scaleup.models.CharTransformer", "depth": "abc", "width": 1.5}}},
+            {"model": {"net": {"_target_": "myproject.models.CharTransformer", "depth": "abc", "width": 1.5}}},
             "train",
             "model.net.width=1.5 must be an integer; model.net.depth=abc must be an integer",
         ),
         (
             {
-                "callbacks": {"ema": {"_target_": "scaleup.engine.callbacks.ema.EMA", "decay": "abc"}},
+                "callbacks": {"ema": {"_target_": "scaleup.callbacks.ema.EMA", "decay": "abc"}},
                 "logger": {"tb": {"_target_": "lightning.pytorch.loggers.TensorBoardLogger", "default_hp_metric": 3}},
             },
             "train",
             "callbacks.ema.decay=abc must be a number; logger.tb.default_hp_metric=3 must be true or false",
         ),
         (
-            {"data": {"_target_": "scaleup.data.CharTextDataModule", "block_size": 0, "val_size": "abc"}},
+            {"data": {"_target_": "myproject.data.CharTextDataModule", "block_size": 0, "val_size": "abc"}},
             "train",
             "data.block_size=0 must be an integer >= 1; data.val_size=abc must be a number >= 0",
         ),

@@ -32,10 +32,10 @@ from conftest import (
     run,
     save_every,
 )
-from scaleup.engine.checkpoint import load_checkpoint, remove_interrupted_writes
-from scaleup.engine.fsdp import bytes_per_rank, unit_names
-from scaleup.engine.sharded_checkpoint import save_sharded
-from scaleup.models import ImageClassifier
+from myproject.models import ImageClassifier
+from scaleup.checkpoints.io import load_checkpoint, remove_interrupted_writes
+from scaleup.checkpoints.sharded import save_sharded
+from scaleup.distributed.fsdp import bytes_per_rank, unit_names
 
 pytestmark = pytest.mark.slow
 
@@ -184,7 +184,7 @@ def test_kill_9_during_sharded_saves_leaves_a_whole_checkpoint(tmp_path):
 
 
 def test_default_units_are_the_blocks_of_every_network_and_classes_select_others():
-    net = {"_target_": "scaleup.models.nets.resnet", "name": "resnet18", "num_classes": 10}
+    net = {"_target_": "myproject.models.nets.resnet", "name": "resnet18", "num_classes": 10}
     resnet = ImageClassifier(net=net, optimizer={"_target_": "torch.optim.SGD"})
     units = unit_names(resnet, None)
     assert units[:3] == ["net.conv1", "net.bn1", "net.layer1.0"] and units[-1] == "net.fc" and len(units) == 11

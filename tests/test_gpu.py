@@ -18,8 +18,8 @@ import torch
 from test_host_sync import SteadySteps
 
 from conftest import check, in_process, run, weights
-from scaleup.data import SyntheticDataModule
-from scaleup.engine.checkpoint import load_checkpoint
+from myproject.data import SyntheticDataModule
+from scaleup.checkpoints.io import load_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -147,7 +147,7 @@ def test_steady_state_training_steps_never_wait_for_the_gpu(tmp_path):
         [
             "data.global_batch_size=32",  # 39 steps of 1,257 digits
             "trainer.max_epochs=1",
-            "callbacks.progress_bar._target_=scaleup.engine.callbacks.progress.ThrottledRichProgressBar",
+            "callbacks.progress_bar._target_=scaleup.observability.progress.ThrottledRichProgressBar",
             f"+callbacks.no_sync._target_={__name__}.NoSyncProbe",
             f"hydra.run.dir={tmp_path}",
         ]

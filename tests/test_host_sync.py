@@ -23,7 +23,7 @@ from torchmetrics import MeanMetric, SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from conftest import in_process
-from scaleup.engine.metrics import StageMetrics, TopKAccuracy, is_logging_step
+from scaleup.observability.metrics import StageMetrics, TopKAccuracy, is_logging_step
 
 READS = {
     Tensor.item,
@@ -151,7 +151,7 @@ def test_a_steady_state_training_step_reads_nothing_back_and_logs_nothing(tmp_pa
             "trainer.max_epochs=1",
             "trainer.num_sanity_val_steps=0",
             "model.net.width=8",
-            "callbacks.progress_bar._target_=scaleup.engine.callbacks.progress.ThrottledRichProgressBar",
+            "callbacks.progress_bar._target_=scaleup.observability.progress.ThrottledRichProgressBar",
             f"+callbacks.host_reads._target_={__name__}.HostReadProbe",
             f"hydra.run.dir={tmp_path}",
         ]

@@ -13,17 +13,17 @@ from torch.utils.data import DataLoader
 from torchvision import transforms as T
 from torchvision.io import read_file
 
-from scaleup.data import ImageFolderDataModule
-from scaleup.data.cifar10 import MEAN as CIFAR_MEAN
-from scaleup.data.cifar10 import STD as CIFAR_STD
-from scaleup.data.cifar10 import UInt8Images
+from myproject.data import ImageFolderDataModule
+from myproject.data.cifar10 import MEAN as CIFAR_MEAN
+from myproject.data.cifar10 import STD as CIFAR_STD
+from myproject.data.cifar10 import UInt8Images
+from myproject.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
+from scaleup.callbacks.performance import PerformanceSettings
 from scaleup.data.image_batches import normalize
-from scaleup.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, ImageFiles
-from scaleup.data.images import EncodedBatch, ImageTransform, decode
-from scaleup.engine.batch_probe import repeated
-from scaleup.engine.callbacks.performance import PerformanceSettings
-from scaleup.engine.errors import UserError, as_user_error
-from scaleup.engine.seeding import SeededSamples
+from scaleup.data.images import EncodedBatch, ImageFiles, ImageTransform, decode
+from scaleup.data.seeding import SeededSamples
+from scaleup.errors import UserError, as_user_error
+from scaleup.plan.batch_probe import repeated
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (nvjpeg), none visible")
 

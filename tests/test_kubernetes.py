@@ -31,7 +31,7 @@ from conftest import (
     weights,
 )
 from kubeflow_operators import command, load, pytorchjob_pods, trainjob_pods, validation_errors
-from scaleup.engine.errors import UserError
+from scaleup.errors import UserError
 
 DEPLOY = ROOT / "deploy" / "kubernetes"
 JOBS = ["pytorchjob.yaml", "pytorchjob-torchrun.yaml", "trainjob.yaml"]

@@ -24,7 +24,7 @@ from conftest import (
     start,
     weights,
 )
-from scaleup.engine.errors import UserError
+from scaleup.errors import UserError
 
 pytestmark = pytest.mark.slow
 

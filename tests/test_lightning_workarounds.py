@@ -32,9 +32,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import SumMetric
 
-from scaleup.engine import lightning_workarounds as workarounds
-from scaleup.engine.lightning_workarounds import _get_instance_once, _result_metric_to
-from scaleup.engine.metrics import SampleSum, TopKAccuracy
+from scaleup.compat import workarounds
+from scaleup.compat.workarounds import _get_instance_once, _result_metric_to
+from scaleup.observability.metrics import SampleSum, TopKAccuracy
 
 BATCHES_PER_EPOCH = 4
 

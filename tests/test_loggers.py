@@ -6,8 +6,8 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import QUICK, in_process
-from scaleup.engine.launch import run_id
-from scaleup.engine.loggers import RUN_DIR_TAG
+from scaleup.distributed.launch import run_id
+from scaleup.observability.loggers import RUN_DIR_TAG
 
 
 def test_run_id_depends_only_on_the_run_directory(tmp_path):

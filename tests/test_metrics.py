@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from scaleup.engine.metrics import FOLD_EVERY, SampleMean, SampleSum, StageMetrics, TopKAccuracy
+from scaleup.observability.metrics import FOLD_EVERY, SampleMean, SampleSum, StageMetrics, TopKAccuracy
 
 
 class TensorOps(TorchDispatchMode):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from scaleup.engine.permutation import MAX_SIZE, ROUNDS, FeistelPermutation
+from scaleup.data.permutation import MAX_SIZE, ROUNDS, FeistelPermutation
 
 Shuffle = Callable[[int, int, int], np.ndarray]  # (n, seed, epoch) -> a whole permutation of [0, n)
 

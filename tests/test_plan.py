@@ -5,12 +5,12 @@ import math
 import pytest
 
 from conftest import in_process, read_json
-from scaleup.engine.batch import resolve_batch, total_steps
-from scaleup.engine.callbacks.lr_scaling import LRSchedule, lr_factor
-from scaleup.engine.checks import batchnorm_warning
-from scaleup.engine.errors import UserError
-from scaleup.engine.plan import build_plan
-from scaleup.engine.topology import Topology
+from scaleup.errors import UserError
+from scaleup.plan.batch import resolve_batch, total_steps
+from scaleup.plan.checks import batchnorm_warning
+from scaleup.plan.lr import LRSchedule, lr_factor
+from scaleup.plan.resolve import build_plan
+from scaleup.plan.topology import Topology
 
 
 @pytest.mark.parametrize(

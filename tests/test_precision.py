@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import in_process
-from scaleup.engine.callbacks.performance import PerformanceSettings, set_tf32
-from scaleup.engine.topology import resolve_precision
-from scaleup.models import DigitsCNN
+from myproject.models import DigitsCNN
+from scaleup.callbacks.performance import PerformanceSettings, set_tf32
+from scaleup.plan.topology import resolve_precision
 
 
 def fake_gpu(monkeypatch, capability_major: int) -> None:

@@ -32,9 +32,9 @@ from conftest import (
     start,
     weights,
 )
-from scaleup.engine.checkpoint import load_checkpoint
-from scaleup.engine.errors import UserError
-from scaleup.engine.resume import resolve_ckpt_path
+from scaleup.checkpoints.io import load_checkpoint
+from scaleup.checkpoints.resume import resolve_ckpt_path
+from scaleup.errors import UserError
 
 pytestmark = pytest.mark.slow
 

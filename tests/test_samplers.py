@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import QUICK, in_process, save_every
-from scaleup.engine.checkpoint import load_checkpoint
-from scaleup.engine.errors import UserError
-from scaleup.engine.permutation import FeistelPermutation
-from scaleup.engine.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler, resumed_steps
+from scaleup.checkpoints.io import load_checkpoint
+from scaleup.data.permutation import FeistelPermutation
+from scaleup.data.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler, resumed_steps
+from scaleup.errors import UserError
 
 
 def flat(lists) -> list[int]:

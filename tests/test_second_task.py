@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import QUICK, assert_same_weights, check, in_process, read_json, run, weights
-from scaleup.engine.checkpoint import load_checkpoint
-from scaleup.engine.config import build_model
+from scaleup.checkpoints.io import load_checkpoint
+from scaleup.config.plain import build_model
 
 pytestmark = pytest.mark.slow
 

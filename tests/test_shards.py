@@ -27,14 +27,14 @@ from conftest import (
     save_every,
     weights,
 )
-from scaleup.data import ShardedDataModule
+from myproject.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
 from scaleup.data.convert import main as convert
 from scaleup.data.image_batches import normalize
-from scaleup.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
+from scaleup.data.samplers import resumed_steps
+from scaleup.data.sharded import ShardedDataModule
 from scaleup.data.shards import ShardIndex, ShardWindowOrder, remote
 from scaleup.data.shards.index import shard_list_checksum
-from scaleup.engine.errors import UserError
-from scaleup.engine.samplers import resumed_steps
+from scaleup.errors import UserError
 
 PER_SHARD = 64  # 513 training samples: 9 shards, the last holding one
 SOURCE = ["data=digits", f"data.val_size={EXACT_VAL}", f"data.test_size={EXACT_TEST}", f"samples_per_shard={PER_SHARD}"]
@@ -81,7 +81,7 @@ def test_converter_is_deterministic_parallel_and_stores_sizes_and_checksums(shar
 
 
 def test_shards_hold_the_source_samples(shards):
-    from scaleup.data import DigitsDataModule
+    from myproject.data import DigitsDataModule
 
     source = DigitsDataModule(val_size=EXACT_VAL, test_size=EXACT_TEST).build_splits()["test"]
     dm = module(shards)
@@ -218,7 +218,7 @@ def test_a_dead_remote_is_one_error_after_bounded_retries(monkeypatch):
 def sharded_exact(shards: Path) -> list[str]:
     """The EXACT recipe on the digits shards: its splits are the converted ones, its augmentation a transform."""
     kept = [a for a in EXACT if not a.startswith(("data.augment=", "data.val_size=", "data.test_size="))]
-    augment = "data.train_transform={_target_:scaleup.data.digits.random_shift_and_rotation}"
+    augment = "data.train_transform={_target_:myproject.data.digits.random_shift_and_rotation}"
     return [*kept, "data=sharded", f"data.url={shards}", "data.window_shards=2", augment]
 
 

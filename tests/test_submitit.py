@@ -10,7 +10,7 @@ import pytest
 from test_launchers import slurm_env
 
 from conftest import QUICK, clean_env, run
-from scaleup.engine.launch import build_strategy
+from scaleup.distributed.launch import build_strategy
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the [slurm] extra is not installed")
 

@@ -8,9 +8,9 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import check, in_process, read_json, run
-from scaleup.engine.checkpoint import load_checkpoint
-from scaleup.engine.config import build_model
-from scaleup.engine.errors import UserError
+from scaleup.checkpoints.io import load_checkpoint
+from scaleup.config.plain import build_model
+from scaleup.errors import UserError
 
 pytestmark = pytest.mark.slow
 

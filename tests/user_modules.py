@@ -10,8 +10,8 @@ from hydra.utils import instantiate
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from scaleup.engine.metrics import StageMetrics
-from scaleup.models import ImageClassifier
+from myproject.models import ImageClassifier
+from scaleup.observability.metrics import StageMetrics
 
 
 class TwoGroupClassifier(ImageClassifier):

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from scaleup.engine.config import flatten
+from scaleup.config.plain import flatten
 
 STEPS = 8
 CHECK = [

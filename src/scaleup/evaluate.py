@@ -11,17 +11,17 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from scaleup.engine.callbacks import MetricsFile
-from scaleup.engine.callbacks.performance import PerformanceSettings, set_tf32
-from scaleup.engine.checkpoint import find_checkpoint, load_checkpoint, load_weights
-from scaleup.engine.components import build_datamodule
-from scaleup.engine.config import build_model, log_rows, to_plain
-from scaleup.engine.errors import UserError, config_errors
-from scaleup.engine.launch import check_launcher, shut_down_process_group
-from scaleup.engine.lightning_workarounds import ExactEvalMetrics, StopOnSigterm
-from scaleup.engine.schema import validate_config
-from scaleup.engine.stop import exit_when_stopped
-from scaleup.engine.topology import resolve_precision, resolve_topology
+from scaleup.callbacks.performance import PerformanceSettings, set_tf32
+from scaleup.callbacks.run_files import MetricsFile
+from scaleup.checkpoints.io import find_checkpoint, load_checkpoint, load_weights
+from scaleup.compat.workarounds import ExactEvalMetrics
+from scaleup.components import build_datamodule
+from scaleup.config.plain import build_model, log_rows, to_plain
+from scaleup.config.schema import validate_config
+from scaleup.distributed.launch import check_launcher, shut_down_process_group
+from scaleup.distributed.preemption import StopOnSigterm, exit_when_stopped
+from scaleup.errors import UserError, config_errors
+from scaleup.plan.topology import resolve_precision, resolve_topology
 
 log = logging.getLogger("scaleup")
 
@@ -31,7 +31,7 @@ def stored_run(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
     if "scaleup" not in checkpoint or "state_dict" not in checkpoint:
         raise UserError(
             f"{path} was not written by this template's train.py (no stored config); load its state_dict "
-            "with scaleup.engine.checkpoint.load_weights instead"
+            "with scaleup.checkpoints.io.load_weights instead"
         )
     return checkpoint["scaleup"]
 

@@ -9,10 +9,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from scaleup.engine.checkpoint import atomic_torch_save, find_checkpoint, load_checkpoint, load_weights
-from scaleup.engine.config import build_model, lookup
-from scaleup.engine.errors import UserError
-from scaleup.engine.schema import validate_config
+from scaleup.checkpoints.io import atomic_torch_save, find_checkpoint, load_checkpoint, load_weights
+from scaleup.config.plain import build_model, lookup
+from scaleup.config.schema import validate_config
+from scaleup.errors import UserError
 from scaleup.evaluate import stored_run
 
 log = logging.getLogger("scaleup")

@@ -14,28 +14,28 @@ from hydra.types import RunMode
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
-from scaleup.engine.callbacks.lr_scaling import base_lrs
-from scaleup.engine.callbacks.performance import set_tf32
-from scaleup.engine.checks import check_config, has_batchnorm, pitfall_warnings
-from scaleup.engine.clusters import launcher_name
-from scaleup.engine.components import build_data_and_model
-from scaleup.engine.config import log_rows, to_plain, write_yaml
-from scaleup.engine.errors import config_errors
-from scaleup.engine.fsdp import describe as describe_sharding
-from scaleup.engine.launch import (
+from scaleup.callbacks.performance import set_tf32
+from scaleup.checkpoints.resume import resume_point
+from scaleup.compat.workarounds import ignore_unresumable_loader_warning
+from scaleup.components import build_data_and_model
+from scaleup.config.plain import log_rows, to_plain, write_yaml
+from scaleup.config.schema import validate_config
+from scaleup.distributed.clusters import launcher_name
+from scaleup.distributed.fsdp import describe as describe_sharding
+from scaleup.distributed.launch import (
     build_strategy,
     check_launcher,
     fresh_store_after_torchrun_restart,
     shut_down_process_group,
 )
-from scaleup.engine.lightning_workarounds import StopOnSigterm, ignore_unresumable_loader_warning
-from scaleup.engine.loggers import close_loggers
-from scaleup.engine.plan import Plan, build_plan, early_stopping_entry
-from scaleup.engine.resume import resume_point
-from scaleup.engine.schema import validate_config
-from scaleup.engine.stop import exit_when_stopped
-from scaleup.engine.topology import resolve_topology
-from scaleup.engine.trainer import build_trainer
+from scaleup.distributed.preemption import StopOnSigterm, exit_when_stopped
+from scaleup.errors import config_errors
+from scaleup.observability.loggers import close_loggers
+from scaleup.plan.checks import check_config, has_batchnorm, pitfall_warnings
+from scaleup.plan.lr import base_lrs
+from scaleup.plan.resolve import Plan, build_plan, early_stopping_entry
+from scaleup.plan.topology import resolve_topology
+from scaleup.trainer import build_trainer
 
 log = logging.getLogger("scaleup")
 

@@ -1,15 +1,2 @@
-from scaleup.data.cifar10 import CIFAR10DataModule
-from scaleup.data.digits import DigitsDataModule
-from scaleup.data.imagefolder import ImageFolderDataModule
-from scaleup.data.sharded import ShardedDataModule
-from scaleup.data.synthetic import SyntheticDataModule
-from scaleup.data.text import CharTextDataModule
-
-__all__ = [
-    "CIFAR10DataModule",
-    "CharTextDataModule",
-    "DigitsDataModule",
-    "ImageFolderDataModule",
-    "ShardedDataModule",
-    "SyntheticDataModule",
-]
+"""Data order and loading: the base DataModules, samplers and the lazy permutation, per-sample seeding, image
+decoding, and sharded data (shards/, the converter)."""

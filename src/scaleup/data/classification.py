@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from scaleup.engine.datamodule import GlobalBatchDataModule
+from scaleup.data.datamodule import GlobalBatchDataModule
 
 
 class ClassificationDataModule(GlobalBatchDataModule):

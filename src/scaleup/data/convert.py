@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, Subset
 
 from scaleup.data.shards.format import IMAGE_TYPES, encode_field, end_of_archive, sample_bytes
 from scaleup.data.shards.index import INDEX, index_document
-from scaleup.engine.errors import UserError
+from scaleup.errors import UserError
 
 OPTIONS = {"out": None, "samples_per_shard": "1024", "workers": str(min(8, os.cpu_count() or 1))}
 _SPLITS: dict[str, Dataset] = {}  # inherited by the forked workers: the data set is built once
@@ -36,7 +36,7 @@ def raw_sample(dataset: Dataset, index: int) -> list[tuple[str, bytes]]:
     from PIL import Image
     from torchvision.datasets import DatasetFolder, VisionDataset
 
-    from scaleup.data.imagefolder import ImageFiles
+    from scaleup.data.images import ImageFiles
 
     while isinstance(dataset, Subset):
         dataset, index = dataset.dataset, int(dataset.indices[index])
@@ -135,8 +135,8 @@ def build_source(overrides: list[str]) -> tuple[dict[str, Dataset], dict[str, An
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from scaleup.engine.components import build_datamodule
-    from scaleup.engine.launch import register_resolvers
+    from scaleup.components import build_datamodule
+    from scaleup.distributed.launch import register_resolvers
 
     register_resolvers()
     configs = Path(__file__).resolve().parents[3] / "configs"

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from scaleup.callbacks.performance import PerformanceSettings
 from scaleup.data.classification import ClassificationDataModule
 from scaleup.data.images import EncodedBatch
-from scaleup.engine.callbacks.performance import PerformanceSettings
 
 
 def normalize(

@@ -14,15 +14,17 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+from torch.utils.data import Dataset
+from torchvision.io import ImageReadMode, decode_image, decode_jpeg, read_file
 from torchvision.transforms import RandomResizedCrop
 from torchvision.transforms.v2 import functional as F
 
-from scaleup.engine.errors import UserError
+from scaleup.errors import UserError
 
 #: RandomResizedCrop's ranges: 8% to 100% of the area, aspect ratio 3/4 to 4/3 (torchvision's defaults).
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
@@ -177,3 +179,24 @@ class EncodedBatch:
         images = decode_jpeg(self.data, mode=ImageReadMode.RGB, device=device)
         out = [self.transform.apply(image, params) for image, params in zip(images, self.params, strict=True)]
         return torch.stack(out), self.labels
+
+
+class ImageFiles(Dataset):
+    """(uint8 CHW image, label) for each (path, label) of an ImageFolder scan, decoded with torchvision.io.
+
+    With `encoded=True` a sample is `((bytes, drawn transform parameters), label)` instead, for a GPU to decode
+    (`EncodedBatch`).
+    """
+
+    def __init__(self, samples: list[tuple[str, int]], transform: ImageTransform, encoded: bool = False) -> None:
+        self.samples, self.transform, self.encoded = samples, transform, encoded
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        path, label = self.samples[index]
+        data = read_file(path)
+        if self.encoded:
+            return EncodedBatch.sample(self.transform, data, path), label
+        return self.transform.from_bytes(data, path), label

@@ -10,15 +10,15 @@ from lightning.pytorch.utilities import rank_zero_only
 from pydantic import Field
 from torch.utils.data import DataLoader, Dataset
 
+from scaleup.data.datamodule import GlobalBatchDataModule
 from scaleup.data.image_batches import normalized_batch
+from scaleup.data.samplers import UnrepeatedDistributedSampler
 from scaleup.data.shards.dataset import ShardSplit
 from scaleup.data.shards.index import INDEX, ShardIndex
 from scaleup.data.shards.order import ShardWindowSampler
 from scaleup.data.shards.remote import MissingFile
-from scaleup.engine.batch import resolve_batch
-from scaleup.engine.datamodule import GlobalBatchDataModule
-from scaleup.engine.errors import UserError
-from scaleup.engine.samplers import UnrepeatedDistributedSampler
+from scaleup.errors import UserError
+from scaleup.plan.batch import resolve_batch
 
 SPLITS = ("train", "val", "test")
 log = logging.getLogger(__name__)

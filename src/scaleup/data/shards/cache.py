@@ -30,7 +30,7 @@ from filelock import FileLock
 from scaleup.data.shards.format import ShardFormatError, scan
 from scaleup.data.shards.index import ShardIndex
 from scaleup.data.shards.remote import filesystem, is_local, with_retries
-from scaleup.engine.errors import UserError
+from scaleup.errors import UserError
 
 log = logging.getLogger(__name__)
 

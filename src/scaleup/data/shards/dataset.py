@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 from scaleup.data.shards.cache import ShardCache
 from scaleup.data.shards.format import IMAGE_TYPES, ShardFormatError, decode_field
 from scaleup.data.shards.index import ShardIndex
-from scaleup.engine.errors import UserError
+from scaleup.errors import UserError
 
 
 class ShardSplit(Dataset):

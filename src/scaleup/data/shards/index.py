@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from scaleup.data.shards.remote import filesystem, with_retries
-from scaleup.engine.errors import UserError
+from scaleup.errors import UserError
 
 INDEX = "index.json"
 FORMAT = "scaleup-shards-v1"

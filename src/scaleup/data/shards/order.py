@@ -21,9 +21,9 @@ from collections.abc import Sized
 
 import numpy as np
 
-from scaleup.engine.permutation import FeistelPermutation
-from scaleup.engine.samplers import GlobalBatchSampler
-from scaleup.engine.seeding import mixed_seed
+from scaleup.data.permutation import FeistelPermutation
+from scaleup.data.samplers import GlobalBatchSampler
+from scaleup.data.seeding import mixed_seed
 
 # Key families of the two permutations; seeding.py's AUGMENTATION and MODEL are 0 and 1.
 SHARD_ORDER, WINDOW_ORDER = 2, 3

@@ -11,7 +11,7 @@ from typing import TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from scaleup.engine.errors import UserError
+from scaleup.errors import UserError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

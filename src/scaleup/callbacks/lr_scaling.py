@@ -1,0 +1,49 @@
+"""The LR schedule applied: a factor on each param group's own LR, set before every optimizer step."""
+
+from typing import Any
+
+import lightning as L
+
+from scaleup.plan.lr import LRSchedule
+
+
+class LRScaling(L.Callback):
+    """Before each batch, sets every param group's LR to its own base LR x `schedule.factor_at(global_step)`.
+
+    The base LR of a group is the one `configure_optimizers` gave it, so ratios between groups (a backbone at
+    0.1x the head) hold through scaling, warmup and decay. It is read in `on_fit_start`, which Lightning calls
+    after `configure_optimizers` and before it restores a checkpoint's optimizer state: a resumed run's param
+    groups come back with the LR last set, never mistaken for a base LR. The factor is a pure function of the
+    global step, not state carried in a torch scheduler: a resumed run continues the warmup or decay exactly,
+    and with gradient accumulation all micro-batches of a step see the same LR.
+    Keep this callback before LearningRateMonitor so the logged LR is the one used for the step.
+    """
+
+    def __init__(self, schedule: LRSchedule) -> None:
+        self.schedule = schedule
+        self.base_lrs: list[list[float]] = []
+        self._groups: list[tuple[dict[str, Any], float]] = []  # (param group, its base LR), flat
+        self._step: int | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.base_lrs = [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # After a checkpoint's optimizer state is loaded, which replaces every param group dict.
+        self._groups = [
+            (group, base_lr)
+            for optimizer, base_lrs in zip(trainer.optimizers, self.base_lrs, strict=True)
+            for group, base_lr in zip(optimizer.param_groups, base_lrs, strict=True)
+        ]
+        self._step = None
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self._step:  # the next micro-batch of an accumulated step: set already
+            return
+        self._step = step
+        factor = self.schedule.factor_at(step)
+        for group, base_lr in self._groups:
+            group["lr"] = base_lr * factor

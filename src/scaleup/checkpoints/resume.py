@@ -1,0 +1,180 @@
+"""Resuming a run: which checkpoint `ckpt_path` names, and whether it can continue under this plan.
+
+Everything here runs before anything is written, so a refused resume leaves the run directory as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
+
+from scaleup.checkpoints.io import exists, find_checkpoint, is_url, load_checkpoint, strip_wrapper_prefixes
+from scaleup.config.plain import flatten
+from scaleup.data.samplers import GlobalBatchSampler, resumed_steps
+from scaleup.errors import UserError
+from scaleup.plan.resolve import Plan
+
+log = logging.getLogger("scaleup")
+
+# What a run that trained leaves besides its checkpoints. (Not plan.json: this run's rank 0 may have written it
+# already when another rank looks.)
+RUN_FILES = ("metrics.json",)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where the run starts: from scratch (`path` None), from a checkpoint, or, for a run that trained to its end
+    but was stopped before its test finished (`finished`), at the test of its best checkpoint."""
+
+    path: Path | str | None = None
+    step: int = 0
+    finished: bool = False
+    best: str = ""  # the best checkpoint, to test when `finished`
+
+
+def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str, run_dir: Path) -> Path | str | None:
+    """`last` is the run's newest checkpoint: `<checkpoint.dirpath>/last.ckpt`, or the hpc_ckpt_N.ckpt that
+    Lightning saves in the run directory on SLURM's pre-emption signal if that is newer. With none yet it starts
+    from scratch, so one command both starts a job and resumes it after a restart; a directory that already
+    holds another run's files but no last.ckpt is refused. Anything else must be a checkpoint file (or a URL
+    such as s3://bucket/run/last.ckpt, read through fsspec), or what `find_checkpoint` finds from a directory or a
+    glob."""
+    if ckpt_path != "last":
+        return None if ckpt_path is None else find_checkpoint(ckpt_path, prefer="last")
+    last = f"{checkpoint_dir.rstrip('/')}/last.ckpt"
+    if is_url(last):
+        return last if exists(last) else None
+    candidates = [p for p in [Path(last), *run_dir.glob("hpc_ckpt_*.ckpt")] if exists(p)]
+    if candidates:
+        return max(candidates, key=lambda p: p.stat().st_mtime_ns)
+    earlier = [name for name in RUN_FILES if (run_dir / name).is_file()]
+    earlier += [str(p.relative_to(run_dir)) for p in sorted(Path(checkpoint_dir).glob("*.ckpt"))]
+    if earlier:
+        raise UserError(
+            f"ckpt_path=last: {run_dir} holds an earlier run ({', '.join(earlier)}) but no {last} to resume from; "
+            "pass another hydra.run.dir for a new run, or ckpt_path=<one of its checkpoints> to continue from it"
+        )
+    log.warning(
+        f"ckpt_path=last: no checkpoint in {checkpoint_dir} yet, starting a new run there. To resume another run, "
+        "pass its directory: hydra.run.dir=<run dir> (runs are under outputs/train/ unless paths.log_dir says else)"
+    )
+    return None
+
+
+def resume_point(
+    ckpt_path: str | None,
+    config: dict[str, Any],
+    plan: Plan,
+    model: L.LightningModule,
+    datamodule: L.LightningDataModule,
+    run_dir: Path,
+) -> ResumePoint:
+    """Open the checkpoint up front (clear errors, no traceback), refuse what cannot continue, report what changed."""
+    path = resolve_ckpt_path(ckpt_path, config["checkpoint"]["dirpath"], run_dir)
+    if path is None:
+        return ResumePoint()
+    checkpoint = load_checkpoint(path, weights=False)  # a sharded one: its shapes, not its tensors
+    step = checkpoint.get("global_step", 0)
+    check_same_network(path, checkpoint, config, model)
+    previous = checkpoint.get("scaleup", {}).get("plan", {})
+    check_same_global_batch(path, previous, step, plan)
+    check_same_order(path, checkpoint, step, datamodule, plan)
+    stopped_early = early_stop_reason(checkpoint)
+    if ckpt_path == "last" and (step == plan.total_steps or stopped_early):
+        # Trained to its end (a pre-emption came during the final test): what is left is the test.
+        return ResumePoint(path, step, finished=True, best=best_checkpoint(checkpoint, config, path))
+    if stopped_early:
+        raise UserError(
+            f"{path} is from a run that early stopping ended {stopped_early}; there is nothing to resume. To train "
+            "on, start a new run, e.g. from these weights or with a larger callbacks.early_stopping.patience"
+        )
+    if step >= plan.total_steps:
+        raise UserError(
+            f"{path} is at step {step} (epoch {checkpoint.get('epoch')}), already at or past this plan's "
+            f"{plan.total_steps} steps; raise trainer.max_epochs or trainer.max_steps to train further"
+        )
+    if rank_zero_only.rank == 0:
+        log_changes(path, previous, plan)
+    return ResumePoint(path, step)
+
+
+def check_same_network(path: Path | str, checkpoint: dict[str, Any], config: dict[str, Any], model: Any) -> None:
+    """Another network is one whose weights have other names or shapes; the config differences say why."""
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    stored_shapes = {name: tuple(t.shape) for name, t in strip_wrapper_prefixes(checkpoint["state_dict"]).items()}
+    if stored_shapes == shapes:
+        return
+    stored_model = checkpoint.get("scaleup", {}).get("config", {}).get("model", {})
+    before, now = flatten(stored_model), flatten(config["model"])
+    diffs = [
+        f"model.{k}={before.get(k)} (now {now.get(k)})" for k in sorted(before | now) if before.get(k) != now.get(k)
+    ]
+    changed = sorted(name for name in stored_shapes | shapes if stored_shapes.get(name) != shapes.get(name))
+    raise UserError(
+        f"{path} was trained with another network: {', '.join(diffs) or f'weights {changed[:3]} differ'}; "
+        "resume with the same model settings, or start a new run"
+    )
+
+
+def check_same_global_batch(path: Path | str, previous: dict[str, Any], step: int, plan: Plan) -> None:
+    """The steps taken, the epoch they are in and the LR schedule all count optimizer steps of the checkpoint's
+    global batch: a resume with another one would plan a run that does not happen."""
+    before = previous.get("global_batch_size")
+    if before is None or before == plan.global_batch_size:
+        return
+    raise UserError(
+        f"{path} trained {step} steps with a global batch of {before} ({step * before} samples), this run's is "
+        f"{plan.global_batch_size}: its steps, epoch and LR schedule count batches of {before}. Resume with "
+        f"data.global_batch_size={before} data.per_device_batch_size=null (any device count keeps it), or start a "
+        "new run from these weights"
+    )
+
+
+def check_same_order(
+    path: Path | str, checkpoint: dict[str, Any], step: int, datamodule: L.LightningDataModule, plan: Plan
+) -> None:
+    """A mid-epoch checkpoint continues only in the order that took its steps: the train loader would refuse
+    another one inside fit (`samplers.resumed_steps`); refused here, before plan.json and config.yaml are written."""
+    splits = getattr(datamodule, "splits", None) or {}
+    if "train" not in splits:
+        return
+    if hasattr(datamodule, "train_sampler"):  # the DataModule's own order (sharded data: the window shuffle)
+        sampler = datamodule.train_sampler(plan.global_batch_size, 1, 0)
+    else:
+        sampler = GlobalBatchSampler(splits["train"], plan.global_batch_size, num_replicas=1, rank=0, seed=0)
+    if 0 < step - checkpoint.get("epoch", 0) * sampler.steps_per_epoch < sampler.steps_per_epoch:
+        resumed_steps(checkpoint.get(type(datamodule).__qualname__), str(path), checkpoint["epoch"], step, sampler)
+
+
+def early_stop_reason(checkpoint: dict[str, Any]) -> str:
+    for name, state in checkpoint.get("callbacks", {}).items():
+        if name.startswith("EarlyStopping") and state.get("stopping_reason_message"):
+            return f"at epoch {state['stopped_epoch']} ({state['stopping_reason_message'].strip()})"
+    return ""
+
+
+def best_checkpoint(checkpoint: dict[str, Any], config: dict[str, Any], path: Path | str) -> str:
+    """The best checkpoint by `monitor.metric` that the run recorded, or `path` itself if it is gone."""
+    for name, state in checkpoint.get("callbacks", {}).items():
+        best = state.get("best_model_path") if name.startswith("ModelCheckpoint") else None
+        if best and state.get("monitor") == config["monitor"]["metric"] and exists(best):
+            return str(best)
+    log.warning(f"the run's best checkpoint by {config['monitor']['metric']} is gone: testing {path}")
+    return str(path)
+
+
+def log_changes(path: Path | str, previous: dict[str, Any], plan: Plan) -> None:
+    skipped = {"dataset_sizes", "sync_batchnorm_reason", "launcher"}
+    if plan.max_per_device_batch_size == "auto":  # settled again at the start of fit
+        skipped |= {"per_device_batch_size", "accumulate_grad_batches", "bn_batch_size"}
+    changed = [
+        f"{key} {previous[key]} -> {value}"
+        for key, value in plan.to_dict().items()
+        if key in previous and previous[key] != value and key not in skipped
+    ]
+    log.info(f"resuming from {path}" + (f"; changed since: {', '.join(changed)}" if changed else ""))

@@ -1,0 +1,141 @@
+"""Sharded checkpoints (torch.distributed.checkpoint directories): atomic writes, and reads on one process.
+
+On disk a sharded checkpoint is a directory named like a checkpoint file (`last.ckpt/`, `best-epoch002-0.97.ckpt/`):
+`meta.pt` (Lightning's loop, callback and scaleup state: a plain `torch.save`) beside `.metadata` and one
+`__<rank>_0.distcp` file per rank (the weights and the optimizer state, each rank its own shards).
+
+Atomic: every rank writes into `.<name>.partial/` beside the target; once all have finished, rank 0 moves the old
+checkpoint aside to `.<name>.old/`, renames the new one into place and deletes the old one. A kill -9 while the
+shards are written leaves the old checkpoint untouched (and a `.partial` directory, deleted at the next start);
+one between the two renames leaves the old checkpoint under `.<name>.old`, which `recover` moves back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METADATA = "meta.pt"  # Lightning's name (lightning.fabric.utilities.load._METADATA_FILENAME)
+PARTIAL, OLD = ".partial", ".old"
+
+
+def is_sharded(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / METADATA).is_file()
+
+
+def beside(path: Path, suffix: str) -> Path:
+    return path.parent / f".{path.name}{suffix}"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_sharded(
+    path: Path, write: Callable[[Path], None], *, is_global_zero: bool, barrier: Callable[[], None]
+) -> None:
+    """Call `write(tmp)` on every rank (each writes its shards into `tmp`), then put `tmp` in place of `path`."""
+    tmp = beside(path, PARTIAL)
+    if is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove(tmp)  # a save killed before this one
+    barrier()
+    write(tmp)  # torch.distributed.checkpoint fsyncs every shard it writes
+    barrier()  # every rank's shards are on disk
+    if is_global_zero:
+        with open(tmp / METADATA, "rb+") as f:  # Lightning's torch.save of meta.pt is not fsynced
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        put_in_place(tmp, path)
+    barrier()
+
+
+def put_in_place(new: Path, path: Path) -> None:
+    """Rename `new` to `path`, replacing what is there. A rename replaces a file atomically but not a directory (a
+    sharded checkpoint, or a file where one was): then the old one moves aside to `.<name>.old` first."""
+    if not new.is_dir() and not path.is_dir():
+        os.replace(new, path)
+        return
+    old = beside(path, OLD)
+    recover(path)
+    _remove(old)
+    if path.exists():
+        os.rename(path, old)
+    os.rename(new, path)
+    _fsync_dir(path.parent)
+    _remove(old)
+
+
+def recover(path: str | Path) -> None:
+    """Move back a checkpoint that a kill between the two renames of `save_sharded` left under `.<name>.old`."""
+    path = Path(path)
+    old = beside(path, OLD)
+    if not path.exists() and old.exists():
+        with contextlib.suppress(FileNotFoundError):  # another rank moved it back first
+            os.rename(old, path)
+
+
+def remove_interrupted(directory: Path) -> list[Path]:
+    """Rank 0 at start: delete `.partial` directories of killed saves, restore or delete `.old` ones."""
+    for old in directory.glob(f".*{OLD}"):
+        recover(directory / old.name[1 : -len(OLD)])
+        if old.exists():
+            _remove(old)
+    stale = list(directory.glob(f".*{PARTIAL}"))
+    for path in stale:
+        _remove(path)
+    return stale
+
+
+def read_sharded(path: str | Path, weights: bool = True) -> dict[str, Any]:
+    """A sharded checkpoint as the one-file checkpoint a single process writes, read without a process group.
+
+    `state_dict` holds full (unsharded) tensors on the CPU under the module's own names, and `optimizer_states`
+    the optimizer state keyed by parameter index, as `torch.optim.Optimizer.state_dict()` gives it. With
+    `weights=False`, `state_dict` holds meta tensors of the stored shapes and dtypes (no memory: what a resume
+    checks before it starts) and no optimizer state is read.
+    """
+    from scaleup.compat.workarounds import read_distributed_checkpoint, stored_tensor_shapes
+
+    path = Path(path)
+    checkpoint = torch.load(path / METADATA, map_location="cpu", weights_only=True)
+    if not weights:
+        shapes = stored_tensor_shapes(path, "state_dict")
+        checkpoint["state_dict"] = {
+            k: torch.empty(size, dtype=dtype, device="meta") for k, (size, dtype) in shapes.items()
+        }
+        return checkpoint
+    stored = read_distributed_checkpoint(path)
+    checkpoint["state_dict"] = stored.pop("state_dict")
+    optimizers = sorted((key for key in stored if key.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    checkpoint["optimizer_states"] = [by_index(stored[key]) for key in optimizers]
+    return checkpoint
+
+
+def by_index(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name (torch.distributed.checkpoint's) keyed by index instead: the
+    parameters are numbered in the order of the param groups, as `Optimizer.state_dict()` numbers them."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in state["param_groups"]:
+        ids = [index.setdefault(name, len(index)) for name in group["params"]]
+        groups.append({**group, "params": ids})
+    return {"state": {index[name]: value for name, value in state["state"].items()}, "param_groups": groups}

@@ -1,0 +1,82 @@
+"""The run's data module and model, built from the config, each told what it needs from the other."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+
+from scaleup.config.plain import build_model, lookup
+from scaleup.data.datamodule import GlobalBatchDataModule, apply_model_settings, sizes_for_plan
+from scaleup.errors import UserError, config_errors
+from scaleup.plan.checks import check_data_config
+
+log = logging.getLogger("scaleup")
+
+
+def build_datamodule(config: dict[str, Any]) -> GlobalBatchDataModule:
+    """The `data` config's DataModule, with the shared `loader` settings and the run's seed."""
+    check_data_config(config["data"])
+    with config_errors("data"):
+        datamodule = instantiate(config["data"], **config.get("loader", {}), seed=config["seed"])
+    if not isinstance(datamodule, GlobalBatchDataModule):
+        raise UserError(
+            f"data._target_={config['data']['_target_']} is not a scaleup.data.datamodule.GlobalBatchDataModule: "
+            "subclass it (implement build_splits()), so the plan knows the split sizes and every device count sees "
+            "the same global batches"
+        )
+    return datamodule
+
+
+def build_data_and_model(
+    config: dict[str, Any], run_dir: Path, dry_run: bool
+) -> tuple[GlobalBatchDataModule, L.LightningModule, dict[str, int]]:
+    """The data module, the LightningModule, and the split sizes the plan is made from.
+
+    The data is downloaded and set up first: the plan needs its split sizes, the model what only the data knows
+    (classes, input channels, vocabulary), filled into `config["model"]` where it says null. A dry run takes only
+    what the data module states without its files, and builds the net with 2 for what it cannot state (the plan
+    needs the parameter groups and whether there is BatchNorm, not those sizes).
+    """
+    datamodule = build_datamodule(config)
+    dataset_sizes = sizes_for_plan(datamodule, run_dir=run_dir, dry_run=dry_run)
+    settings = datamodule.model_settings()
+    apply_model_settings(config["model"], settings)
+    check_model_fits_data(config, settings)
+    model_cfg = config["model"]
+    if unknown := [key for key, value in settings.items() if value is None]:
+        log.info(f"model.{', model.'.join(unknown)} unknown until the data is there: the dry run builds the net with 2")
+        model_cfg = copy.deepcopy(model_cfg)
+        apply_model_settings(model_cfg, dict.fromkeys(unknown, 2))
+    # A dry run builds the model on the meta device: shapes and parameter groups, no memory and no time, so a
+    # 7B model plans on a laptop.
+    with config_errors("model"), torch.device("meta") if dry_run else contextlib.nullcontext():
+        model = build_model(model_cfg, precision=config["trainer"]["precision"])
+    return datamodule, model, dataset_sizes
+
+
+def check_model_fits_data(config: dict[str, Any], settings: dict[str, Any]) -> None:
+    """A model whose net still waits for a setting (`null`) while the data offers others it has no key for was
+    made for another kind of data (an image classifier on text): say so instead of failing inside the net."""
+    net = config["model"].get("net")
+    waiting = [key for key, value in net.items() if value is None] if isinstance(net, dict) else []
+    unused = [key for key in settings if not has_key(config["model"], key)]
+    if waiting and unused:
+        data, model = config["data"]["_target_"], config["model"]["_target_"]
+        raise UserError(
+            f"the model ({model}) does not fit the data ({data}): model.net.{', model.net.'.join(waiting)} "
+            f"wait(s) for the data, which provides {', '.join(f'model.{key}' for key in settings)} instead. "
+            "Choose a model made for this data (e.g. experiment=char_lm for text), or set those keys"
+        )
+
+
+def has_key(tree: dict[str, Any], dotted: str) -> bool:
+    parent, _, leaf = dotted.rpartition(".")
+    node = lookup(tree, parent)
+    return isinstance(node, dict) and leaf in node

@@ -1,0 +1,304 @@
+"""Fully sharded data parallel (FSDP2, `torch.distributed.fsdp.fully_shard`) for any LightningModule.
+
+Users write an ordinary LightningModule; the template shards it. The sharding units are the modules of the classes
+named in `strategy.shard_modules`, or by default every block of every network the module holds (the direct children
+of each network, containers such as `nn.Sequential` and `nn.ModuleList` opened into their members); then each
+network as the root of its own units. Parameters, gradients and optimizer state live on each rank as 1/N of every
+tensor (dim 0, padded), gathered unit by unit for the forward and backward passes and freed after.
+
+It runs through Lightning's ModelParallelStrategy, which needs no CUDA (gloo on CPU, NCCL on GPUs) and writes
+sharded checkpoints with torch.distributed.checkpoint: every rank writes its own shards, in parallel, and nothing
+is gathered on rank 0 (checkpoints/sharded.py makes the write atomic and reads it on one process).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import get_class
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from scaleup.checkpoints.sharded import save_sharded
+from scaleup.compat.workarounds import (
+    configure_model_counts_as_overridden,
+    optimizer_states_keyed_in_group_order,
+)
+from scaleup.errors import UserError
+
+log = logging.getLogger("scaleup")
+
+# Modules that only hold other modules: their members are the blocks.
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def holds_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def networks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The LightningModule's children that hold parameters: each is sharded as the root of its units.
+
+    Parameters of the LightningModule's own (outside any child) would belong to no unit whose forward Lightning
+    runs (it calls training_step, not forward), so they are refused.
+    """
+    if own := [name for name, _ in model.named_parameters(recurse=False)]:
+        raise UserError(
+            f"strategy=fsdp shards the networks a LightningModule holds, but {type(model).__name__} holds parameters "
+            f"of its own ({', '.join(own)}): move them into a submodule (e.g. self.net)"
+        )
+    return [(name, child) for name, child in model.named_children() if holds_parameters(child)]
+
+
+def _blocks(module: nn.Module, prefix: str) -> Iterator[str]:
+    for name, child in module.named_children():
+        if not holds_parameters(child):
+            continue
+        if isinstance(child, CONTAINERS):
+            yield from _blocks(child, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}"
+
+
+def unit_names(model: nn.Module, shard_modules: Iterable[str] | None) -> list[str]:
+    """Names of the modules sharded on their own, before the networks that hold them (the roots).
+
+    `shard_modules`: dotted class names (as config holds them), or None for every block of every network.
+    """
+    roots = networks(model)
+    if shard_modules is None:
+        return [unit for root, net in roots for unit in _blocks(net, f"{root}.")]
+    try:
+        classes = tuple(get_class(name) for name in shard_modules)
+    except Exception as err:  # Hydra wraps the import error; its message names the class
+        raise UserError(f"strategy.shard_modules: {err}") from None
+    units = [
+        f"{root}.{name}"
+        for root, net in roots
+        for name, module in net.named_modules()
+        if name and isinstance(module, classes)  # not the network itself: it is the root
+    ]
+    if not units:
+        raise UserError(
+            f"strategy.shard_modules={list(shard_modules)} matches no module of {type(model).__name__}: name its "
+            "block classes (e.g. torchvision.models.resnet.BasicBlock), or null for every block of every network"
+        )
+    # A unit inside another unit is sharded first (FSDP2 shards bottom-up): the innermost modules come first.
+    return sorted(units, key=lambda name: -name.count("."))
+
+
+def bytes_per_rank(model: nn.Module, world_size: int) -> tuple[int, int]:
+    """(bytes of all parameters, bytes of one rank's shards): FSDP2 splits every tensor along dim 0, padded to a
+    multiple of the world size. Shapes only: works on the meta device."""
+    total = per_rank = 0
+    for param in model.parameters():
+        size = param.element_size()
+        total += param.numel() * size
+        rows = param.shape[0] if param.ndim else 1
+        per_rank += math.ceil(rows / world_size) * (param.numel() // max(rows, 1)) * size
+    return total, per_rank
+
+
+def describe(model: nn.Module, shard_modules: Iterable[str] | None, world_size: int) -> str:
+    """The plan's row: the units, and the parameter bytes per rank."""
+    units = unit_names(model, shard_modules)
+    total, per_rank = bytes_per_rank(model, world_size)
+    shown = ", ".join(units[:6]) + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
+    roots = ", ".join(name for name, _ in networks(model))
+    return (
+        f"{len(units)} unit(s) ({shown or 'none'}), then the root(s) {roots}; parameters {mib(per_rank)} per rank "
+        f"of {mib(total)} (gradients and optimizer state shard alike)"
+    )
+
+
+def mib(count: int) -> str:
+    return f"{count / 2**20:.2f} MiB" if count < 2**30 else f"{count / 2**30:.2f} GiB"
+
+
+def shard(
+    model: nn.Module,
+    mesh: Any,
+    shard_modules: Iterable[str] | None,
+    *,
+    mixed_precision: str | None = None,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
+) -> list[str]:
+    """Apply `fully_shard` to every unit, then to every network, in place. Returns the unit names.
+
+    Module names and parameter names stay as they were (FSDP2 swaps the parameters for DTensors in place, no
+    wrapper), so checkpoints keep their plain keys.
+    """
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    if mixed_precision is not None:
+        # Compute in the lower precision, keep float32 master weights and reduce the gradients in float32.
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=getattr(torch, mixed_precision), reduce_dtype=torch.float32
+        )
+    units = unit_names(model, shard_modules)
+    for name in units:
+        unit = model.get_submodule(name)
+        if activation_checkpointing:
+            # The composable form: hooks instead of a wrapper module, so no `_checkpoint_wrapped_module.` in names.
+            checkpoint(unit)
+        fully_shard(unit, **kwargs)
+    for _, net in networks(model):
+        fully_shard(net, **kwargs)
+    return units
+
+
+def local_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes this rank holds of `tensors` (a DTensor's local shard; None skipped)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            total += local.numel() * local.element_size()
+    return total
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """What this rank holds of the model's state: parameters, gradients and optimizer state (measured)."""
+    params = list(model.parameters())
+    moments = [value for per_param in optimizer.state.values() for value in per_param.values()]
+    return {
+        "parameters": local_bytes(params),
+        "gradients": local_bytes(p.grad for p in params),
+        "optimizer state": local_bytes(moments),
+    }
+
+
+def report_model_state(mine: dict[str, int], ranks: list[dict[str, int]], total_parameters: int) -> str:
+    """One line: each part as the largest rank holds it, the sum, and 1/N of the full model's parameters."""
+    largest = {name: max(rank[name] for rank in ranks) for name in mine}
+    parts = ", ".join(f"{name} {mib(size)}" for name, size in largest.items())
+    return (
+        f"model state per rank (largest of {len(ranks)}, after the first step): {parts}; {mib(sum(largest.values()))} "
+        f"in all. The full model's parameters: {mib(total_parameters)}, / {len(ranks)} = "
+        f"{mib(total_parameters // len(ranks))}"
+    )
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def fsdp_modules(model: nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def gather_for_evaluation(model: nn.Module) -> None:
+    """All-gather every unit's parameters now and keep them whole through the forward passes that follow."""
+    for module in fsdp_modules(model):
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+
+
+def reshard_after_evaluation(model: nn.Module) -> None:
+    """Free the gathered parameters and restore FSDP2's defaults: units reshard after their forward, roots (the
+    networks, whose parameters the backward needs first) keep theirs."""
+    roots = {id(net) for _, net in networks(model)}
+    for module in fsdp_modules(model):
+        module.reshard()
+        module.set_reshard_after_forward(id(module) not in roots, recurse=False)
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy, data parallel over every process, that shards the module itself.
+
+    A module whose own `configure_model` already sharded it (DTensor parameters) is left as it is.
+    Checkpoints are sharded directories, written atomically (checkpoints/sharded.py).
+    """
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        shard_modules: list[str] | None = None,
+        mixed_precision: str | None = None,
+        cpu_offload: bool = False,
+        activation_checkpointing: bool = False,
+        timeout: timedelta,
+    ) -> None:
+        super().__init__(data_parallel_size=world_size, tensor_parallel_size=1, timeout=timeout)
+        self.shard_modules = shard_modules
+        self.options = {
+            "mixed_precision": mixed_precision,
+            "cpu_offload": cpu_offload,
+            "activation_checkpointing": activation_checkpointing,
+        }
+        self._measured = False
+        self._total_parameter_bytes = 0
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The optimizer step; after the run's first, every rank measures what it holds (gradients still there)."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not self._measured:
+            self._measured = True
+            inner = getattr(optimizer, "_optimizer", optimizer)
+            mine = model_state_bytes(self.lightning_module, inner)
+            ranks: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(ranks, mine)  # the first step: every rank is here
+            if self.is_global_zero:
+                log.info(report_model_state(mine, ranks, self._total_parameter_bytes))
+        return output
+
+    def setup(self, trainer: Any) -> None:
+        model = self.lightning_module
+        self._total_parameter_bytes = bytes_per_rank(model, 1)[0]
+        if not is_sharded(model):
+            shard(model, self.device_mesh["data_parallel"], self.shard_modules, **self.options)
+        with configure_model_counts_as_overridden(model):
+            super().setup(trainer)
+
+    # Evaluation batches are uneven across ranks (every sample counted once, no padding), and a sharded forward
+    # all-gathers every unit: a rank with one batch more would wait for the others forever. So evaluation gathers
+    # the parameters once, on every rank together, runs with them whole (parameters only: no gradients, no
+    # optimizer state), and frees them after.
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        gather_for_evaluation(self.lightning_module)
+
+    def on_validation_end(self) -> None:
+        reshard_after_evaluation(self.lightning_module)
+        super().on_validation_end()
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        gather_for_evaluation(self.lightning_module)
+
+    def on_test_end(self) -> None:
+        reshard_after_evaluation(self.lightning_module)
+        super().on_test_end()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        with optimizer_states_keyed_in_group_order(self.lightning_module, self.optimizers):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Every rank writes its shards into a temporary directory beside `filepath`; rank 0 then swaps it in."""
+        path = Path(self.broadcast(str(filepath)))
+        save_sharded(
+            path,
+            lambda tmp: super(FSDPStrategy, self).save_checkpoint(checkpoint, tmp, storage_options),
+            is_global_zero=self.is_global_zero,
+            barrier=self.barrier,
+        )

@@ -1,0 +1,147 @@
+"""Start-up checks for the single-to-multi-device pitfalls that cannot be fixed automatically."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+from torch import nn
+from torch.utils.data import IterableDataset
+
+from scaleup.errors import UserError
+from scaleup.plan.resolve import SMALL_BN_BATCH, Plan
+
+log = logging.getLogger(__name__)
+
+
+def has_batchnorm(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+def check_data_config(data_cfg: Mapping[str, Any]) -> None:
+    """Data settings refused before the data module is built, which would fail on them less helpfully."""
+    if "shuffle" in data_cfg:
+        raise UserError(
+            "remove data.shuffle: the training sampler shuffles every epoch by itself (and a DataLoader "
+            "refuses shuffle=True together with a sampler)"
+        )
+
+
+def check_config(cfg: dict[str, Any], plan: Plan) -> None:
+    """Mistakes that would crash later or silently change results: refuse them now."""
+    if plan.strategy == "fsdp":
+        check_fsdp_options(cfg["strategy"], plan)
+    if plan.accelerator == "cpu" and plan.precision.startswith("16"):
+        raise UserError(
+            f"trainer.precision={plan.precision} needs a GPU; on CPU use trainer.precision=bf16-mixed or 32-true"
+        )
+
+
+def check_fsdp_options(strategy_cfg: Mapping[str, Any], plan: Plan) -> None:
+    """FSDP's GPU options where they cannot do what they say."""
+    if strategy_cfg.get("cpu_offload") and plan.accelerator == "cpu":
+        raise UserError(
+            "strategy.cpu_offload=true moves the shards off the GPU into host memory; on CPU they are there"
+        )
+    if strategy_cfg.get("mixed_precision") and plan.precision != "32-true":
+        raise UserError(
+            f"strategy.mixed_precision={strategy_cfg['mixed_precision']} is FSDP's own mixed precision (float32 master "
+            f"weights and gradient reduction); with it pass trainer.precision=32-true, not {plan.precision}"
+        )
+
+
+def pitfall_warnings(plan: Plan, *, has_batchnorm: bool, num_workers: int, data_in_memory: bool) -> list[str]:
+    """Settings that run but probably do not do what the user wants."""
+    warnings = []
+    if plan.scaling_rule == "none" and plan.global_batch_size != plan.base_batch_size:
+        lrs = "each param group's LR" if plan.base_lr is None else f"the LR {plan.base_lr:g}"
+        warnings.append(
+            f"lr_schedule.rule=none: {lrs} tuned for a batch of {plan.base_batch_size} "
+            f"is used unchanged with a global batch of {plan.global_batch_size}; use rule=linear or sqrt"
+        )
+    if plan.total_steps is not None and plan.warmup_steps is not None and plan.warmup_steps > plan.total_steps:
+        warnings.append(
+            f"the warmup ({plan.warmup_steps} steps) is longer than the run ({plan.total_steps} steps): the LR never "
+            "reaches its peak; lower lr_schedule.warmup_epochs or warmup_steps"
+        )
+    if has_batchnorm and (warning := batchnorm_warning(plan)):
+        warnings.append(warning)
+    if num_workers == 0 and plan.accelerator == "gpu" and plan.world_size > 1 and not data_in_memory:
+        warnings.append(
+            "data.num_workers=0 on a multi-GPU run: every process loads and decodes its data in the training "
+            "loop, and the slowest one holds up all the others at each gradient sync; set data.num_workers=4 or more"
+        )
+    return warnings
+
+
+class MonitorCheck(L.Callback):
+    """Refuses a `monitor.metric` that the module does not log, at the end of the first validation, naming the
+    metrics it does log (instead of ModelCheckpoint's traceback)."""
+
+    def __init__(self, metric: str, mode: str) -> None:
+        if mode not in ("min", "max"):
+            raise UserError(f"monitor.mode={mode} must be min or max (whether a lower or a higher {metric} is better)")
+        self.metric = metric
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or self.metric in trainer.callback_metrics:
+            return
+        logged = ", ".join(sorted(name for name in trainer.callback_metrics if name.startswith("val/"))) or "nothing"
+        raise UserError(
+            f"monitor.metric={self.metric} is not logged by {type(pl_module).__name__}, which logs {logged}: set "
+            "monitor.metric (and monitor.mode=min|max) to one of them, e.g. in your experiment config"
+        )
+
+
+def batchnorm_warning(plan: Plan) -> str | None:
+    """BatchNorm statistics over fewer than SMALL_BN_BATCH samples, or over another number than the recipe was
+    tuned with (lr_schedule.base_bn_batch_size): either changes the results, so say so, with the fixes."""
+    bn, tuned, per_device = plan.bn_batch_size, plan.base_bn_batch_size, plan.per_device_batch_size
+    if bn is None or (bn == tuned and bn >= SMALL_BN_BATCH):
+        return None
+    if plan.sync_batchnorm:
+        what = f"BatchNorm statistics come from {bn} samples (SyncBN over {plan.world_size} devices x {per_device})"
+    elif plan.world_size > 1:
+        what = f"BatchNorm runs unsynced on {plan.world_size} processes with {per_device} samples per device"
+    else:
+        what = f"BatchNorm statistics come from {bn} samples (the micro-batch)"
+    if plan.accumulate_grad_batches > 1:
+        what += f", not the {plan.global_batch_size} of an optimizer step (accumulation normalises each micro-batch)"
+    problems = [f"the recipe was tuned with {tuned}, so results will differ from it"] if bn != tuned else []
+    if bn < SMALL_BN_BATCH:
+        problems.append(f"below {SMALL_BN_BATCH} samples the statistics get noisy")
+    fixes = []
+    if not plan.sync_batchnorm and plan.accelerator == "gpu" and plan.world_size > 1 and bn < tuned:
+        fixes.append(f"trainer.sync_batchnorm=true ({plan.world_size * per_device} per statistic)")
+    if bn < tuned and plan.accumulate_grad_batches > 1:
+        fixes.append("a larger data.max_per_device_batch_size (less accumulation)")
+    share = plan.global_batch_size // plan.world_size
+    if bn > tuned and not plan.sync_batchnorm and share % tuned == 0:
+        fixes.append(f"data.max_per_device_batch_size={tuned}")
+    fixes.append("model.net.norm=group (no batch statistics)")
+    return f"{what}: {'; '.join(problems)}. Options: {', or '.join(fixes)}"
+
+
+class TrainLoaderCheck(L.Callback):
+    """Warns when a custom DataModule's train loader breaks world-size invariance or rank sharding."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from scaleup.data.samplers import GlobalBatchSampler
+
+        loader = trainer.train_dataloader
+        if loader is None or not trainer.is_global_zero:
+            return
+        if isinstance(loader.dataset, IterableDataset):
+            log.warning(
+                "the training set is an IterableDataset: no sampler can shard it, so it must split its stream by "
+                "rank and by loader worker itself (torch.utils.data.get_worker_info, trainer.global_rank), or "
+                "every process trains on the same samples"
+            )
+        # With overfit_batches, Lightning itself swaps in a sequential sampler (the same batches every epoch).
+        elif not isinstance(loader.sampler, GlobalBatchSampler) and not trainer.overfit_batches:
+            log.warning(
+                f"the train loader uses {type(loader.sampler).__name__}, not GlobalBatchSampler: the order of "
+                "samples will depend on the number of devices, so 1-device and N-device runs will differ"
+            )

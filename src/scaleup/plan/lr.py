@@ -1,0 +1,85 @@
+"""The LR plan: the peak LR for the global batch (linear, sqrt), warmup and decay, as a factor of the optimizer step."""
+
+import math
+from dataclasses import dataclass
+
+import lightning as L
+
+from scaleup.compat.workarounds import parse_configure_optimizers
+from scaleup.errors import UserError
+
+SCALING_RULES = ("linear", "sqrt", "none")
+DECAYS = ("cosine", "step", "none")
+
+
+def lr_factor(global_batch: int, base_batch: int, rule: str) -> float:
+    """How much larger the peak LR is than the base LR tuned at `base_batch`: Goyal et al. 2017 (linear),
+    Krizhevsky 2014 / Hoffer et al. 2017 (sqrt)."""
+    ratio = global_batch / base_batch
+    if rule == "linear":
+        return ratio
+    if rule == "sqrt":
+        return math.sqrt(ratio)
+    if rule == "none":
+        return 1.0
+    raise UserError(f"lr_schedule.rule={rule} is not one of {', '.join(SCALING_RULES)}")
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """The factor on every base LR as a pure function of the optimizer step: resume needs only the global step."""
+
+    peak: float  # factor at the end of warmup: lr_factor(global batch, base batch, rule)
+    warmup_steps: int
+    total_steps: int
+    decay: str = "cosine"
+    milestones: tuple[int, ...] = ()  # optimizer steps, for decay="step"
+    gamma: float = 0.1
+
+    @property
+    def warmup_start(self) -> float:
+        """The factor at step 0: the unscaled base LR (1), or the peak itself when that is lower.
+
+        Warmup keeps the first steps of a big-batch run at the LR the base recipe was tuned for, and ramps from
+        there to the scaled peak (Goyal et al. 2017, "gradual warmup"). Below the base batch the scaled LR is
+        already lower than the tuned one, so there is nothing to bridge: the schedule starts at the peak, and
+        never ramps down.
+        """
+        return min(1.0, self.peak)
+
+    def factor_at(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.warmup_start + (self.peak - self.warmup_start) * step / self.warmup_steps
+        if self.decay == "cosine":
+            span = max(1, self.total_steps - self.warmup_steps)
+            progress = min(1.0, (step - self.warmup_steps) / span)
+            return self.peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+        if self.decay == "step":
+            return self.peak * self.gamma ** sum(step >= m for m in self.milestones)
+        return self.peak
+
+
+def base_lrs(module: L.LightningModule) -> dict[str, float]:
+    """Each param group's LR as the module's `configure_optimizers` sets it, named like LearningRateMonitor's
+    tags (`SGD/head`, or `SGD/pg1` for a group without a "name"). Refuses a returned LR scheduler.
+
+    Calls `configure_optimizers` once before the Trainer exists, so the plan can show the LRs and a scheduler is
+    refused before any process starts (Lightning's own parser reads every return format it accepts).
+    """
+    returned = module.configure_optimizers()
+    if returned is None:  # Lightning allows it: a module that steps no optimizer
+        return {}
+    optimizers, schedulers = parse_configure_optimizers(returned)
+    if schedulers:
+        scheduler = schedulers[0]["scheduler"] if isinstance(schedulers[0], dict) else schedulers[0]
+        raise UserError(
+            f"{type(module).__name__}.configure_optimizers returns a learning-rate scheduler "
+            f"({type(scheduler).__name__}), which would fight the template's own schedule: return only the optimizer "
+            "and set lr_schedule.rule, warmup_epochs (or warmup_steps), decay=cosine|step|none, milestones and gamma "
+            "instead"
+        )
+    return {
+        f"{type(optimizer).__name__}/{group.get('name', f'pg{index + 1}')}": float(group["lr"])
+        for optimizer in optimizers
+        for index, group in enumerate(optimizer.param_groups)
+    }

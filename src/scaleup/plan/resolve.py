@@ -1,0 +1,369 @@
+"""The batch and learning-rate plan, resolved once before any process starts.
+
+Global-first: the user says how many samples make one optimizer step (the global batch); the plan works out
+the per-device batch for the topology. Moving to more devices then changes the speed, not the optimisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from scaleup.errors import UserError
+from scaleup.plan.batch import check_auto_cap, epoch_steps, resolve_batch, run_steps
+from scaleup.plan.lr import LRSchedule, lr_factor
+from scaleup.plan.topology import Topology, resolve_precision
+
+# Fewer samples than this per BatchNorm statistic make the statistics noisy enough to cost accuracy; from here up
+# they are reliable unsynced. Goyal et al. 2017 trained ResNet-50 at a global batch of 8k with BN over 32 images
+# per GPU, unsynced, matching the small-batch baseline; Wu & He 2018 (Group Normalization, fig. 1) show BN's error
+# rising as the per-device batch drops below 32. SyncBN adds a collective to every BN layer, so `auto` syncs only
+# below this, and the pitfall warning uses the same line.
+SMALL_BN_BATCH = 32
+
+
+@dataclass(frozen=True)
+class Plan:
+    world_size: int
+    num_nodes: int
+    devices: int
+    accelerator: str
+    per_device_batch_size: int
+    accumulate_grad_batches: int
+    global_batch_size: int
+    batch_mode: str  # "global" (recipe fixed) or "per_device" (global grows with devices)
+    base_lrs: dict[str, float]  # each param group's LR from configure_optimizers, valid at base_batch_size
+    base_lr: float | None  # the one base LR all groups share (None when they differ)
+    base_batch_size: int
+    scaling_rule: str
+    lr_factor: float  # peak LR / base LR, the same for every group
+    lr: float | None  # the scaled peak of base_lr
+    # The step counts are None in a dry run whose data module cannot state its split sizes without the files.
+    warmup_steps: int | None
+    decay: str
+    milestones: tuple[float, ...]  # epochs, for decay="step"
+    gamma: float  # the LR factor at each milestone
+    steps_per_epoch: int | None  # optimizer steps, as Lightning takes them (debug flags included)
+    total_steps: int | None
+    sync_batchnorm: bool
+    precision: str  # resolved: `auto` is already bf16-mixed, 16-mixed or 32-true here
+    tf32: bool  # TF32 tensor cores for float32 matmuls and convolutions (GPUs only)
+    channels_last: bool  # NHWC memory layout for the network's 4-d weights
+    strategy: str
+    seed: int
+    dataset_sizes: dict[str, int] = field(default_factory=dict)
+    # The per-device cap as configured: None, a number, or "auto" (settled at the start of fit: batch_probe.py).
+    max_per_device_batch_size: int | str | None = None
+    has_batchnorm: bool = False
+    bn_batch_size: int | None = None  # samples per BN statistic; None without BN, or with auto before the probe
+    base_bn_batch_size: int | None = None  # the BN batch the recipe was tuned at
+    sync_batchnorm_reason: str = ""
+    early_stopping: str | None = None  # e.g. "val/acc (max, patience 5)": the run may end before total_steps
+    epoch_limit: str = ""  # the Lightning debug flag that shortens each epoch, e.g. "trainer.overfit_batches=3"
+    sharding: str = ""  # strategy=fsdp: the sharding units and the parameter bytes per rank (distributed/fsdp.py)
+    launcher: str = ""  # what started the processes (distributed/clusters.py), e.g. "torchrun, restart 0: ..."
+    log_every_n_steps: int | None = None  # resolved: `auto` is a number here; None is Lightning's default (50)
+
+    def with_per_device_batch(self, per_device: int) -> Plan:
+        """This plan with its global batch split into micro-batches of `per_device` (what the auto cap settles)."""
+        return replace(
+            self,
+            per_device_batch_size=per_device,
+            accumulate_grad_batches=self.global_batch_size // (self.world_size * per_device),
+            bn_batch_size=bn_batch(per_device, self.world_size, self.sync_batchnorm, self.has_batchnorm),
+        )
+
+    def schedule(self) -> LRSchedule:
+        return LRSchedule(
+            peak=self.lr_factor,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.total_steps,
+            decay=self.decay,
+            milestones=tuple(round(m * self.steps_per_epoch) for m in self.milestones),
+            gamma=self.gamma,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def rows(self) -> list[tuple[str, str]]:
+        sizes = ", ".join(f"{k} {v}" for k, v in self.dataset_sizes.items())
+        return [
+            (
+                "world size",
+                f"{self.world_size} = {self.num_nodes} node(s) x {self.devices} {self.accelerator}",
+            ),
+            *([("launcher", self.launcher)] if self.launcher else []),
+            ("per-device batch", self._per_device_row()),
+            ("accumulation", self._accumulation_row()),
+            ("global batch", f"{self.global_batch_size} ({self.batch_mode} mode)"),
+            ("learning rate", self._lr_row()),
+            ("warmup / total steps", self._steps_row()),
+            ("steps per epoch", known(self.steps_per_epoch) + (f" ({self.epoch_limit})" if self.epoch_limit else "")),
+            ("BatchNorm batch", self._bn_row()),
+            ("SyncBatchNorm", f"{'on' if self.sync_batchnorm else 'off'} ({self.sync_batchnorm_reason})"),
+            ("precision / strategy", f"{self.precision} / {self.strategy}"),
+            *([("sharding", self.sharding)] if self.sharding else []),
+            ("TF32 / channels_last", f"{'on' if self.tf32 else 'off'} / {'on' if self.channels_last else 'off'}"),
+            *([("early stopping", self._early_stopping_row())] if self.early_stopping else []),
+            ("seed", str(self.seed)),
+            ("random numbers", self._randomness_row()),
+            ("data", sizes or "unknown until the data is there (the data module cannot state its sizes)"),
+        ]
+
+    def _randomness_row(self) -> str:
+        """Which random numbers are the same on every topology (data/seeding.py)."""
+        micro = "the probed micro-batch" if self.max_per_device_batch_size == "auto" else self.per_device_batch_size
+        return (
+            "augmentation by (seed, epoch, sample): any topology; dropout and other in-model draws by (seed, step, "
+            f"micro-batch offset): any topology with micro-batches of {micro}"
+        )
+
+    def _steps_row(self) -> str:
+        row = f"{known(self.warmup_steps)} / {known(self.total_steps)} ({self.decay} decay)"
+        if self.warmup_steps and self.lr_factor <= 1:
+            row += "; no ramp: at or below the base batch the scaled LR needs no warmup"
+        return row
+
+    def _per_device_row(self) -> str:
+        cap = self.max_per_device_batch_size
+        if cap == "auto":
+            share = self.global_batch_size // self.world_size
+            return f"auto: the largest exact split of {share} that fits, probed on every device at start"
+        return str(self.per_device_batch_size) + (f" (cap {cap})" if cap is not None else "")
+
+    def _accumulation_row(self) -> str:
+        if self.max_per_device_batch_size == "auto":
+            return "derived from the probe (global batch / (world size x per-device))"
+        derived = " (derived from the per-device cap)" if self.max_per_device_batch_size is not None else ""
+        return f"{self.accumulate_grad_batches}{derived}"
+
+    def _bn_row(self) -> str:
+        if not self.has_batchnorm:
+            return "- (no BatchNorm layers)"
+        tuned = f"; tuned at {self.base_bn_batch_size}"
+        if self.bn_batch_size is None:
+            synced = f" x {self.world_size} devices (SyncBN)" if self.sync_batchnorm else ""
+            return f"the probed micro-batch{synced}{tuned}"
+        if self.sync_batchnorm:
+            return f"{self.bn_batch_size} = {self.world_size} devices x {self.per_device_batch_size} (SyncBN){tuned}"
+        return f"{self.bn_batch_size} (the per-device micro-batch){tuned}"
+
+    def _early_stopping_row(self) -> str:
+        return (
+            f"{self.early_stopping}: may end the run before step {self.total_steps}; "
+            f"the LR schedule still spans all {self.total_steps}"
+        )
+
+    def _lr_row(self) -> str:
+        if self.base_lr is not None:
+            return (
+                f"{self.base_lr:g} @ {self.base_batch_size} -> {self.lr:g} @ {self.global_batch_size} "
+                f"({self.scaling_rule})"
+            )
+        groups = ", ".join(f"{name} {lr:g} -> {lr * self.lr_factor:g}" for name, lr in self.base_lrs.items())
+        scaling = f"x{self.lr_factor:g} @ {self.global_batch_size} over {self.base_batch_size} ({self.scaling_rule})"
+        return f"{scaling}: {groups}"
+
+
+def known(value: Any) -> str:
+    return "unknown" if value is None else str(value)
+
+
+def check_plan_inputs(
+    *, trainer_cfg: Mapping[str, Any], data_cfg: Mapping[str, Any], lr_cfg: Mapping[str, Any], strategy: str
+) -> None:
+    """Refuse settings that contradict each other, before anything is derived from them (each value's own type and
+    range is checked before the job starts: config/schema.py)."""
+    if data_cfg.get("max_per_device_batch_size") == "auto":
+        check_auto_cap(data_cfg.get("per_device_batch_size"), trainer_cfg.get("accumulate_grad_batches"), strategy)
+    warmup_epochs, warmup_steps = lr_cfg.get("warmup_epochs"), lr_cfg.get("warmup_steps")
+    if warmup_epochs and warmup_steps:
+        raise UserError(
+            "set lr_schedule.warmup_epochs or lr_schedule.warmup_steps, not both "
+            f"(got {warmup_epochs} epochs and {warmup_steps} steps)"
+        )
+
+
+def check_split_sizes(dataset_sizes: Mapping[str, int], global_batch: int, world_size: int) -> None:
+    """Every optimizer step needs a full global batch, and every process at least one sample to evaluate."""
+    train_size = dataset_sizes.get("train")  # None: a dry run before the data is there
+    if train_size is not None and train_size < global_batch:
+        raise UserError(
+            f"the global batch ({global_batch}) is larger than the training set ({train_size} samples); "
+            "lower data.global_batch_size"
+        )
+    for split in ("val", "test"):
+        if 0 < dataset_sizes.get(split, 0) < world_size:
+            raise UserError(
+                f"the {split} split has {dataset_sizes[split]} samples, fewer than the {world_size} "
+                "processes: every process needs at least one sample to evaluate"
+            )
+
+
+def warmup_steps_for(lr_cfg: Mapping[str, Any], steps_per_epoch: int | None) -> int | None:
+    """`warmup_steps`, or `warmup_epochs` in optimizer steps (None until the epoch length is known)."""
+    warmup_epochs, warmup_steps = lr_cfg.get("warmup_epochs"), lr_cfg.get("warmup_steps")
+    if warmup_steps or not warmup_epochs:
+        return int(warmup_steps or 0)
+    return None if steps_per_epoch is None else round(float(warmup_epochs) * steps_per_epoch)
+
+
+def build_plan(
+    *,
+    topology: Topology,
+    trainer_cfg: dict[str, Any],
+    data_cfg: dict[str, Any],
+    lr_cfg: dict[str, Any],
+    base_lrs: Mapping[str, float],
+    seed: int,
+    dataset_sizes: dict[str, int],
+    has_batchnorm: bool,
+    strategy: str,
+    early_stopping: Mapping[str, Any] | None = None,
+    performance: Mapping[str, Any] | None = None,
+    launcher: str = "",
+) -> Plan:
+    """Check the settings, then derive the batch split, the LR schedule, BatchNorm and precision for `topology`."""
+    check_plan_inputs(trainer_cfg=trainer_cfg, data_cfg=data_cfg, lr_cfg=lr_cfg, strategy=strategy)
+    accumulation = trainer_cfg.get("accumulate_grad_batches")
+    cap = data_cfg.get("max_per_device_batch_size")
+    batch = resolve_batch(
+        data_cfg.get("global_batch_size"),
+        data_cfg.get("per_device_batch_size"),
+        topology.world_size,
+        None if accumulation is None else int(accumulation),
+        None if cap == "auto" else cap,
+    )
+    check_split_sizes(dataset_sizes, batch.global_, topology.world_size)
+    steps_per_epoch, epoch_limit = epoch_steps(dataset_sizes.get("train"), batch, trainer_cfg)
+
+    rule = str(lr_cfg.get("rule", "linear"))
+    base_batch = int(lr_cfg.get("base_batch_size", batch.global_))
+    factor = lr_factor(batch.global_, base_batch, rule)
+    distinct_lrs = set(base_lrs.values())
+    shared_lr = distinct_lrs.pop() if len(distinct_lrs) == 1 else None
+    # With an auto cap the micro-batch is known only after the probe; SyncBN is decided before it (Lightning
+    # converts the layers during setup) on the largest micro-batch the probe can pick.
+    sync, sync_reason = resolve_sync_batchnorm(
+        trainer_cfg.get("sync_batchnorm", "auto"), topology, has_batchnorm, batch.per_device, strategy
+    )
+    if cap == "auto" and has_batchnorm:
+        sync_reason += " (decided before the probe, on its largest split)"
+    performance = performance or {}
+
+    return Plan(
+        world_size=topology.world_size,
+        num_nodes=topology.num_nodes,
+        devices=topology.devices,
+        accelerator=topology.accelerator,
+        per_device_batch_size=batch.per_device,
+        accumulate_grad_batches=batch.accumulation,
+        global_batch_size=batch.global_,
+        batch_mode="global" if data_cfg.get("global_batch_size") is not None else "per_device",
+        base_lrs=dict(base_lrs),
+        base_lr=shared_lr,
+        base_batch_size=base_batch,
+        scaling_rule=rule,
+        lr_factor=factor,
+        lr=None if shared_lr is None else shared_lr * factor,
+        warmup_steps=warmup_steps_for(lr_cfg, steps_per_epoch),
+        decay=str(lr_cfg.get("decay", "none")),
+        milestones=tuple(lr_cfg.get("milestones") or ()),
+        gamma=float(lr_cfg.get("gamma", 0.1)),
+        steps_per_epoch=steps_per_epoch,
+        total_steps=run_steps(steps_per_epoch, trainer_cfg),
+        sync_batchnorm=sync,
+        precision=resolve_precision(trainer_cfg.get("precision", "auto"), topology.accelerator),
+        tf32=bool(performance.get("tf32", True)) and topology.accelerator == "gpu",
+        channels_last=bool(performance.get("channels_last", False)),
+        strategy=strategy,
+        seed=int(seed),
+        dataset_sizes=dict(dataset_sizes),
+        epoch_limit=epoch_limit,
+        max_per_device_batch_size=cap,
+        has_batchnorm=has_batchnorm,
+        bn_batch_size=None if cap == "auto" else bn_batch(batch.per_device, topology.world_size, sync, has_batchnorm),
+        base_bn_batch_size=int(lr_cfg.get("base_bn_batch_size") or base_batch),
+        sync_batchnorm_reason=sync_reason,
+        early_stopping=describe_early_stopping(early_stopping),
+        launcher=launcher,
+        log_every_n_steps=resolve_log_every_n_steps(trainer_cfg.get("log_every_n_steps", "auto"), steps_per_epoch),
+    )
+
+
+def bn_batch(per_device: int, world_size: int, sync_batchnorm: bool, has_batchnorm: bool) -> int | None:
+    """Samples each BatchNorm statistic sees: the per-device micro-batch, or all devices' with SyncBN.
+
+    Never the optimizer step's batch when there is accumulation: BN normalises each forward pass on its own
+    (with SyncBN too; Lightning issue #17446).
+    """
+    if not has_batchnorm:
+        return None
+    return per_device * world_size if sync_batchnorm else per_device
+
+
+def early_stopping_entry(callbacks_cfg: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The EarlyStopping entry of the callbacks config (`callbacks=[default,early_stopping]`), if any."""
+    entries = [c for c in callbacks_cfg.values() if isinstance(c, Mapping) and "_target_" in c]
+    return next((c for c in entries if str(c["_target_"]).rsplit(".", 1)[-1] == "EarlyStopping"), None)
+
+
+def describe_early_stopping(cfg: Mapping[str, Any] | None) -> str | None:
+    if not cfg:
+        return None
+    return f"{cfg.get('monitor')} ({cfg.get('mode', 'min')}, patience {cfg.get('patience', 3)})"
+
+
+LOG_EVERY_N_STEPS = 50  # Lightning's default
+STEP_POINTS_PER_EPOCH = 4  # the fewest step-loss points `auto` gives an epoch
+
+
+def resolve_log_every_n_steps(setting: int | str | None, steps_per_epoch: int | None) -> int | None:
+    """The optimizer steps between two logging steps. `auto`: Lightning's 50, or fewer on an epoch of under 200
+    steps so that it still gets 4 points of the step curve (digits at batch 64: every 4 steps).
+
+    A logging step costs more than the others: on a CPU at 8.5 ms steps, about 0.9 ms more of the loggers, the
+    step loss's `self.log`, the LR monitor and the progress bar's read (`benchmarks/step_overhead.py`), so logging
+    every 10 steps costs 1% of every step, every 50 0.2%.
+    """
+    if setting != "auto":
+        return setting
+    if not steps_per_epoch:
+        return LOG_EVERY_N_STEPS
+    return max(1, min(LOG_EVERY_N_STEPS, steps_per_epoch // STEP_POINTS_PER_EPOCH))
+
+
+def resolve_sync_batchnorm(
+    setting: Any, topology: Topology, has_batchnorm: bool, per_device: int, strategy: str = "ddp"
+) -> tuple[bool, str]:
+    """Whether to sync BatchNorm across devices, and why.
+
+    `auto` syncs when it can run (GPU, more than one process; torch refuses it on CPU) and the per-device
+    micro-batch is below SMALL_BN_BATCH: then BN sees devices x micro-batch samples instead of too few. From
+    SMALL_BN_BATCH up, per-device statistics are good enough, and skipping SyncBN saves a collective per BN layer.
+    """
+    if strategy == "fsdp":  # Lightning's ModelParallelStrategy would ignore trainer.sync_batchnorm silently
+        if setting is True:
+            raise UserError(
+                "trainer.sync_batchnorm=true does not run with strategy=fsdp (it converts no layers); use "
+                "trainer.sync_batchnorm=auto, model.net.norm=group, or strategy=ddp"
+            )
+        return False, "strategy=fsdp: BatchNorm statistics stay per device" if has_batchnorm else "no BatchNorm layers"
+    if setting in ("auto", None):
+        if not has_batchnorm:
+            return False, "no BatchNorm layers"
+        if topology.world_size == 1:
+            return False, "auto: one process, nothing to sync"
+        if topology.accelerator != "gpu":
+            return False, "auto: torch's SyncBatchNorm runs on GPUs only"
+        if per_device < SMALL_BN_BATCH:
+            return True, f"auto: {per_device} samples per device < {SMALL_BN_BATCH}"
+        return False, f"auto: {per_device} samples per device >= {SMALL_BN_BATCH} are enough per statistic"
+    if setting and topology.accelerator == "cpu" and topology.world_size > 1:
+        raise UserError(
+            "trainer.sync_batchnorm=true cannot run on CPU (torch's SyncBatchNorm needs GPUs); "
+            "use trainer.sync_batchnorm=auto, or model.net.norm=group for batch-independent normalisation"
+        )
+    return bool(setting), "set by trainer.sync_batchnorm"

@@ -1,0 +1,132 @@
+"""The Trainer the jobs run: the template's own callbacks, then the user's, on the planned topology."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
+
+from scaleup.callbacks.lr_scaling import LRScaling
+from scaleup.callbacks.metric_states import PrivateMetricStates
+from scaleup.callbacks.performance import PerformanceSettings
+from scaleup.callbacks.run_files import ConfigInCheckpoint, MetricsFile
+from scaleup.checkpoints.io import AtomicCheckpointIO, remove_interrupted_writes
+from scaleup.compat.workarounds import (
+    BatchProgressRescale,
+    EpochProgressRepair,
+    ExactEvalMetrics,
+    LeanModelCheckpoint,
+    install_step_fast_paths,
+    model_parallel_precision,
+)
+from scaleup.config.plain import instantiate_each
+from scaleup.data.seeding import StepSeed
+from scaleup.distributed.clusters import cluster_plugins
+from scaleup.distributed.fsdp import FSDPStrategy
+from scaleup.distributed.preemption import PreemptionCheckpoint, StopOnSigterm
+from scaleup.errors import config_errors
+from scaleup.observability.hparams import PlanHParams
+from scaleup.observability.progress import ThrottledRichProgressBar
+from scaleup.plan.batch_probe import AutoBatchSize
+from scaleup.plan.checks import MonitorCheck, TrainLoaderCheck
+from scaleup.plan.resolve import Plan
+from scaleup.plan.topology import Topology
+
+
+def checkpoint_callbacks(config: dict[str, Any], checkpoint_dir: str) -> list[LeanModelCheckpoint]:
+    """The best epoch by `monitor.metric` (what train.py tests), and last.ckpt, rewritten after every epoch (and
+    every `checkpoint.every_n_train_steps`): what `ckpt_path=last` resumes.
+
+    Two callbacks because ModelCheckpoint(save_last=True) refreshes last.ckpt only when a new best is saved
+    (Lightning 2.6): after the best epoch it would go stale.
+    """
+    metric, mode = config["monitor"]["metric"], config["monitor"]["mode"]
+    best = LeanModelCheckpoint(
+        dirpath=checkpoint_dir,
+        filename=f"best-epoch{{epoch:03d}}-{{{metric}:.4f}}",  # e.g. best-epoch011-0.9861.ckpt
+        auto_insert_metric_name=False,  # metric names contain "/"
+        monitor=metric,
+        mode=mode,
+        save_top_k=1,
+    )
+    last = LeanModelCheckpoint(
+        dirpath=checkpoint_dir,
+        filename="last",
+        save_top_k=1,  # no monitor: keep only the newest
+        enable_version_counter=False,  # overwrite last.ckpt, never write last-v1.ckpt
+        every_n_train_steps=config["checkpoint"].get("every_n_train_steps"),
+    )
+    return [best, last]
+
+
+def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> list[L.Callback]:
+    """The machinery every run has, in the order it must run (Lightning calls callbacks in list order)."""
+    checkpoint_dir = config["checkpoint"]["dirpath"]
+    return [
+        # The LR must be set before LearningRateMonitor reads it.
+        LRScaling(plan.schedule()),
+        # Before the user's callbacks: they see (and a probe may draw from) the micro-batch's seeded stream.
+        StepSeed(plan.seed, plan.global_batch_size),
+        # Settles the micro-batch at the start of fit, before BatchProgressRescale reads the accumulation.
+        *([AutoBatchSize(plan, run_dir / "plan.json")] if plan.max_per_device_batch_size == "auto" else []),
+        PrivateMetricStates(),
+        ExactEvalMetrics(),  # before any callback reads the eval metrics at the epoch's end
+        MonitorCheck(config["monitor"]["metric"], config["monitor"]["mode"]),
+        TrainLoaderCheck(),
+        ConfigInCheckpoint(config, plan.to_dict()),
+        *checkpoint_callbacks(config, checkpoint_dir),
+        PreemptionCheckpoint(checkpoint_dir),
+        EpochProgressRepair(),
+        BatchProgressRescale(),
+        MetricsFile(run_dir / "metrics.json"),
+        PlanHParams(plan.to_dict(), run_dir / "metrics.json"),  # after MetricsFile: reads the names it wrote
+        PerformanceSettings(plan.tf32, plan.channels_last),
+    ]
+
+
+def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> L.Trainer:
+    """A Trainer with the template's callbacks and the user's, the loggers, and the plan's resolved settings."""
+    install_step_fast_paths()
+    callbacks = template_callbacks(config, plan, run_dir)
+    with config_errors("callbacks"):
+        callbacks += instantiate_each(config.get("callbacks"))
+    # Lightning refuses a progress bar it was told not to show; and given none, it adds its TQDM bar, which redraws
+    # after every step: the throttled one instead.
+    if not config["trainer"].get("enable_progress_bar", True):
+        callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
+    elif not any(isinstance(cb, ProgressBar) for cb in callbacks):
+        callbacks.append(ThrottledRichProgressBar())
+    callbacks.append(StopOnSigterm())  # last: every other callback finishes the batch it stops after
+    with config_errors("logger"):
+        loggers = instantiate_each(config["logger"])
+    # Lightning refuses an LR monitor with nowhere to log.
+    if not loggers:
+        callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
+    trainer_kwargs = {
+        **config["trainer"],
+        "accelerator": topology.accelerator,
+        "devices": topology.devices,
+        "num_nodes": topology.num_nodes,
+        "sync_batchnorm": plan.sync_batchnorm,
+        "precision": plan.precision,
+        "accumulate_grad_batches": plan.accumulate_grad_batches,
+        "log_every_n_steps": plan.log_every_n_steps,
+    }
+    plugins: list[Any] = [AtomicCheckpointIO(), *cluster_plugins()]  # a PyTorchJob's ranks: distributed/clusters.py
+    if isinstance(strategy, FSDPStrategy):
+        trainer_kwargs["precision"], precision_plugins = model_parallel_precision(plan.precision)
+        plugins += precision_plugins
+    with config_errors("trainer"):
+        trainer = L.Trainer(
+            **trainer_kwargs,
+            strategy=strategy,
+            callbacks=callbacks,
+            logger=loggers or False,
+            plugins=plugins,
+            default_root_dir=run_dir,
+        )
+    if trainer.is_global_zero:
+        remove_interrupted_writes(config["checkpoint"]["dirpath"])
+    return trainer

@@ -2,7 +2,7 @@
 
 import hydra
 
-from scaleup.distributed.launch import register_resolvers
+from scaleup.distributed.run_dir import register_resolvers
 from scaleup.errors import exit_on_user_error
 from scaleup.evaluate import evaluate
 

@@ -3,9 +3,9 @@
 A ~100M-parameter MLP-block network (12 residual blocks of LayerNorm, Linear(1024, 4096), GELU, Linear(4096, 1024))
 in float32, AdamW, on 2 CPU processes (gloo), 2 training steps of 512 samples per rank, in four set-ups, each in its
 own pair of processes: DDP (torch's DistributedDataParallel, what strategy=ddp runs), FSDP as strategy=fsdp shards it
-(engine/fsdp.shard: every block, then the network), and both with activation checkpointing. Per rank it reports
+(distributed/fsdp.shard: every block, then the network), and both with activation checkpointing. Per rank it reports
 
-- the model state it holds, measured on its tensors (engine/fsdp.model_state_bytes: parameters, gradients, AdamW's
+- the model state it holds, measured on its tensors (distributed/fsdp.model_state_bytes: parameters, gradients, AdamW's
   two moments; a DTensor counts its local shard), after the first step;
 - the peak resident memory during the two steps above what the process held before them (RSS sampled every 2 ms:
   CPUs have no allocator statistics; large blocks mapped and unmapped, so freed memory leaves the RSS), which adds

@@ -1,15 +1,23 @@
 """Turn this clone into a project of your own name: `python scripts/rename.py NAME`.
 
-Moves the package folder src/<current name>/ to src/NAME/ and replaces the current name as a whole word in every
-tracked text file: imports, `_target_` strings in configs, pyproject, README, tests, notebooks, benchmarks, scripts.
+Moves your package, src/<current name>/ (`myproject` in the template), to src/NAME/ and replaces the current name as
+a whole word in every tracked text file: imports, `_target_` strings in configs, pyproject, README, tests, notebooks,
+benchmarks, scripts. The machinery, src/scaleup/, is never touched: it keeps its name in every project, so the
+template's next version still applies to it (`copier update`).
 The UPPER and Capitalised spellings follow (OLD_SEED -> NAME_SEED, OldThing -> NameThing); a longer word that only
 contains the name (e.g. "oldness") is left alone. Two files keep the old name on purpose: LICENSE keeps the original
 copyright line (the MIT licence asks every copy to carry it) and gains one for NAME; CHANGELOG.md keeps its history
 and gains a "Renamed" entry.
 
 It runs only on a git work tree without uncommitted changes, so `git diff` shows the whole rename and
-`git reset --hard` undoes it. The current name is read from the tree (the one package under src/), so a renamed
-project can be renamed again.
+`git reset --hard` undoes it. The current name is read from the tree (the one package under src/ besides scaleup),
+so a renamed project can be renamed again. Checkpoints and shards written before a rename still load after it:
+nothing on disk is named after your package (docs/checkpoints.md).
+
+`--template DIR --author NAME` is how `copier copy` and `copier update` run it (copier.yml): on the files copier has
+just rendered from the template checkout DIR, with no git needed, moving them over what is already at src/NAME/
+(copier then merges your own changes back in). LICENSE gains a line for NAME's author; CHANGELOG.md stays the
+template's, which says what each update changes.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import argparse
 import datetime
 import importlib.util
 import keyword
+import os
 import re
 import shutil
 import subprocess
@@ -25,9 +34,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+MACHINERY = "scaleup"  # src/scaleup/: never renamed, never edited
+TEMPLATE_NAME = "myproject"  # your package's name in the template itself
 KEEP_HISTORY = ("LICENSE", "CHANGELOG.md")  # edited by their own rules, never search-and-replaced
 # Where an example name is not the project: prose, and the rename's own examples and tests.
-NOT_CODE = (*KEEP_HISTORY, "scripts/rename.py", "tests/test_rename.py")
+NOT_CODE = (*KEEP_HISTORY, "scripts/rename.py", "tests/test_rename.py", "tests/test_copier.py")
 
 
 class RenameError(Exception):
@@ -78,13 +89,33 @@ def read_text(path: Path) -> str | None:
 
 
 def current_name(root: Path) -> str:
-    packages = sorted(init.parent.name for init in (root / "src").glob("*/__init__.py"))
+    """Your package: the one under src/ that is not the machinery."""
+    packages = sorted(
+        init.parent.name for init in (root / "src").glob("*/__init__.py") if init.parent.name != MACHINERY
+    )
     if len(packages) != 1:
-        raise RenameError(f"expected exactly one package under {root / 'src'}, found {packages or 'none'}")
+        raise RenameError(
+            f"expected exactly one package under {root / 'src'} besides {MACHINERY}/, found {packages or 'none'}"
+        )
     return packages[0]
 
 
-def check_name(name: str, old: str, root: Path) -> None:
+def is_machinery(path: str) -> bool:
+    return Path(path).parts[:2] == ("src", MACHINERY)
+
+
+def rendered_files(root: Path, template: Path) -> list[str]:
+    """The files copier rendered from the template checkout `template` into `root` (without the .jinja suffix),
+    as the template names them: only these are renamed, never the rest of a project (a venv, data, outputs)."""
+    listed = git(template, "ls-files", "-z")
+    if listed.returncode == 0:
+        paths = [path.removesuffix(".jinja") for path in listed.stdout.split("\0")[:-1]]
+    else:  # a template folder outside git
+        paths = [str(p.relative_to(template)).removesuffix(".jinja") for p in template.rglob("*") if p.is_file()]
+    return sorted(path for path in paths if (root / path).is_file() and not path.startswith(".copier-answers"))
+
+
+def check_name(name: str, old: str, root: Path, files: list[str]) -> None:
     """Refuse a name that is not a lowercase Python package name, or that would collide with something."""
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
         raise RenameError(
@@ -95,12 +126,16 @@ def check_name(name: str, old: str, root: Path) -> None:
         raise RenameError(f"'{name}' is a Python keyword and cannot be imported; choose another name")
     if name == old:
         raise RenameError(f"the project is already named '{name}'")
+    if name == MACHINERY:
+        raise RenameError(
+            f"'{name}' is the template's machinery (src/{MACHINERY}/), which keeps its name; choose another"
+        )
     if name in sys.stdlib_module_names:
         raise RenameError(f"'{name}' would shadow Python's standard library module '{name}'; choose another name")
-    top_level = {Path(path).parts[0] for path in tracked_files(root)}
+    top_level = {Path(path).parts[0] for path in files}
     if clash := sorted(entry for entry in top_level if Path(entry).stem == name):
         raise RenameError(f"'{name}' is already used at the project root ({clash[0]}); choose another name")
-    if (installed := importlib.util.find_spec(name)) is not None:
+    if (installed := importlib.util.find_spec(name)) is not None and not (root / "src" / name).is_dir():
         raise RenameError(
             f"'{name}' is already an installed module ({installed.origin or 'a namespace package'}); "
             "the two would shadow each other; choose another name"
@@ -109,7 +144,7 @@ def check_name(name: str, old: str, root: Path) -> None:
     # them all), so the name must not already mean something else in the code and configs: "net" would break
     # `model.net`.
     word = name_pattern(name)
-    for path in tracked_files(root):
+    for path in files:
         text = "" if path in NOT_CODE or path.endswith(".md") else read_text(root / path) or ""
         places = [path] if word.search(path) else []
         places += [
@@ -136,6 +171,18 @@ def check_clean(root: Path) -> None:
         )
 
 
+def render(root: Path, new: str, template: Path, author: str) -> list[str]:
+    """Template mode (copier's task): rename what copier rendered from `template` into `root`."""
+    files = rendered_files(root, template)
+    if new == TEMPLATE_NAME:
+        return []
+    check_name(
+        new, TEMPLATE_NAME, template, [path for path in files if not (root / path).is_relative_to(root / "src" / new)]
+    )
+    files = move_rendered(root, files, TEMPLATE_NAME, new)
+    return rewrite_files(root, files, TEMPLATE_NAME, new, author)
+
+
 def move_paths(root: Path, old: str, new: str) -> list[str]:
     """`git mv` every path component that is the old name (src/old -> src/new), outermost first."""
     moves = []
@@ -157,9 +204,24 @@ def move_paths(root: Path, old: str, new: str) -> list[str]:
             return moves
 
 
-def add_license_line(text: str, new: str) -> str:
+def move_rendered(root: Path, files: list[str], old: str, new: str) -> list[str]:
+    """Template mode: move each rendered file under src/old/ to src/new/, over what is there; returns the new list."""
+    moved = []
+    for path in files:
+        renamed, count = replace_name(path, old, new)
+        if count:
+            (root / renamed).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(root / path, root / renamed)
+        moved.append(renamed)
+    for folder in sorted((root / "src" / old).glob("**/"), key=lambda p: -len(p.parts)):
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+    return moved
+
+
+def add_license_line(text: str, new: str, author: str | None = None) -> str:
     """Keep the original copyright line (the licence requires it) and put the new project's line above it."""
-    line = f"Copyright (c) {datetime.date.today().year} The {new} authors"
+    line = f"Copyright (c) {datetime.date.today().year} {author or f'The {new} authors'}"
     if line in text:
         return text
     return re.sub(r"^(?=Copyright)", line + "\n", text, count=1, flags=re.MULTILINE)
@@ -181,16 +243,18 @@ def add_changelog_entry(text: str, old: str, new: str) -> str:
     return text[: unreleased.end()] + f"\n### Changed\n{entry}" + text[unreleased.end() :]
 
 
-def rewrite_files(root: Path, old: str, new: str) -> list[str]:
+def rewrite_files(root: Path, files: list[str], old: str, new: str, author: str | None = None) -> list[str]:
     changes = []
-    for path in tracked_files(root):
+    for path in files:
         file = root / path
         text = read_text(file)
-        if text is None:
+        if text is None or is_machinery(path):
             continue
         if path == "LICENSE":
-            updated, count = add_license_line(text, new), 1
+            updated, count = add_license_line(text, new, author), 1
         elif path == "CHANGELOG.md":
+            if author is not None:  # a copier project keeps the template's changelog: what each update changes
+                continue
             updated, count = add_changelog_entry(text, old, new), 1
         else:
             updated, count = replace_name(text, old, new)
@@ -217,9 +281,10 @@ def leftovers(root: Path, old: str) -> list[str]:
 def rename(root: Path, new: str) -> list[str]:
     """Check, then rename the project at `root` to `new`; returns what changed, one line each."""
     old = current_name(root)
-    check_name(new, old, root)
+    files = tracked_files(root)
+    check_name(new, old, root, files)
     check_clean(root)
-    changes = move_paths(root, old, new) + rewrite_files(root, old, new)
+    changes = move_paths(root, old, new) + rewrite_files(root, tracked_files(root), old, new)
     stale = root / "src" / f"{old}.egg-info"  # build metadata of the old name; pip writes the new one
     if stale.is_dir():
         shutil.rmtree(stale)
@@ -230,8 +295,14 @@ def rename(root: Path, new: str) -> list[str]:
 def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name", help="the new package name, e.g. my_project")
+    parser.add_argument("--template", type=Path, help="copier's task: the template checkout the files came from")
+    parser.add_argument("--author", default="", help="with --template: the copyright holder LICENSE names")
     args = parser.parse_args(argv)
     try:
+        if args.template is not None:
+            changes = render(root, args.name, args.template, args.author or f"The {args.name} authors")
+            print(f"renamed {TEMPLATE_NAME} -> {args.name}: {len(changes)} file(s)")
+            return 0
         old = current_name(root)
         changes = rename(root, args.name)
     except RenameError as error:

@@ -35,7 +35,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict, read_write
 
-from scaleup.distributed.launch import register_resolvers
+from scaleup.distributed.run_dir import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent

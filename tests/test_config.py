@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from conftest import ROOT, in_process, read_json, start
 from scaleup.config.plain import build_model, instantiate_each
 from scaleup.data.datamodule import apply_model_settings
-from scaleup.distributed.launch import register_resolvers
+from scaleup.distributed.run_dir import register_resolvers
 from scaleup.errors import UserError
 
 CONFIGS = ROOT / "configs"

@@ -1,4 +1,4 @@
-"""The contract between the jobs and a user's own code (src/scaleup/engine/__init__.py), clause by clause."""
+"""The contract between the jobs and a user's own code (docs/contract.md, scaleup.api), clause by clause."""
 
 import hydra
 import pytest
@@ -37,7 +37,7 @@ def test_data_fills_only_the_null_settings_the_model_config_has():
 
 
 def test_a_datamodule_outside_the_contract_is_refused(tmp_path):
-    with pytest.raises(UserError, match=r"is not a scaleup\.engine\.datamodule\.GlobalBatchDataModule: subclass it"):
+    with pytest.raises(UserError, match=r"is not a scaleup\.data\.datamodule\.GlobalBatchDataModule: subclass it"):
         in_process(["data._target_=user_modules.PlainDataModule", "dry_run=true", f"hydra.run.dir={tmp_path}"])
 
 

@@ -18,7 +18,6 @@ from myproject.data.cifar10 import MEAN as CIFAR_MEAN
 from myproject.data.cifar10 import STD as CIFAR_STD
 from myproject.data.cifar10 import UInt8Images
 from myproject.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
-from scaleup.callbacks.performance import PerformanceSettings
 from scaleup.data.image_batches import normalize
 from scaleup.data.images import EncodedBatch, ImageFiles, ImageTransform, decode
 from scaleup.data.seeding import SeededSamples
@@ -76,9 +75,7 @@ def test_imagefolder_batches_travel_as_uint8_and_reach_the_model_as_the_precisio
     dm.trainer = L.Trainer(accelerator="cpu", precision="64-true", logger=False, enable_progress_bar=False)
     x, y = dm.on_after_batch_transfer((images, labels), 0)
     assert x.dtype == torch.float64 and torch.equal(x, expected.double()) and y is labels
-    dm.trainer = L.Trainer(
-        accelerator="cpu", callbacks=[PerformanceSettings(tf32=False, channels_last=True)], logger=False
-    )
+    dm.channels_last = True  # the plan's performance.channels_last, as the jobs set it
     assert dm.on_after_batch_transfer((images, labels), 0)[0].is_contiguous(memory_format=torch.channels_last)
 
 

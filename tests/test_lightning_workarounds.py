@@ -1,4 +1,4 @@
-"""Canaries of src/scaleup/engine/lightning_workarounds.py: one per workaround, each on plain Lightning WITHOUT it.
+"""Canaries of src/scaleup/compat/workarounds.py: one per workaround, each on plain Lightning WITHOUT it.
 
 Each asserts the Lightning 2.6.6 behaviour (or private API) that made its workaround necessary. When one fails
 after an upgrade, Lightning changed that behaviour: delete the workaround its docstring names, and this canary.

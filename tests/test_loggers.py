@@ -6,7 +6,7 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import QUICK, in_process
-from scaleup.distributed.launch import run_id
+from scaleup.distributed.run_dir import run_id
 from scaleup.observability.loggers import RUN_DIR_TAG
 
 

@@ -1,4 +1,4 @@
-"""Random numbers by position, never by topology: the engine's seeds, more ranks than 2, and the equivalence
+"""Random numbers by position, never by topology: the template's seeds, more ranks than 2, and the equivalence
 check's view of a generator of the user's own.
 
 The 1 vs 2 processes vs accumulation, num_workers 0 vs 2 and resume proofs with dropout and augmentation on are

@@ -32,8 +32,9 @@ from scaleup.data.convert import main as convert
 from scaleup.data.image_batches import normalize
 from scaleup.data.samplers import resumed_steps
 from scaleup.data.sharded import ShardedDataModule
-from scaleup.data.shards import ShardIndex, ShardWindowOrder, remote
-from scaleup.data.shards.index import shard_list_checksum
+from scaleup.data.shards import remote
+from scaleup.data.shards.index import ShardIndex, shard_list_checksum
+from scaleup.data.shards.order import ShardWindowOrder
 from scaleup.errors import UserError
 
 PER_SHARD = 64  # 513 training samples: 9 shards, the last holding one

@@ -83,7 +83,7 @@ def _generators(obj: Any, name: str, depth: int, seen: set[int]) -> Iterator[tup
 
 def own_generators(root: Any, name: str) -> dict[str, Any]:
     """The generators reachable from `root`'s attributes (torch.Generator, numpy's Generator and RandomState,
-    random.Random): the ones a user created, which the engine does not seed per step or per sample."""
+    random.Random): the ones a user created, which the template does not seed per step or per sample."""
     return dict(_generators(root, name, depth=8, seen=set()))
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,26 +13,17 @@ from hydra.types import RunMode
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
-from scaleup.callbacks.performance import set_tf32
 from scaleup.checkpoints.resume import resume_point
 from scaleup.compat.workarounds import ignore_unresumable_loader_warning
 from scaleup.components import build_data_and_model
 from scaleup.config.plain import log_rows, to_plain, write_yaml
 from scaleup.config.schema import validate_config
-from scaleup.distributed.clusters import launcher_name
-from scaleup.distributed.fsdp import describe as describe_sharding
-from scaleup.distributed.launch import (
-    build_strategy,
-    check_launcher,
-    fresh_store_after_torchrun_restart,
-    shut_down_process_group,
-)
-from scaleup.distributed.preemption import StopOnSigterm, exit_when_stopped
-from scaleup.errors import config_errors
+from scaleup.distributed.launch import prepare_launch, shut_down_process_group
+from scaleup.distributed.preemption import exit_when_stopped
 from scaleup.observability.loggers import close_loggers
-from scaleup.plan.checks import check_config, has_batchnorm, pitfall_warnings
-from scaleup.plan.lr import base_lrs
-from scaleup.plan.resolve import Plan, build_plan, early_stopping_entry
+from scaleup.plan.checks import pitfall_warnings
+from scaleup.plan.resolve import Plan
+from scaleup.plan.run import plan_run
 from scaleup.plan.topology import resolve_topology
 from scaleup.trainer import build_trainer
 
@@ -48,54 +38,31 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     validate_config(cfg, "train")  # every value's type and range, before the seed and the topology read theirs
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     topology = resolve_topology(cfg.trainer, dry_run=cfg.dry_run)
-    if not cfg.dry_run:
-        check_launcher(topology)
-        fresh_store_after_torchrun_restart()
+    config = to_plain(cfg)
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    launch = prepare_launch(config["strategy"], topology, multirun=multirun, dry_run=cfg.dry_run)
     # Same seed on every rank before the data and the model are built: the same splits (also where a data module
     # splits with the global random state) and identical initial weights everywhere.
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    config = to_plain(cfg)
     datamodule, model, dataset_sizes = build_data_and_model(config, run_dir, cfg.dry_run)
-
-    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
-    with config_errors("strategy"):
-        strategy, strategy_name = build_strategy(config["strategy"], topology.world_size, multirun)
-    with config_errors("model.optimizer"):  # e.g. a negative learning rate, refused by the optimizer
-        lrs = base_lrs(model)
-    plan = build_plan(
-        topology=topology,
-        trainer_cfg=config["trainer"],
-        data_cfg=config["data"],
-        lr_cfg=config["lr_schedule"],
-        base_lrs=lrs,
-        seed=cfg.seed,
-        dataset_sizes=dataset_sizes,
-        has_batchnorm=has_batchnorm(model),
-        strategy=strategy_name,
-        early_stopping=early_stopping_entry(config.get("callbacks") or {}),
-        performance=config["performance"],
-        launcher="planned only (dry run)" if cfg.dry_run else launcher_name(topology.world_size),
-    )
-    if strategy_name == "fsdp":
-        plan = replace(plan, sharding=describe_sharding(model, config["strategy"]["shard_modules"], plan.world_size))
-    check_config(config, plan)
+    plan = plan_run(config, topology, launch, model, dataset_sizes)
+    datamodule.channels_last = plan.channels_last  # batches laid out as PerformanceSettings lays out the weights
     resume = resume_point(None if cfg.dry_run else cfg.ckpt_path, config, plan, model, datamodule, run_dir)
     if rank_zero_only.rank == 0:
         announce(plan, config, run_dir, in_memory=getattr(datamodule, "in_memory", False), dry_run=cfg.dry_run)
     if cfg.dry_run:
         return plan.to_dict()
 
-    set_tf32(plan.tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
-    trainer = build_trainer(config, plan, topology, strategy, run_dir)
-    stop = next(cb for cb in trainer.callbacks if isinstance(cb, StopOnSigterm))
+    run = build_trainer(config, plan, topology, launch.strategy, run_dir)
+    trainer = run.trainer
     hint = f"resume with: python train.py ckpt_path=last hydra.run.dir={run_dir} (plus your overrides)"
-    with exit_when_stopped(stop, hint):
+    with exit_when_stopped(run.stop, hint):
         if resume.finished:
             log.info(f"{resume.path} finished training at step {resume.step}: running its test")
         else:
             trainer.fit(model, datamodule=datamodule, ckpt_path=resume.path)
             report_early_stop(trainer)
-        best = resume.best if resume.finished else trainer.checkpoint_callback.best_model_path
+        best = resume.best if resume.finished else run.best.best_model_path
         trainer.test(model, datamodule=datamodule, ckpt_path=best or None, verbose=False)
     close_loggers(trainer)
     shut_down_process_group()

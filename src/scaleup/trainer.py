@@ -1,16 +1,18 @@
-"""The Trainer the jobs run: the template's own callbacks, then the user's, on the planned topology."""
+"""The Trainers the jobs run: the template's own callbacks in their checked order, then the user's, on the planned
+topology; and what the jobs read back from them (`Run`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
+from lightning.pytorch.callbacks import Checkpoint, EarlyStopping, LearningRateMonitor, ProgressBar
 
 from scaleup.callbacks.lr_scaling import LRScaling
 from scaleup.callbacks.metric_states import PrivateMetricStates
-from scaleup.callbacks.performance import PerformanceSettings
+from scaleup.callbacks.performance import PerformanceSettings, set_tf32
 from scaleup.callbacks.run_files import ConfigInCheckpoint, MetricsFile
 from scaleup.checkpoints.io import AtomicCheckpointIO, remove_interrupted_writes
 from scaleup.compat.workarounds import (
@@ -61,18 +63,48 @@ def checkpoint_callbacks(config: dict[str, Any], checkpoint_dir: str) -> list[Le
     return [best, last]
 
 
+# What each of the template's callbacks needs to run before (Lightning calls callbacks in list order).
+ORDER = (
+    (LRScaling, LearningRateMonitor, "the LR is set before LearningRateMonitor logs it"),
+    (StepSeed, L.Callback, "the user's callbacks see (and a probe may draw from) the micro-batch's seeded stream"),
+    (AutoBatchSize, BatchProgressRescale, "the micro-batch is settled before the accumulation is read"),
+    (ExactEvalMetrics, Checkpoint, "eval metrics are exact before a checkpoint reads its monitor"),
+    (ExactEvalMetrics, EarlyStopping, "eval metrics are exact before early stopping reads them"),
+    (ExactEvalMetrics, MetricsFile, "eval metrics are exact before metrics.json is written"),
+    (MetricsFile, PlanHParams, "PlanHParams reads the metric names MetricsFile wrote"),
+)
+
+
+def check_order(callbacks: list[L.Callback], template: int) -> None:
+    """Every rule of ORDER holds, and StopOnSigterm is last (every other callback finishes the batch it stops
+    after). `template`: how many of `callbacks` are the template's own; the rules' L.Callback means the user's."""
+    for earlier, later, reason in ORDER:
+        first = [i for i, cb in enumerate(callbacks) if isinstance(cb, earlier)]
+        after = [
+            i for i, cb in enumerate(callbacks) if isinstance(cb, later) and (later is not L.Callback or i >= template)
+        ]
+        assert not first or not after or max(first) < min(after), f"callback order: {reason}"
+    assert isinstance(callbacks[-1], StopOnSigterm), "callback order: StopOnSigterm runs last"
+
+
+@dataclass(frozen=True)
+class Run:
+    """A job's Trainer and the callbacks the job reads back: the stop flag, and the best checkpoint (training)."""
+
+    trainer: L.Trainer
+    stop: StopOnSigterm
+    best: LeanModelCheckpoint | None = None
+
+
 def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> list[L.Callback]:
-    """The machinery every run has, in the order it must run (Lightning calls callbacks in list order)."""
+    """The machinery every training run has, in the order ORDER asks for."""
     checkpoint_dir = config["checkpoint"]["dirpath"]
     return [
-        # The LR must be set before LearningRateMonitor reads it.
         LRScaling(plan.schedule()),
-        # Before the user's callbacks: they see (and a probe may draw from) the micro-batch's seeded stream.
         StepSeed(plan.seed, plan.global_batch_size),
-        # Settles the micro-batch at the start of fit, before BatchProgressRescale reads the accumulation.
         *([AutoBatchSize(plan, run_dir / "plan.json")] if plan.max_per_device_batch_size == "auto" else []),
         PrivateMetricStates(),
-        ExactEvalMetrics(),  # before any callback reads the eval metrics at the epoch's end
+        ExactEvalMetrics(),
         MonitorCheck(config["monitor"]["metric"], config["monitor"]["mode"]),
         TrainLoaderCheck(),
         ConfigInCheckpoint(config, plan.to_dict()),
@@ -81,15 +113,18 @@ def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> lis
         EpochProgressRepair(),
         BatchProgressRescale(),
         MetricsFile(run_dir / "metrics.json"),
-        PlanHParams(plan.to_dict(), run_dir / "metrics.json"),  # after MetricsFile: reads the names it wrote
+        PlanHParams(plan.to_dict(), run_dir / "metrics.json"),
         PerformanceSettings(plan.tf32, plan.channels_last),
     ]
 
 
-def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> L.Trainer:
+def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> Run:
     """A Trainer with the template's callbacks and the user's, the loggers, and the plan's resolved settings."""
+    set_tf32(plan.tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
     install_step_fast_paths()
     callbacks = template_callbacks(config, plan, run_dir)
+    best = callbacks[[type(cb) for cb in callbacks].index(LeanModelCheckpoint)]  # the first: the best epoch
+    template = len(callbacks)
     with config_errors("callbacks"):
         callbacks += instantiate_each(config.get("callbacks"))
     # Lightning refuses a progress bar it was told not to show; and given none, it adds its TQDM bar, which redraws
@@ -98,12 +133,14 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     elif not any(isinstance(cb, ProgressBar) for cb in callbacks):
         callbacks.append(ThrottledRichProgressBar())
-    callbacks.append(StopOnSigterm())  # last: every other callback finishes the batch it stops after
+    stop = StopOnSigterm()
+    callbacks.append(stop)
     with config_errors("logger"):
         loggers = instantiate_each(config["logger"])
     # Lightning refuses an LR monitor with nowhere to log.
     if not loggers:
         callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
+    check_order(callbacks, template)
     trainer_kwargs = {
         **config["trainer"],
         "accelerator": topology.accelerator,
@@ -129,4 +166,33 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
         )
     if trainer.is_global_zero:
         remove_interrupted_writes(config["checkpoint"]["dirpath"])
-    return trainer
+    return Run(trainer, stop, best)
+
+
+def build_eval_trainer(
+    topology: Topology, precision: Any, plan: dict[str, Any], run_dir: Path, progress_bar: bool
+) -> Run:
+    """The Trainer of `eval.py`: the checkpoint's own speed settings, exact metrics into metrics.json, no logger."""
+    stop = StopOnSigterm()
+    tf32, channels_last = plan.get("tf32", False), plan.get("channels_last", False)  # as trained
+    set_tf32(tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
+    callbacks = [
+        ExactEvalMetrics(),
+        MetricsFile(run_dir / "metrics.json"),
+        PerformanceSettings(tf32, channels_last),
+        stop,
+    ]
+    check_order(callbacks, len(callbacks))
+    with config_errors("trainer"):
+        trainer = L.Trainer(
+            accelerator=topology.accelerator,
+            devices=topology.devices,
+            num_nodes=topology.num_nodes,
+            precision=precision,
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=progress_bar,
+            default_root_dir=run_dir,
+        )
+    return Run(trainer, stop)

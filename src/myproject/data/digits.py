@@ -31,7 +31,7 @@ class Augmented(Dataset):
 def random_shift_and_rotation() -> Any:
     """Shifts of up to one pixel and rotations of up to 10 degrees (no flips: a flipped 2 is no digit).
 
-    torchvision's transforms draw from torch's global generator, which the engine seeds per sample from
+    torchvision's transforms draw from torch's global generator, which the template seeds per sample from
     (seed, epoch, index) (data/seeding.py SeededSamples): the same transform on any device or worker count.
     """
     from torchvision.transforms import v2  # only when augmenting: torchvision's import takes a while

@@ -14,7 +14,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
 from scaleup.checkpoints.io import exists, find_checkpoint, is_url, load_checkpoint, strip_wrapper_prefixes
-from scaleup.config.plain import flatten
+from scaleup.config.plain import flatten, retarget
 from scaleup.data.samplers import GlobalBatchSampler, resumed_steps
 from scaleup.errors import UserError
 from scaleup.plan.resolve import Plan
@@ -109,7 +109,7 @@ def check_same_network(path: Path | str, checkpoint: dict[str, Any], config: dic
     stored_shapes = {name: tuple(t.shape) for name, t in strip_wrapper_prefixes(checkpoint["state_dict"]).items()}
     if stored_shapes == shapes:
         return
-    stored_model = checkpoint.get("scaleup", {}).get("config", {}).get("model", {})
+    stored_model = retarget(checkpoint.get("scaleup", {}).get("config", {}).get("model", {}), config["package"])
     before, now = flatten(stored_model), flatten(config["model"])
     diffs = [
         f"model.{k}={before.get(k)} (now {now.get(k)})" for k in sorted(before | now) if before.get(k) != now.get(k)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class, get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("scaleup")
@@ -32,6 +32,35 @@ def build_model(model_cfg: dict[str, Any], precision: Any = "32-true") -> L.Ligh
     kwargs = dict(model_cfg)
     model = get_class(kwargs.pop("_target_"))(**kwargs)
     return model.double() if is_float64(precision) else model
+
+
+def retarget(tree: Any, package: str) -> Any:
+    """`tree` with every `_target_` that no longer imports moved to your package `package`, where it exists there.
+
+    A checkpoint's stored config names your package as it was called when it trained: before a rename, or the
+    template's own `myproject` in a project made with copier. `myproject.models.nets.DigitsCNN` becomes
+    `<package>.models.nets.DigitsCNN`. A target that still imports, or that is nowhere in `package`, stays as it is
+    (building it then fails with its own name in the message).
+    """
+    if isinstance(tree, list):
+        return [retarget(item, package) for item in tree]
+    if not isinstance(tree, dict):
+        return tree
+    moved = {key: retarget(value, package) for key, value in tree.items()}
+    target = moved.get("_target_")
+    if isinstance(target, str) and not imports(target):
+        candidate = f"{package}.{target.partition('.')[2]}"
+        if imports(candidate):
+            moved["_target_"] = candidate
+    return moved
+
+
+def imports(target: str) -> bool:
+    try:
+        get_object(target)
+    except Exception:  # ImportError, AttributeError, or the module's own error on import
+        return False
+    return True
 
 
 def instantiate_each(group: dict[str, Any] | None) -> list[Any]:

@@ -76,6 +76,7 @@ class TrainKeys(Section):
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)]  # what Lightning's seed_everything accepts
     dry_run: bool
     ckpt_path: str | None = Field(description="a checkpoint path, last, or null")
+    package: str = Field(description="your package's import name (src/<package>/)")
 
 
 class Monitor(Section):
@@ -197,6 +198,7 @@ class TrainerArgs(Section):
 
 class EvalKeys(Section):
     ckpt_path: str
+    package: str = Field(description="your package's import name (src/<package>/)")
     batch_size: PositiveInt | None
     compile: bool
 
@@ -211,6 +213,7 @@ class EvalTrainer(Section):
 
 class ExportKeys(Section):
     ckpt_path: str
+    package: str = Field(description="your package's import name (src/<package>/)")
     output_path: str
     overwrite: bool
     module: str

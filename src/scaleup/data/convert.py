@@ -136,7 +136,7 @@ def build_source(overrides: list[str]) -> tuple[dict[str, Dataset], dict[str, An
     from omegaconf import OmegaConf
 
     from scaleup.components import build_datamodule
-    from scaleup.distributed.launch import register_resolvers
+    from scaleup.distributed.run_dir import register_resolvers
 
     register_resolvers()
     configs = Path(__file__).resolve().parents[3] / "configs"

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from scaleup.config.plain import lookup
 from scaleup.data.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler, resumed_steps
 from scaleup.data.seeding import SeededSamples
-from scaleup.distributed.launch import run_id
+from scaleup.distributed.run_dir import run_id
 from scaleup.errors import UserError
 from scaleup.plan.batch import BatchPlan, resolve_batch
 
@@ -39,6 +39,8 @@ class GlobalBatchDataModule(L.LightningDataModule):
 
     #: True when the whole data set lives in memory, so loader workers would only add start-up time.
     in_memory: bool = False
+    #: The plan's `channels_last` (the jobs set it): image batches are then laid out NHWC, as the weights are.
+    channels_last: bool = False
 
     def __init__(
         self,

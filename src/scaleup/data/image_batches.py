@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from scaleup.callbacks.performance import PerformanceSettings
 from scaleup.data.classification import ClassificationDataModule
 from scaleup.data.images import EncodedBatch
 
@@ -56,16 +55,15 @@ class ImageDataModule(ClassificationDataModule):
         return batch
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return normalized_batch(batch, self.mean, self.std, self.trainer)
+        return normalized_batch(batch, self.mean, self.std, self.trainer, self.channels_last)
 
 
-def normalized_batch(batch: Any, mean: Sequence[float], std: Sequence[float], trainer: Any) -> tuple[Any, ...]:
-    """`(images, *rest)` with the uint8 images normalised where they lie (`normalize`), in NHWC under
-    `performance.channels_last=true`, then cast for the Trainer's precision (none without a Trainer)."""
+def normalized_batch(
+    batch: Any, mean: Sequence[float], std: Sequence[float], trainer: Any, channels_last: bool
+) -> tuple[Any, ...]:
+    """`(images, *rest)` with the uint8 images normalised where they lie (`normalize`), in NHWC with
+    `channels_last` (the plan's), then cast for the Trainer's precision (none without a Trainer)."""
     images, *rest = batch
-    channels_last = trainer is not None and any(
-        isinstance(callback, PerformanceSettings) and callback.channels_last for callback in trainer.callbacks
-    )
     x = normalize(images, mean, std, channels_last)
     if trainer is not None:
         # Lightning casts inputs for the precision before the transfer, when they were still uint8.

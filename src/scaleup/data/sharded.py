@@ -90,7 +90,7 @@ class ShardedDataModule(GlobalBatchDataModule):
         """With `mean` and `std`: the uint8 images normalised on the device, as ImageFolder's are."""
         if self.mean is None:
             return batch
-        return normalized_batch(batch, self.mean, self.std, self.trainer)
+        return normalized_batch(batch, self.mean, self.std, self.trainer, self.channels_last)
 
     def draws_random_numbers(self, split: str) -> bool:
         """Only a transform draws: without one, the samples need no seeding."""

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, W
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from scaleup.distributed.launch import run_id
+from scaleup.distributed.run_dir import run_id
 
 RUN_DIR_TAG = "run_dir"  # the MLflow tag that finds a run again
 

@@ -7,10 +7,3 @@
 - `dataset`: `ShardSplit`, a split as a map-style dataset over its shards.
 The DataModule is `scaleup.data.sharded.ShardedDataModule`, the converter `python -m scaleup.data.convert`.
 """
-
-from scaleup.data.shards.dataset import ShardSplit
-from scaleup.data.shards.format import decode_field, decode_image_bytes
-from scaleup.data.shards.index import ShardIndex
-from scaleup.data.shards.order import ShardWindowOrder, ShardWindowSampler
-
-__all__ = ["ShardIndex", "ShardSplit", "ShardWindowOrder", "ShardWindowSampler", "decode_field", "decode_image_bytes"]

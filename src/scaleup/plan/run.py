@@ -1,0 +1,47 @@
+"""The run's plan from everything it depends on: the config, the topology, the launch, the model and the data's
+sizes; then the start-up checks that need the whole plan."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import lightning as L
+
+from scaleup.distributed.fsdp import describe as describe_sharding
+from scaleup.distributed.launch import Launch
+from scaleup.errors import config_errors
+from scaleup.plan.checks import check_config, has_batchnorm
+from scaleup.plan.lr import base_lrs
+from scaleup.plan.resolve import Plan, build_plan, early_stopping_entry
+from scaleup.plan.topology import Topology
+
+
+def plan_run(
+    config: dict[str, Any],
+    topology: Topology,
+    launch: Launch,
+    model: L.LightningModule,
+    dataset_sizes: dict[str, int],
+) -> Plan:
+    """The plan `train.py` prints, saves and trains by, checked against the config."""
+    with config_errors("model.optimizer"):  # e.g. a negative learning rate, refused by the optimizer
+        lrs = base_lrs(model)
+    plan = build_plan(
+        topology=topology,
+        trainer_cfg=config["trainer"],
+        data_cfg=config["data"],
+        lr_cfg=config["lr_schedule"],
+        base_lrs=lrs,
+        seed=config["seed"],
+        dataset_sizes=dataset_sizes,
+        has_batchnorm=has_batchnorm(model),
+        strategy=launch.name,
+        early_stopping=early_stopping_entry(config.get("callbacks") or {}),
+        performance=config["performance"],
+        launcher=launch.launcher,
+    )
+    if launch.name == "fsdp":
+        plan = replace(plan, sharding=describe_sharding(model, config["strategy"]["shard_modules"], plan.world_size))
+    check_config(config, plan)
+    return plan

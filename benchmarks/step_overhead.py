@@ -73,12 +73,8 @@ from scaleup.callbacks.lr_scaling import LRScaling
 from scaleup.callbacks.metric_states import PrivateMetricStates
 from scaleup.callbacks.performance import PerformanceSettings
 from scaleup.callbacks.run_files import ConfigInCheckpoint, MetricsFile
-from scaleup.compat.workarounds import (
-    BatchProgressRescale,
-    EpochProgressRepair,
-    ExactEvalMetrics,
-    _call_overridden_callback_hooks,
-)
+from scaleup.compat import fast_paths
+from scaleup.compat.workarounds import BatchProgressRescale, EpochProgressRepair, ExactEvalMetrics
 from scaleup.data.seeding import StepSeed
 from scaleup.distributed.preemption import PreemptionCheckpoint, StopOnSigterm
 from scaleup.observability.diagnostics import TrainingDiagnostics
@@ -93,6 +89,7 @@ from scaleup.plan.resolve import resolve_log_every_n_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 LIGHTNING_DISPATCH = call._call_callback_hooks
+TEMPLATE_DISPATCH = fast_paths._dispatch(LIGHTNING_DISPATCH)  # the callback fast path train.py installs
 BATCH, WARMUP, STEPS, EPOCHS = 16, 5, 73, 3  # 1,257 training digits: 78 steps of 16 in an epoch
 SGD = {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4, "nesterov": True}
 NET = {"_target_": "myproject.models.DigitsCNN", "num_classes": 10, "in_channels": 1, "width": 32}
@@ -403,7 +400,7 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
 
 def time_part(make: Callable[[], tuple[L.LightningModule, list[L.Callback], Any]], template: bool) -> dict[str, float]:
     """One part's seconds per step; `template`: with the hook dispatch train.py installs, else Lightning's own."""
-    call._call_callback_hooks = _call_overridden_callback_hooks if template else LIGHTNING_DISPATCH
+    call._call_callback_hooks = TEMPLATE_DISPATCH if template else LIGHTNING_DISPATCH
     module, callbacks, logger = make()
     timer = PartTimer()
     # Logging steps as often as in train.py (its `auto` on an epoch of 78 steps).
@@ -468,7 +465,7 @@ STEP_HOOKS = {  # the callback hooks Lightning calls in every training step, wit
 def dispatch_seconds_per_callback(dispatch: Callable[..., None], repeats: int = 2_000) -> float:
     """What `dispatch` spends per training step on one callback that overrides nothing: Lightning's own calls each
     step hook on every callback, inside a profiler context named after the callback's state key; train.py's
-    (lightning_workarounds.call_only_overridden_callback_hooks) skips it."""
+    (the callback dispatch of compat/fast_paths.py) skips it."""
     call._call_callback_hooks = dispatch
     timings = {}
     for count in (0, 20):
@@ -744,7 +741,7 @@ def compare_parts(args: argparse.Namespace, env: dict[str, str], itself: list[st
     hooks = diagnostics_seconds_per_step(BATCH)
     dispatch = {
         "Lightning's": dispatch_seconds_per_callback(LIGHTNING_DISPATCH),
-        "train.py's": dispatch_seconds_per_callback(_call_overridden_callback_hooks),
+        "train.py's": dispatch_seconds_per_callback(TEMPLATE_DISPATCH),
     }
     print(f"\nTrainingDiagnostics hooks alone: {hooks * 1e6:.1f} us per step = {hooks / bare:.3%} of the bare step")
     for name, seconds in dispatch.items():

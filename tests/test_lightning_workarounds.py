@@ -1,9 +1,12 @@
-"""Canaries of src/scaleup/compat/workarounds.py: one per workaround, each on plain Lightning WITHOUT it.
+"""Canaries of src/scaleup/compat/workarounds.py and fast_paths.py: one per workaround, each on plain Lightning
+WITHOUT it, and each workaround against Lightning's own code.
 
-Each asserts the Lightning 2.6.6 behaviour (or private API) that made its workaround necessary. When one fails
+Each canary asserts the Lightning 2.6.6 behaviour (or private API) that made its workaround necessary. When one fails
 after an upgrade, Lightning changed that behaviour: delete the workaround its docstring names, and this canary.
+Private names are imported inside the tests that need them: a name a release removed fails its own canary only.
 """
 
+import contextlib
 import copy
 import inspect
 import os
@@ -17,23 +20,18 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
-from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.plugins.precision import DoublePrecision
-from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.trainer import call
-from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric, _Sync
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import SumMetric
 
-from scaleup.compat import workarounds
-from scaleup.compat.workarounds import _get_instance_once, _result_metric_to
+from scaleup.compat import fast_paths, workarounds
+from scaleup.compat.fast_paths import fast_paths as fast_paths_on
 from scaleup.observability.metrics import SampleSum, TopKAccuracy
 
 BATCHES_PER_EPOCH = 4
@@ -97,6 +95,8 @@ def test_spawn_worker_leaves_the_process_group_up(tmp_path, monkeypatch):
     strategy = DDPStrategy(
         start_method="spawn", parallel_devices=[torch.device("cpu")], cluster_environment=LightningEnvironment()
     )
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
     strategy._configure_launcher()
     assert type(strategy.launcher) is _MultiProcessingLauncher
     assert "return_queue" in inspect.signature(_MultiProcessingLauncher._wrapping_function).parameters
@@ -115,6 +115,7 @@ def test_spawn_worker_leaves_the_process_group_up(tmp_path, monkeypatch):
 def test_private_configure_optimizers_parses_every_return_format():
     """parse_configure_optimizers: Lightning's only parser of configure_optimizers' return formats is private."""
     import lightning.pytorch.core.optimizer as optimizer_module
+    from lightning.pytorch.core.optimizer import _configure_optimizers
 
     assert [name for name in dir(optimizer_module) if "configure_optimizers" in name] == ["_configure_optimizers"]
     sgd = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
@@ -123,6 +124,8 @@ def test_private_configure_optimizers_parses_every_return_format():
         optimizers, schedulers, _ = _configure_optimizers(returned)
         assert optimizers == [sgd]
         assert len(schedulers) == (0 if returned in (sgd, [sgd]) else 1)
+        # Where Lightning's parser is gone, the documented formats parse the same.
+        assert workarounds.documented_formats(returned) == (optimizers, schedulers)
 
 
 def test_log_hyperparams_with_metrics_adds_a_scalar_point(tmp_path):
@@ -200,6 +203,8 @@ def test_resume_with_another_accumulation_keeps_the_micro_batch_count(tmp_path):
 def test_plain_self_log_keeps_each_rank_its_own_epoch_value():
     """ExactEvalMetrics: `self.log(name, tensor)` without sync_dist accumulates value x batch size and batch sizes
     per rank and computes its epoch value with a no-op sync, i.e. from this rank's batches alone."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _Sync
+
     results = _ResultCollection(training=False)
     results.log("validation_step", "val_loss", torch.tensor(1.0), batch_size=2)
     results.log("validation_step", "val_loss", torch.tensor(4.0), batch_size=1)
@@ -271,149 +276,38 @@ class Records(L.Callback):
             setattr(self, hook, lambda *args, hook=hook, **kwargs: self.calls.append(hook))
 
 
-def test_lightning_calls_hooks_a_callback_does_not_override(tmp_path, monkeypatch):
-    """call_only_overridden_callback_hooks. Lightning looks up and calls the step hooks of a callback that overrides
-    none of them."""
-    monkeypatch.setattr(call, "_call_callback_hooks", workarounds._lightning_call_callback_hooks)
+def test_lightning_calls_hooks_a_callback_does_not_override(tmp_path):
+    """fast_paths callback dispatch. Lightning looks up and calls the step hooks of a callback that overrides none
+    of them."""
     idle = LooksUp()
     trainer(tmp_path, callbacks=[idle], max_steps=2).fit(Tiny())
     assert {"on_train_batch_start", "on_before_backward", "on_train_batch_end"} <= idle.looked_up
 
 
-def test_skipping_unoverridden_hooks_calls_the_same_hooks_in_the_same_order(tmp_path, monkeypatch):
-    """With the workaround, callbacks that override hooks on their instance (Records) or their class (LoggingSteps)
-    get the same calls in the same order as from Lightning's own dispatch, through fit and test."""
+def test_skipping_unoverridden_hooks_calls_the_same_hooks_in_the_same_order(tmp_path):
+    """With the fast path, callbacks that override hooks on their instance (Records) or their class (LoggingSteps)
+    get the same calls in the same order as from Lightning's own dispatch, through fit and test; an idle callback
+    is not even looked up."""
     seen = {}
-    for name, dispatch in {
-        "lightning": workarounds._lightning_call_callback_hooks,
-        "workaround": workarounds._call_overridden_callback_hooks,
-    }.items():
-        monkeypatch.setattr(call, "_call_callback_hooks", dispatch)
-        records, steps = Records(), LoggingSteps()
+    for name, paths in {"lightning": contextlib.nullcontext, "fast path": fast_paths_on}.items():
+        records, idle, steps = Records(), LooksUp(), LoggingSteps()
         module = Tiny()
-        run = trainer(tmp_path / name, callbacks=[records, LooksUp(), steps], max_steps=6, log_every_n_steps=2)
-        run.fit(module)
-        run.test(module)
-        seen[name] = (records.calls, steps.seen)
+        run = trainer(tmp_path / name, callbacks=[records, idle, steps], max_steps=6, log_every_n_steps=2)
+        with paths():
+            run.fit(module)
+            run.test(module)
+        seen[name] = (records.calls, steps.seen, bool(idle.looked_up & {"on_train_batch_start"}))
     assert len(seen["lightning"][0]) == 60 and seen["lightning"][1] == [False, True] * 3
-    assert seen["workaround"] == seen["lightning"]
+    assert seen["fast path"][:2] == seen["lightning"][:2]
+    assert seen["lightning"][2] and not seen["fast path"][2]
 
 
-MODULE_HOOKS = [*HOOKS, "training_step", "validation_step", "test_step", "backward", "optimizer_step",
-                "optimizer_zero_grad", "configure_gradient_clipping", "on_before_batch_transfer",
-                "transfer_batch_to_device", "on_after_batch_transfer"]  # fmt: skip
-
-
-class FxNames(Tiny):
-    """Records (hook, `_current_fx_name` inside it) for every hook Lightning calls on it, and logs from the step
-    and batch-end hooks (which `self.log` allows by `_current_fx_name`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, str | None]] = []
-        for hook in MODULE_HOOKS:
-            method = getattr(self, hook, None)
-            if callable(method):
-                setattr(self, hook, self._recorded(hook, method))
-
-    def _recorded(self, hook, method):
-        def recorded(*args, **kwargs):
-            self.calls.append((hook, self._current_fx_name))
-            output = method(*args, **kwargs)
-            if hook in ("training_step", "on_train_batch_end"):
-                self.log(f"logged_in_{hook}", 1.0)
-            return output
-
-        return recorded
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.train_dataloader()
-
-
-def test_lightning_wraps_every_module_hook_call_in_a_profiler_context(tmp_path, monkeypatch):
-    """call_module_and_strategy_hooks_directly. With no profiler (PassThroughProfiler), Lightning still opens a
-    profiler context, named after the hook, around every module and strategy hook call of a training step."""
-    monkeypatch.setattr(call, "_call_lightning_module_hook", workarounds._lightning_call_module_hook)
-    monkeypatch.setattr(call, "_call_strategy_hook", workarounds._lightning_call_strategy_hook)
-    opened = []
-    lightning_profile = PassThroughProfiler.profile
-    monkeypatch.setattr(
-        PassThroughProfiler, "profile", lambda self, name: opened.append(name) or lightning_profile(self, name)
-    )
-    trainer(tmp_path, max_steps=2).fit(FxNames())
-    assert {
-        "[LightningModule]FxNames.on_train_batch_start",
-        "[Strategy]SingleDeviceStrategy.training_step",
-        "[Strategy]SingleDeviceStrategy.backward",
-        "[LightningModule]FxNames.optimizer_step",
-    } <= set(opened)
-
-
-def test_direct_hook_calls_call_the_same_hooks_with_the_same_fx_names(tmp_path, monkeypatch):
-    """With the workaround, the module sees the same hook calls in the same order, each with the same
-    `_current_fx_name`, and `self.log` works where Lightning allows it, through fit and test."""
-    seen = {}
-    for name, (module_hook, strategy_hook) in {
-        "lightning": (workarounds._lightning_call_module_hook, workarounds._lightning_call_strategy_hook),
-        "workaround": (workarounds._call_module_hook, workarounds._call_strategy_hook),
-    }.items():
-        monkeypatch.setattr(call, "_call_lightning_module_hook", module_hook)
-        monkeypatch.setattr(call, "_call_strategy_hook", strategy_hook)
-        module = FxNames()
-        run = trainer(tmp_path / name, max_steps=3, log_every_n_steps=1)
-        run.fit(module)
-        logged = sorted(run.logged_metrics)
-        run.test(module)
-        seen[name] = (module.calls, logged)
-    calls, logged = seen["lightning"]
-    assert ("training_step", "training_step") in calls and ("optimizer_step", "optimizer_step") in calls
-    assert ("on_train_batch_end", "on_train_batch_end") in calls and len(calls) > 60
-    assert logged == ["logged_in_on_train_batch_end", "logged_in_training_step"]
-    assert seen["workaround"] == seen["lightning"]
-
-
-class BatchHookData(L.LightningDataModule):
-    """Scales each batch in its `on_after_batch_transfer`, counting the calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(torch.ones(8, 4)), batch_size=2)
-
-    def on_after_batch_transfer(self, batch, dataloader_idx):
-        self.calls += 1
-        return [batch[0] * 2]
-
-
-def test_direct_datamodule_hook_calls_transform_the_same_batches(tmp_path, monkeypatch):
-    weights = {}
-    for name, hook in {
-        "lightning": workarounds._lightning_call_datamodule_hook,
-        "workaround": workarounds._call_datamodule_hook,
-    }.items():
-        monkeypatch.setattr(call, "_call_lightning_datamodule_hook", hook)
-        torch.manual_seed(0)
-        module, data = Tiny(), BatchHookData()
-        trainer(tmp_path / name, max_steps=3).fit(module, data)
-        weights[name] = (data.calls, module.layer.weight.detach().clone())
-    assert weights["lightning"][0] == 3
-    assert weights["workaround"][0] == 3 and torch.equal(weights["workaround"][1], weights["lightning"][1])
-
-
-def test_with_a_profiler_every_hook_call_is_still_timed(tmp_path, monkeypatch):
-    """The workaround steps aside while a profiler runs (`debug=profiler`): its report still times each hook."""
-    monkeypatch.setattr(call, "_call_lightning_module_hook", workarounds._call_module_hook)
-    monkeypatch.setattr(call, "_call_strategy_hook", workarounds._call_strategy_hook)
-    run = trainer(tmp_path, max_steps=2, profiler="simple")
-    run.fit(FxNames())
-    assert {"[LightningModule]FxNames.on_train_batch_start", "[Strategy]SingleDeviceStrategy.training_step"} <= set(
-        run.profiler.recorded_durations
-    )
+def test_with_a_profiler_every_callback_hook_is_still_timed(tmp_path):
+    """The callback fast path steps aside while a profiler runs (`debug=profiler`): its report times each hook."""
+    run = trainer(tmp_path, callbacks=[LooksUp()], max_steps=2, profiler="simple")
+    with fast_paths_on():
+        run.fit(Tiny())
+    assert any(name.startswith("[Callback]LooksUp.on_train_batch_start") for name in run.profiler.recorded_durations)
 
 
 def test_model_parallel_strategy_refuses_a_module_without_configure_model():
@@ -502,13 +396,16 @@ class LogsEverything(Tiny):
 
 
 def test_lightning_log_rebuilds_the_accumulator_on_every_call(monkeypatch):
-    """log_without_redundant_moves. Every `log` call moves the value's accumulator to the value's device, and the
-    move rebuilds the accumulator's metadata although nothing moves."""
+    """fast_paths self.log without redundant moves. Every `log` call moves the value's accumulator to the value's
+    device, and the move rebuilds the accumulator's metadata although nothing moves."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
+
     moves = []
+    lightning_move = _ResultMetric.to
 
     def counted(self, *args, **kwargs):
         moves.append(args)
-        return workarounds._lightning_result_metric_to(self, *args, **kwargs)
+        return lightning_move(self, *args, **kwargs)
 
     monkeypatch.setattr(_ResultMetric, "to", counted)
     results = _ResultCollection(training=True)
@@ -517,7 +414,7 @@ def test_lightning_log_rebuilds_the_accumulator_on_every_call(monkeypatch):
     assert moves == [(torch.device("cpu"),)] * 3
     metric = results["training_step.loss"]
     metadata = metric.meta
-    workarounds._lightning_result_metric_to(metric, torch.device("cpu"))
+    lightning_move(metric, torch.device("cpu"))
     assert metric.meta is not metadata and metric.meta == metadata
 
 
@@ -525,20 +422,22 @@ def test_logging_without_redundant_moves_logs_the_same_values(tmp_path, monkeypa
     """With the workaround, step values, sample-weighted epoch means and a logged Metric come out as Lightning's own
     gives them, with one move of Lightning's instead of 21; a move to another device still moves (the meta device
     stands in for a GPU)."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
+
     seen, moves = {}, []
+    lightning_move = _ResultMetric.to
 
     def counted(self, *args, **kwargs):
         moves.append(args)
         return lightning_move(self, *args, **kwargs)
 
-    lightning_move = workarounds._lightning_result_metric_to
-    monkeypatch.setattr(workarounds, "_lightning_result_metric_to", counted)  # what the workaround falls back to
-    for name, move in {"lightning": counted, "workaround": _result_metric_to}.items():
+    monkeypatch.setattr(_ResultMetric, "to", counted)  # Lightning's, counted: what the fast path falls back to
+    for name, paths in {"lightning": contextlib.nullcontext, "workaround": fast_paths_on}.items():
         moves.clear()
-        monkeypatch.setattr(_ResultMetric, "to", move)
         torch.manual_seed(0)
         run = trainer(tmp_path / name, max_steps=6, log_every_n_steps=1)
-        run.fit(LogsEverything())
+        with paths():
+            run.fit(LogsEverything())
         seen[name] = {key: value.item() for key, value in run.callback_metrics.items()}
         seen[f"{name} moves"] = len(moves)
     assert seen["workaround"] == seen["lightning"] and set(seen["lightning"]) == {"step_loss", "epoch_loss", "total"}
@@ -547,7 +446,7 @@ def test_logging_without_redundant_moves_logs_the_same_values(tmp_path, monkeypa
     assert (seen["lightning moves"], seen["workaround moves"]) == (21, 1)
     results = _ResultCollection(training=True)
     results.log("training_step", "loss", torch.tensor(2.0), on_step=False, on_epoch=True, batch_size=1)
-    moved = _result_metric_to(results["training_step.loss"], torch.device("meta"))
+    moved = fast_paths._skip_redundant_moves(lightning_move)(results["training_step.loss"], torch.device("meta"))
     assert moved.value.device == moved.cumulated_batch_size.device == torch.device("meta")
 
 
@@ -575,11 +474,10 @@ class SeesBatches(Tiny):
 
 
 def test_lightning_resolves_the_data_hooks_on_every_batch(tmp_path, monkeypatch):
-    """look_up_data_hooks_once. With a DataModule, every batch asks which of it and the module overrides each of the
-    three batch hooks, and each answer inspects both with `is_overridden`."""
+    """fast_paths data hooks looked up once per fit. With a DataModule, every batch asks which of it and the module
+    overrides each of the three batch hooks, and each answer inspects both with `is_overridden`."""
     import lightning.pytorch.trainer.connectors.data_connector as data_connector
 
-    monkeypatch.setattr(data_connector._DataHookSelector, "get_instance", workarounds._lightning_get_instance)
     checks = []
     lightning_is_overridden = data_connector.is_overridden
     monkeypatch.setattr(
@@ -589,16 +487,14 @@ def test_lightning_resolves_the_data_hooks_on_every_batch(tmp_path, monkeypatch)
     assert checks.count("transfer_batch_to_device") == 4 * 2  # the DataModule's and the module's, per batch
 
 
-def test_data_hooks_looked_up_once_run_the_same_hooks(tmp_path, monkeypatch):
+def test_data_hooks_looked_up_once_run_the_same_hooks(tmp_path):
     """With the workaround, the module's `on_before_batch_transfer` and the DataModule's `on_after_batch_transfer`
     both run on every batch, as with Lightning's own lookup."""
-    import lightning.pytorch.trainer.connectors.data_connector as data_connector
-
     seen = {}
-    for name, lookup in {"lightning": workarounds._lightning_get_instance, "workaround": _get_instance_once}.items():
-        monkeypatch.setattr(data_connector._DataHookSelector, "get_instance", lookup)
+    for name, paths in {"lightning": contextlib.nullcontext, "workaround": fast_paths_on}.items():
         module = SeesBatches()
-        trainer(tmp_path / name, max_steps=4).fit(module, datamodule=DoublesInputs())
+        with paths():
+            trainer(tmp_path / name, max_steps=4).fit(module, datamodule=DoublesInputs())
         seen[name] = torch.stack(module.batches)
     expected = (torch.stack(Tiny().train_dataloader().dataset.tensors[0].split(2)) + 1) * 2
     assert torch.equal(seen["lightning"], expected) and torch.equal(seen["workaround"], expected)
@@ -631,15 +527,17 @@ def test_torchmetrics_wraps_update_through_wrap_update():
 def test_lean_update_metrics_count_updates_and_refresh_compute():
     """TopKAccuracy and SampleSum (LeanUpdateMetric) count their updates, recompute after an update, keep no graph
     of what they add, and do so in a deep copy too."""
-    accuracy, total = TopKAccuracy(k=1), SampleSum()
-    logits = torch.tensor([[2.0, 1.0], [0.0, 3.0]], requires_grad=True)
-    for metric in (accuracy, copy.deepcopy(accuracy)):
-        metric.update(logits, torch.tensor([0, 0]))
-        assert metric.compute().item() == 0.5
-        metric.update(logits, torch.tensor([0, 1]))
-        assert metric.compute().item() == 0.75 and metric.update_count == 2
-    total.update(logits.sum())
-    assert total.update_called and not total.total.requires_grad
+    for paths in (contextlib.nullcontext, fast_paths_on):  # torchmetrics' own wrapper, then the lean one
+        accuracy, total = TopKAccuracy(k=1), SampleSum()
+        logits = torch.tensor([[2.0, 1.0], [0.0, 3.0]], requires_grad=True)
+        with paths():
+            for metric in (accuracy, copy.deepcopy(accuracy)):
+                metric.update(logits, torch.tensor([0, 0]))
+                assert metric.compute().item() == 0.5
+                metric.update(logits, torch.tensor([0, 1]))
+                assert metric.compute().item() == 0.75 and metric.update_count == 2
+            total.update(logits.sum())
+            assert total.update_called and not total.total.requires_grad
 
 
 def count_state_checks(monkeypatch) -> list[int]:
@@ -673,7 +571,8 @@ def test_lean_model_checkpoint_saves_what_lightnings_saves(tmp_path, monkeypatch
         callback = kind(
             dirpath=dirpath, filename="{epoch}-{step}", save_top_k=-1, every_n_train_steps=every_n_train_steps
         )
-        trainer(tmp_path, max_epochs=2, callbacks=[callback]).fit(Tiny())
+        with fast_paths_on():
+            trainer(tmp_path, max_epochs=2, callbacks=[callback]).fit(Tiny())
         saved[kind], counts[kind] = sorted(os.listdir(dirpath)), len(checks)
         keys[kind] = list(torch.load(dirpath / saved[kind][-1], weights_only=False)["callbacks"])
     assert saved[ModelCheckpoint] == saved[workarounds.LeanModelCheckpoint]

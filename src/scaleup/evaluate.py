@@ -15,7 +15,6 @@ from scaleup.components import build_datamodule
 from scaleup.config.plain import build_model, log_rows, retarget, to_plain
 from scaleup.config.schema import validate_config
 from scaleup.distributed.launch import check_launcher, shut_down_process_group
-from scaleup.distributed.preemption import exit_when_stopped
 from scaleup.errors import UserError
 from scaleup.plan.topology import resolve_precision, resolve_topology
 from scaleup.trainer import build_eval_trainer
@@ -62,7 +61,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run = build_eval_trainer(topology, precision, plan, run_dir, cfg.trainer.enable_progress_bar)
-    with exit_when_stopped(run.stop, f"evaluate again with: python eval.py ckpt_path={ckpt_path}"):
+    with run.running(f"evaluate again with: python eval.py ckpt_path={ckpt_path}"):
         run.trainer.test(model, datamodule=datamodule, verbose=False)
     shut_down_process_group()
     if not run.trainer.is_global_zero:

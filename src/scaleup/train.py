@@ -19,7 +19,6 @@ from scaleup.components import build_data_and_model
 from scaleup.config.plain import log_rows, to_plain, write_yaml
 from scaleup.config.schema import validate_config
 from scaleup.distributed.launch import prepare_launch, shut_down_process_group
-from scaleup.distributed.preemption import exit_when_stopped
 from scaleup.observability.loggers import close_loggers
 from scaleup.plan.checks import pitfall_warnings
 from scaleup.plan.resolve import Plan
@@ -56,7 +55,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run = build_trainer(config, plan, topology, launch.strategy, run_dir)
     trainer = run.trainer
     hint = f"resume with: python train.py ckpt_path=last hydra.run.dir={run_dir} (plus your overrides)"
-    with exit_when_stopped(run.stop, hint):
+    with run.running(hint):
         if resume.finished:
             log.info(f"{resume.path} finished training at step {resume.step}: running its test")
         else:

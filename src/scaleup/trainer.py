@@ -3,6 +3,8 @@ topology; and what the jobs read back from them (`Run`)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,24 +12,27 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint, EarlyStopping, LearningRateMonitor, ProgressBar
 
+from scaleup.callbacks.ema import EMA
 from scaleup.callbacks.lr_scaling import LRScaling
 from scaleup.callbacks.metric_states import PrivateMetricStates
 from scaleup.callbacks.performance import PerformanceSettings, set_tf32
 from scaleup.callbacks.run_files import ConfigInCheckpoint, MetricsFile
 from scaleup.checkpoints.io import AtomicCheckpointIO, remove_interrupted_writes
+from scaleup.compat.fast_paths import fast_paths
+from scaleup.compat.gates import EMA_DEVICE, EXACT_EVAL, FSDP_OPTIMIZER_KEYS, SPAWN_LAUNCHER, require
 from scaleup.compat.workarounds import (
     BatchProgressRescale,
     EpochProgressRepair,
     ExactEvalMetrics,
     LeanModelCheckpoint,
-    install_step_fast_paths,
+    SpawnDDPStrategy,
     model_parallel_precision,
 )
 from scaleup.config.plain import instantiate_each
 from scaleup.data.seeding import StepSeed
 from scaleup.distributed.clusters import cluster_plugins
 from scaleup.distributed.fsdp import FSDPStrategy
-from scaleup.distributed.preemption import PreemptionCheckpoint, StopOnSigterm
+from scaleup.distributed.preemption import PreemptionCheckpoint, StopOnSigterm, exit_when_stopped
 from scaleup.errors import config_errors
 from scaleup.observability.hparams import PlanHParams
 from scaleup.observability.progress import ThrottledRichProgressBar
@@ -94,6 +99,14 @@ class Run:
     trainer: L.Trainer
     stop: StopOnSigterm
     best: LeanModelCheckpoint | None = None
+    fast: bool = False  # the speed-only fast paths (performance.fast_paths), installed only while `running`
+
+    @contextlib.contextmanager
+    def running(self, resume_hint: str) -> Iterator[None]:
+        """Where the job runs `fit` and `test`: with the fast paths in place, removed after (a plain Trainer later
+        in the process runs Lightning's own code); a SIGTERM ends it with exit code 143 and `resume_hint`."""
+        with exit_when_stopped(self.stop, resume_hint), fast_paths(self.fast):
+            yield
 
 
 def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> list[L.Callback]:
@@ -121,7 +134,6 @@ def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> lis
 def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> Run:
     """A Trainer with the template's callbacks and the user's, the loggers, and the plan's resolved settings."""
     set_tf32(plan.tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
-    install_step_fast_paths()
     callbacks = template_callbacks(config, plan, run_dir)
     best = callbacks[[type(cb) for cb in callbacks].index(LeanModelCheckpoint)]  # the first: the best epoch
     template = len(callbacks)
@@ -141,6 +153,12 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
     if not loggers:
         callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
     check_order(callbacks, template)
+    require(
+        EXACT_EVAL,
+        *([SPAWN_LAUNCHER] if isinstance(strategy, SpawnDDPStrategy) else []),
+        *([FSDP_OPTIMIZER_KEYS] if isinstance(strategy, FSDPStrategy) else []),
+        *([EMA_DEVICE] if any(isinstance(cb, EMA) for cb in callbacks) else []),
+    )
     trainer_kwargs = {
         **config["trainer"],
         "accelerator": topology.accelerator,
@@ -166,13 +184,14 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
         )
     if trainer.is_global_zero:
         remove_interrupted_writes(config["checkpoint"]["dirpath"])
-    return Run(trainer, stop, best)
+    return Run(trainer, stop, best, fast=config["performance"]["fast_paths"])
 
 
 def build_eval_trainer(
     topology: Topology, precision: Any, plan: dict[str, Any], run_dir: Path, progress_bar: bool
 ) -> Run:
     """The Trainer of `eval.py`: the checkpoint's own speed settings, exact metrics into metrics.json, no logger."""
+    require(EXACT_EVAL)
     stop = StopOnSigterm()
     tf32, channels_last = plan.get("tf32", False), plan.get("channels_last", False)  # as trained
     set_tf32(tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs

@@ -1,8 +1,13 @@
-"""Every place where this project works around Lightning (or torch), in one module.
+"""The places where the template works around Lightning (or torch, torchmetrics) for correct results.
 
 Each entry below was measured on Lightning 2.6.6 with torch 2.14.1. Its docstring gives that version, the reason in
 one line, and the name of its canary in tests/test_lightning_workarounds.py. A canary runs plain Lightning WITHOUT
 the workaround and asserts the behaviour that made the workaround necessary (or the private API it relies on).
+The speed-only fast paths are in fast_paths.py; what each entry needs of private code is checked in gates.py.
+
+Private names are imported where they are used, never when this module is: a Lightning release without one
+breaks no import. Where a public fallback gives the same result, it runs instead; where none does, the job that
+needs the workaround refuses to start in one line (`gates.require`).
 
 When a canary fails after an upgrade, Lightning changed that behaviour: delete that workaround (and its canary),
 use Lightning's own behaviour or public API instead, and run the tests that name the entry.
@@ -20,18 +25,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.connector import _PRECISION_INPUT
 from lightning.pytorch import Callback
-from lightning.pytorch.callbacks import Checkpoint, EarlyStopping, EMAWeightAveraging, ModelCheckpoint
-from lightning.pytorch.core.optimizer import _configure_optimizers
-from lightning.pytorch.profilers import PassThroughProfiler
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.trainer import call
-from lightning.pytorch.trainer.connectors.data_connector import _DataHookSelector
-from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 from torch.optim import Optimizer
 from torchmetrics import Metric
+
+from scaleup.compat import fast_paths
 
 log = logging.getLogger("scaleup")
 
@@ -55,33 +55,38 @@ def ignore_unresumable_loader_warning() -> None:
 # --- Launch ----------------------------------------------------------------------------------------------------------
 
 
-class CleanExitLauncher(_MultiProcessingLauncher):
+def clean_exit_launcher(strategy: Any, start_method: str, on_exit: Callable[[], None]) -> Any:
     """Lightning's spawn launcher, whose workers run `on_exit` (leave the process group together) before they exit.
 
     Lightning 2.6.6. Reason: Lightning's spawn worker function returns with the process group still up and has no
     hook after it; a worker that exits while its peer still holds gloo connections can abort ("terminate called
-    without an active exception", seen at the end of a spawned test). Subclasses a private Lightning class.
+    without an active exception", seen at the end of a spawned test). Subclasses a private Lightning class, so the
+    class is made when a spawn run needs it (gates.SPAWN_LAUNCHER checks it first).
     Canary: test_spawn_worker_leaves_the_process_group_up.
     """
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
-    def __init__(self, strategy: Any, start_method: str, on_exit: Callable[[], None]) -> None:
-        super().__init__(strategy, start_method=start_method)
-        self.on_exit = on_exit  # a module-level function: spawn pickles it into every worker
+    class CleanExitLauncher(_MultiProcessingLauncher):
+        def __init__(self) -> None:
+            super().__init__(strategy, start_method=start_method)
+            self.on_exit = on_exit  # a module-level function: spawn pickles it into every worker
 
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)
-        self.on_exit()
+        def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+            super()._wrapping_function(*args, **kwargs)
+            self.on_exit()
+
+    return CleanExitLauncher()
 
 
 class SpawnDDPStrategy(DDPStrategy):
-    """DDPStrategy(start_method="spawn") with the CleanExitLauncher (same Lightning version, reason and canary)."""
+    """DDPStrategy(start_method="spawn") with `clean_exit_launcher` (same Lightning version, reason and canary)."""
 
     def __init__(self, *, on_exit: Callable[[], None], **kwargs: Any) -> None:
         super().__init__(start_method="spawn", **kwargs)
         self.on_exit = on_exit
 
     def _configure_launcher(self) -> None:
-        self._launcher = CleanExitLauncher(self, start_method=self._start_method, on_exit=self.on_exit)
+        self._launcher = clean_exit_launcher(self, self._start_method, self.on_exit)
 
 
 # --- Optimizers ------------------------------------------------------------------------------------------------------
@@ -91,12 +96,37 @@ def parse_configure_optimizers(returned: Any) -> tuple[list[Optimizer], list[Any
     """(optimizers, LR schedulers) from anything `configure_optimizers` may return, parsed by Lightning's own code.
 
     Lightning 2.6.6. Reason: Lightning has no public parser of the return formats it accepts, and the plan reads
-    the LRs before any Trainer exists; this calls the private `lightning.pytorch.core.optimizer._configure_optimizers`.
+    the LRs before any Trainer exists; this calls the private `lightning.pytorch.core.optimizer._configure_optimizers`
+    and, where that is gone, parses the documented formats itself (an optimizer, a list of them, a dict with
+    "optimizer" and "lr_scheduler", a list of such dicts, or (optimizers, schedulers)).
     Canary: test_private_configure_optimizers_parses_every_return_format.
     """
-    optimizers, schedulers, _ = _configure_optimizers(returned)
+    try:
+        from lightning.pytorch.core.optimizer import _configure_optimizers
+
+        optimizers, schedulers, _ = _configure_optimizers(returned)
+    except ImportError:
+        return documented_formats(returned)
     return optimizers, schedulers
 
+
+def documented_formats(returned: Any) -> tuple[list[Optimizer], list[Any]]:
+    """The return formats of `configure_optimizers` that Lightning's documentation lists."""
+    if isinstance(returned, Optimizer):
+        return [returned], []
+    if isinstance(returned, dict):
+        return [returned["optimizer"]], [returned["lr_scheduler"]] if "lr_scheduler" in returned else []
+    if isinstance(returned, tuple) and len(returned) == 2 and all(isinstance(part, list) for part in returned):
+        return list(returned[0]), list(returned[1])
+    parsed = [documented_formats(item) for item in returned]
+    return [o for optimizers, _ in parsed for o in optimizers], [s for _, schedulers in parsed for s in schedulers]
+
+
+# Lightning 2.6's `_PRECISION_INPUT`, spelled out.
+PRECISIONS_2_6 = (
+    "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "32-true",
+    "64-true", 64, 32, 16, "64", "32", "16", "bf16",
+)  # fmt: skip
 
 # --- Logging steps and precisions ------------------------------------------------------------------------------------
 
@@ -106,9 +136,11 @@ def is_logging_step(trainer: L.Trainer) -> bool:
 
     Lightning 2.6.6. Reason: Lightning keeps this rule in the private `trainer._logger_connector.should_update_logs`
     and exposes no public test; reading it there keeps the per-step metrics and the progress bar in step with it.
-    Canary: test_should_update_logs_follows_log_every_n_steps.
+    Canary: test_should_update_logs_follows_log_every_n_steps. Where that is gone, every step counts as one (the
+    loggers still write only theirs: the same curves, at a few us more a step).
     """
-    return trainer._logger_connector.should_update_logs or bool(trainer.fast_dev_run)
+    connector = getattr(trainer, "_logger_connector", None)
+    return getattr(connector, "should_update_logs", True) or bool(trainer.fast_dev_run)
 
 
 def lightning_precisions() -> tuple[str | int, ...]:
@@ -116,183 +148,17 @@ def lightning_precisions() -> tuple[str | int, ...]:
 
     Lightning 2.6.6. Reason: the list lives only in the private type `lightning.fabric.connector._PRECISION_INPUT`
     (a Union of Literals); the config schema checks `trainer.precision` against it.
-    Canary: test_private_precision_spellings_include_the_templates.
+    Canary: test_private_precision_spellings_include_the_templates. Where that type is gone, Lightning 2.6's list.
     """
+    try:
+        from lightning.fabric.connector import _PRECISION_INPUT
+    except ImportError:
+        return PRECISIONS_2_6
 
     def literals(hint: Any) -> tuple[Any, ...]:
         return tuple(v for arg in typing.get_args(hint) for v in (literals(arg) if typing.get_args(arg) else (arg,)))
 
     return literals(_PRECISION_INPUT)
-
-
-# --- Hook dispatch ---------------------------------------------------------------------------------------------------
-
-_lightning_call_callback_hooks = call._call_callback_hooks
-# Per hook: the callback list it was last called with, and which of those callbacks override it.
-_DISPATCH: dict[str, tuple[tuple[Callback, ...], tuple[Callback, ...]]] = {}
-
-
-def _overrides(callback: Callback, hook: str) -> bool:
-    """Whether `callback` does anything in `hook`: its class (or the instance itself) replaces `Callback`'s no-op."""
-    return getattr(type(callback), hook, None) is not getattr(Callback, hook, None) or hook in vars(callback)
-
-
-def _callbacks_overriding(trainer: L.Trainer, hook: str) -> tuple[Callback, ...]:
-    callbacks = tuple(trainer.callbacks)
-    cached = _DISPATCH.get(hook)
-    if cached is None or cached[0] != callbacks:  # the same objects: an identity check per element
-        cached = _DISPATCH[hook] = (callbacks, tuple(cb for cb in callbacks if _overrides(cb, hook)))
-    return cached[1]
-
-
-def _call_overridden_callback_hooks(
-    trainer: L.Trainer, hook_name: str, *args: Any, monitoring_callbacks: bool | None = None, **kwargs: Any
-) -> None:
-    """Lightning's `_call_callback_hooks`, calling only the callbacks that override the hook."""
-    if _dispatch_by_lightning(trainer):  # a profiler times every call: keep them all
-        _lightning_call_callback_hooks(trainer, hook_name, *args, monitoring_callbacks=monitoring_callbacks, **kwargs)
-        return
-    pl_module = trainer.lightning_module
-    if pl_module:
-        previous = pl_module._current_fx_name
-        _set_fx_name(pl_module, hook_name)
-    for callback in _callbacks_overriding(trainer, hook_name):
-        if (
-            monitoring_callbacks is not None
-            and isinstance(callback, (EarlyStopping, Checkpoint)) != monitoring_callbacks
-        ):
-            continue
-        fn = getattr(callback, hook_name)
-        if callable(fn):
-            fn(trainer, pl_module, *args, **kwargs)
-    if pl_module:
-        _set_fx_name(pl_module, previous)
-
-
-def _set_fx_name(pl_module: L.LightningModule, name: str | None) -> None:
-    """`pl_module._current_fx_name = name` (the hook running, which `self.log` checks) without nn.Module's
-    `__setattr__`, which looks for a parameter, buffer or submodule of that name first: 2 us a write, 0.2 us here, and
-    Lightning writes it twice around every hook call, about 40 times a training step."""
-    if type(pl_module).__setattr__ is torch.nn.Module.__setattr__:
-        object.__setattr__(pl_module, "_current_fx_name", name)
-    else:  # a module with a __setattr__ of its own sees the write
-        pl_module._current_fx_name = name
-
-
-_lightning_call_module_hook = call._call_lightning_module_hook
-_lightning_call_strategy_hook = call._call_strategy_hook
-_lightning_call_datamodule_hook = call._call_lightning_datamodule_hook
-_lightning_call_log = logging.getLogger(call.__name__)
-
-
-def _dispatch_by_lightning(trainer: L.Trainer) -> bool:
-    """A profiler times every hook call, and Lightning's debug log names each one: then its own dispatch runs."""
-    return not isinstance(trainer.profiler, PassThroughProfiler) or _lightning_call_log.isEnabledFor(logging.DEBUG)
-
-
-def _call_module_hook(
-    trainer: L.Trainer, hook_name: str, *args: Any, pl_module: L.LightningModule | None = None, **kwargs: Any
-) -> Any:
-    """Lightning's `_call_lightning_module_hook`, without the per-call debug message and profiler context."""
-    if _dispatch_by_lightning(trainer):
-        return _lightning_call_module_hook(trainer, hook_name, *args, pl_module=pl_module, **kwargs)
-    pl_module = pl_module or trainer.lightning_module
-    if pl_module is None:
-        raise TypeError("No `LightningModule` is available to call hooks on.")
-    fn = getattr(pl_module, hook_name)
-    return _run_as(pl_module, hook_name, fn, *args, **kwargs) if callable(fn) else None
-
-
-def _call_strategy_hook(trainer: L.Trainer, hook_name: str, *args: Any, **kwargs: Any) -> Any:
-    """Lightning's `_call_strategy_hook`, without the per-call debug message and profiler context."""
-    if _dispatch_by_lightning(trainer):
-        return _lightning_call_strategy_hook(trainer, hook_name, *args, **kwargs)
-    fn = getattr(trainer.strategy, hook_name)
-    return _run_as(trainer.lightning_module, hook_name, fn, *args, **kwargs) if callable(fn) else None
-
-
-def _run_as(pl_module: L.LightningModule, hook_name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` with `pl_module._current_fx_name` set to `hook_name` (restored after, as Lightning
-    does: not when `fn` raises)."""
-    previous = pl_module._current_fx_name
-    _set_fx_name(pl_module, hook_name)
-    output = fn(*args, **kwargs)
-    _set_fx_name(pl_module, previous)
-    return output
-
-
-def _call_datamodule_hook(trainer: L.Trainer, hook_name: str, *args: Any, **kwargs: Any) -> Any:
-    """Lightning's `_call_lightning_datamodule_hook`, without the per-call debug message and profiler context."""
-    if _dispatch_by_lightning(trainer):
-        return _lightning_call_datamodule_hook(trainer, hook_name, *args, **kwargs)
-    if trainer.datamodule is None:
-        raise TypeError("No `LightningDataModule` is available to call hooks on.")
-    fn = getattr(trainer.datamodule, hook_name)
-    return fn(*args, **kwargs) if callable(fn) else None
-
-
-def call_module_and_strategy_hooks_directly() -> None:
-    """Make Lightning call the module's and the strategy's hooks without per-call overhead.
-
-    Lightning 2.6.6. Reason: `trainer.call._call_lightning_module_hook` and `_call_strategy_hook` format a debug
-    message (also when debug logging is off), open a profiler context named after the hook and write
-    `_current_fx_name` through nn.Module's `__setattr__` on every call: 5-6 us each, and a training step makes 16
-    such calls (training_step, backward, optimizer_step, the batch-transfer and `on_*` hooks), about 90 us of
-    Python a step. The same hooks run in the same order with the same `_current_fx_name`; with a profiler on
-    (`debug=profiler`) or Lightning's debug log enabled, Lightning's own dispatch runs. A DataModule's batch hooks
-    (`_call_lightning_datamodule_hook`) get the same.
-    Canary: test_lightning_wraps_every_module_hook_call_in_a_profiler_context.
-    """
-    call._call_lightning_module_hook = _call_module_hook
-    call._call_strategy_hook = _call_strategy_hook
-    call._call_lightning_datamodule_hook = _call_datamodule_hook
-
-
-def call_only_overridden_callback_hooks() -> None:
-    """Make Lightning skip the callbacks that do nothing in a hook.
-
-    Lightning 2.6.6. Reason: `trainer.call._call_callback_hooks` calls every hook of every callback, no-ops
-    included, each inside a profiler context named after the callback's `state_key` (ModelCheckpoint builds a
-    repr for it): about 1.6 us per callback and hook, 9.5 us per callback and training step, and a run here
-    has about 20 callbacks. Installed by `build_trainer`; with a profiler on (`debug=profiler`) Lightning's own
-    dispatch runs, so every hook is still timed. Which callbacks override a hook is worked out again whenever the
-    callback list changes (a hook assigned to a callback instance in the middle of a fit is not seen).
-    Canary: test_lightning_calls_hooks_a_callback_does_not_override.
-    """
-    call._call_callback_hooks = _call_overridden_callback_hooks
-
-
-# --- Logged values ---------------------------------------------------------------------------------------------------
-
-_lightning_result_metric_to = _ResultMetric.to
-
-
-def _held_on(metric: _ResultMetric, device: torch.device) -> bool:
-    """Whether what `metric` accumulates (its value and batch-size states, or the torchmetrics Metric it holds) is
-    on `device`."""
-    held = (
-        [getattr(metric, name) for name in metric._defaults] if metric.is_tensor else [getattr(metric, "value", None)]
-    )
-    return all(value is not None and value.device == device for value in held)
-
-
-def _result_metric_to(self: _ResultMetric, *args: Any, **kwargs: Any) -> _ResultMetric:
-    """Lightning's `_ResultMetric.to`, returning at once when there is nothing to move."""
-    if len(args) == 1 and not kwargs and isinstance(args[0], torch.device) and _held_on(self, args[0]):
-        return self
-    return _lightning_result_metric_to(self, *args, **kwargs)
-
-
-def log_without_redundant_moves() -> None:
-    """Make `LightningModule.log` skip moving a value's accumulator to the device it is already on.
-
-    Lightning 2.6.6. Reason: every `self.log` call runs `_ResultMetric.to(value.device)`, which walks all of the
-    accumulator's attributes with `apply_to_collection` and deep-copies its metadata, also when nothing moves:
-    about 1,700 Python calls, so a `log` call took 210 us on a CPU, 16 us with this (`_ResultCollection.log` in a
-    loop). Moves to another device (the first log of a value, `.cpu()` at the end of a loop) are Lightning's own.
-    Canary: test_lightning_log_rebuilds_the_accumulator_on_every_call.
-    """
-    _ResultMetric.to = _result_metric_to
 
 
 # --- Metric updates --------------------------------------------------------------------------------------------------
@@ -306,13 +172,18 @@ class LeanUpdateMetric(Metric):
     Python calls, about 5 us, per update, and a training step of the classifier makes four. Subclasses detach what
     they add to their states, so the grad-mode switch has nothing to do, and they hold no list states (which the
     wrapper may move to the CPU); the update count and the cleared `compute()` cache are kept as torchmetrics keeps
-    them. Canary: test_torchmetrics_wraps_update_through_wrap_update.
+    them. Canary: test_torchmetrics_wraps_update_through_wrap_update. A fast path: only inside a template job
+    (`fast_paths.active()`), and only while the states it writes are where torchmetrics 1.9 keeps them.
     """
 
     def _wrap_update(self, update: Callable[..., None]) -> Callable[..., None]:
+        wrapped = super()._wrap_update(update)  # torchmetrics' own, for outside a job
+
         @functools.wraps(update)
         def counted_update(*args: Any, **kwargs: Any) -> None:
             state = self.__dict__  # where nn.Module.__setattr__ puts plain values
+            if not fast_paths.active() or "_update_count" not in state:
+                return wrapped(*args, **kwargs)
             state["_computed"] = None
             state["_update_count"] += 1
             update(*args, **kwargs)
@@ -331,7 +202,8 @@ class LeanModelCheckpoint(ModelCheckpoint):
     clock, and only then finds that neither `every_n_train_steps` nor `train_time_interval` is set: about 40 Python
     calls per step, 40 us in a training step on a CPU, for each of the template's two checkpoints, which save at
     epoch ends. With a step or time trigger it runs Lightning's own check. Reads the private trigger attributes
-    Lightning sets in `__init__` (`_every_n_train_steps` is 0 when unset).
+    Lightning sets in `__init__` (`_every_n_train_steps` is 0 when unset); a fast path, only inside a template job and
+    while those attributes exist.
     Canary: test_model_checkpoint_checks_the_trainer_state_on_every_batch.
     """
 
@@ -341,45 +213,10 @@ class LeanModelCheckpoint(ModelCheckpoint):
         return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
-        if self._every_n_train_steps < 1 and self._train_time_interval is None:
+        untriggered = getattr(self, "_every_n_train_steps", 1) < 1 and getattr(self, "_train_time_interval", 0) is None
+        if untriggered and fast_paths.active():
             return
         super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
-
-
-# --- Data hooks ------------------------------------------------------------------------------------------------------
-
-_lightning_get_instance = _DataHookSelector.get_instance
-
-
-def _get_instance_once(self: _DataHookSelector, hook_name: str) -> L.LightningModule | L.LightningDataModule:
-    """Lightning's `_DataHookSelector.get_instance`, worked out once per hook for the selector's module and data."""
-    owners = self.__dict__.setdefault("_owners", {})
-    cached = owners.get(hook_name)
-    if cached is None or cached[0] is not self.model or cached[1] is not self.datamodule:
-        cached = owners[hook_name] = (self.model, self.datamodule, _lightning_get_instance(self, hook_name))
-    return cached[2]
-
-
-def look_up_data_hooks_once() -> None:
-    """Make Lightning decide once per fit, not per batch, whether the DataModule or the module runs a batch hook.
-
-    Lightning 2.6.6. Reason: with a DataModule, every batch asks `_DataHookSelector.get_instance` which of the two
-    overrides `on_before_batch_transfer`, `transfer_batch_to_device` and `on_after_batch_transfer`, and each answer
-    inspects both classes with `is_overridden`: about 120 Python calls and 11 us per batch (0.7 us with this). The
-    answer is kept per selector (Lightning makes one for each fit, validate or test) while its module and
-    DataModule stay the same.
-    Canary: test_lightning_resolves_the_data_hooks_on_every_batch.
-    """
-    _DataHookSelector.get_instance = _get_instance_once
-
-
-def install_step_fast_paths() -> None:
-    """The four per-step workarounds above: callback and module hook dispatch, logged values and data hooks.
-    `build_trainer` installs them in its process (ddp_spawn's children run Lightning's own code)."""
-    call_only_overridden_callback_hooks()
-    call_module_and_strategy_hooks_directly()
-    log_without_redundant_moves()
-    look_up_data_hooks_once()
 
 
 # --- TensorBoard -----------------------------------------------------------------------------------------------------
@@ -391,9 +228,14 @@ def add_summaries(logger: Any, summaries: list[Any], step: int) -> None:
     Lightning 2.6.6, torch 2.14.1. Reason: `TensorBoardLogger.log_hyperparams(params, metrics)` also writes each
     metric as a scalar (a second point on every curve), and torch's SummaryWriter takes summaries only through its
     private `_get_file_writer()` (which also reopens a writer Lightning closed after fit).
-    Canary: test_log_hyperparams_with_metrics_adds_a_scalar_point.
+    Canary: test_log_hyperparams_with_metrics_adds_a_scalar_point. Where that is gone, the HParams tab is not
+    written, with one warning (the scalars and metrics.json are).
     """
-    writer = logger.experiment._get_file_writer()
+    get_writer = getattr(logger.experiment, "_get_file_writer", None)
+    if get_writer is None:
+        log.warning("TensorBoard's HParams tab is not written: torch's SummaryWriter has no _get_file_writer")
+        return
+    writer = get_writer()
     for summary in summaries:
         writer.add_summary(summary, step)
     writer.flush()
@@ -576,12 +418,27 @@ def read_distributed_checkpoint(path: Any) -> dict[str, Any]:
     Canary: test_private_empty_planner_reads_a_distributed_checkpoint_without_a_process_group.
     """
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    try:
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    except ImportError:  # the public converter, through a file
+        return read_through_torch_save(path)
 
     state: dict[str, Any] = {}
     _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state
+
+
+def read_through_torch_save(path: Any) -> dict[str, Any]:
+    """`read_distributed_checkpoint` with torch's public `dcp_to_torch_save`, which writes one file to read back."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(path, f"{scratch}/state.pt")
+        return torch.load(f"{scratch}/state.pt", map_location="cpu", weights_only=False)
 
 
 def stored_tensor_shapes(path: Any, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -624,7 +481,7 @@ REDUCE_GROUPS = (
 EPOCH_END_HOOKS = ("on_validation_epoch_end", "on_test_epoch_end")
 
 
-def _plain_epoch_metrics(trainer: L.Trainer) -> Iterator[tuple[str, _ResultMetric]]:
+def _plain_epoch_metrics(trainer: L.Trainer) -> Iterator[tuple[str, Any]]:
     """(key, metric) for this epoch's plain-tensor, epoch-level `self.log` values that Lightning keeps per rank."""
     for key, metric in (trainer._results or {}).items():
         meta = metric.meta
@@ -638,7 +495,7 @@ def _plain_epoch_metrics(trainer: L.Trainer) -> Iterator[tuple[str, _ResultMetri
             yield key, metric
 
 
-def _reducible(metric: _ResultMetric) -> bool:
+def _reducible(metric: Any) -> bool:
     """Logged before the epoch's end (a step or batch hook), from the only eval dataloader."""
     return metric.meta.dataloader_idx is None and metric.meta.fx not in EPOCH_END_HOOKS
 

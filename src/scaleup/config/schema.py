@@ -92,6 +92,7 @@ class Checkpointing(Section):
 class Performance(Section):
     tf32: bool
     channels_last: bool
+    fast_paths: bool = True
 
 
 class LRSchedule(Section):

@@ -1,0 +1,220 @@
+"""Speed-only fast paths through Lightning's per-step code: installed around a job's `fit` and `test`, removed after.
+
+Each one was measured on Lightning 2.6.6 (benchmarks/README.md gives its gain in the lockstep benchmark) and
+changes no result: the same hooks run in the same order on the same values. Each names the private code it
+replaces (`compat/gates.py`); when that code is gone or changed in the installed Lightning, the fast path steps
+aside with one warning and Lightning's own code runs. `performance.fast_paths=false` turns them all off.
+
+While `fast_paths()` is active, `active()` is true: the template's lean subclasses (`LeanUpdateMetric`,
+`LeanModelCheckpoint`) take their short cut only then, so a Trainer or a metric used outside a template job runs
+Lightning's and torchmetrics' own code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
+from lightning.pytorch.profilers import PassThroughProfiler
+
+from scaleup.compat.gates import TESTED, Private, Workaround, installed
+
+log = logging.getLogger("scaleup")
+
+CALL = "lightning.pytorch.trainer.call"
+RESULT = "lightning.pytorch.trainer.connectors.logger_connector.result"
+DATA = "lightning.pytorch.trainer.connectors.data_connector"
+_state = {"active": 0}
+_warned: set[str] = set()
+
+
+def active() -> bool:
+    """Whether a template job's fast paths are installed (inside `fast_paths()`)."""
+    return _state["active"] > 0
+
+
+# --- Callback dispatch ----------------------------------------------------------------------------------------------
+
+
+def _overrides(callback: Callback, hook: str) -> bool:
+    """Whether `callback` does anything in `hook`: its class (or the instance itself) replaces `Callback`'s no-op."""
+    return getattr(type(callback), hook, None) is not getattr(Callback, hook, None) or hook in vars(callback)
+
+
+def _dispatch(lightning_call_callback_hooks: Callable[..., None]) -> Callable[..., None]:
+    """Lightning's `_call_callback_hooks`, calling only the callbacks that override the hook.
+
+    Reason: Lightning calls every hook of every callback, no-ops included, each inside a profiler context named
+    after the callback's `state_key` (ModelCheckpoint builds a repr for it): about 1.6 us per callback and hook,
+    9.5 us per callback and training step, with about 20 callbacks. Which callbacks override a hook is worked out
+    again whenever the callback list changes. With a profiler on (`debug=profiler`) or Lightning's debug log,
+    Lightning's own dispatch runs, so every hook is still timed.
+    """
+    cache: dict[str, tuple[tuple[Callback, ...], tuple[Callback, ...]]] = {}
+    debug = logging.getLogger(CALL)
+
+    def call_overridden(
+        trainer: L.Trainer, hook_name: str, *args: Any, monitoring_callbacks: bool | None = None, **kw: Any
+    ) -> None:
+        if not isinstance(trainer.profiler, PassThroughProfiler) or debug.isEnabledFor(logging.DEBUG):
+            lightning_call_callback_hooks(trainer, hook_name, *args, monitoring_callbacks=monitoring_callbacks, **kw)
+            return
+        callbacks = tuple(trainer.callbacks)
+        cached = cache.get(hook_name)
+        if cached is None or cached[0] != callbacks:  # the same objects: an identity check per element
+            cached = cache[hook_name] = (callbacks, tuple(cb for cb in callbacks if _overrides(cb, hook_name)))
+        pl_module = trainer.lightning_module
+        if pl_module:
+            previous = pl_module._current_fx_name
+            set_fx_name(pl_module, hook_name)
+        for callback in cached[1]:
+            if monitoring_callbacks is not None and isinstance(callback, (EarlyStopping, Checkpoint)) != (
+                monitoring_callbacks
+            ):
+                continue
+            fn = getattr(callback, hook_name)
+            if callable(fn):
+                fn(trainer, pl_module, *args, **kw)
+        if pl_module:
+            set_fx_name(pl_module, previous)
+
+    return call_overridden
+
+
+def set_fx_name(pl_module: L.LightningModule, name: str | None) -> None:
+    """`pl_module._current_fx_name = name` (the hook running, which `self.log` checks) without nn.Module's
+    `__setattr__`, which looks for a parameter, buffer or submodule of that name first: 2 us a write, 0.2 us here."""
+    if type(pl_module).__setattr__ is torch.nn.Module.__setattr__:
+        object.__setattr__(pl_module, "_current_fx_name", name)
+    else:  # a module with a __setattr__ of its own sees the write
+        pl_module._current_fx_name = name
+
+
+# --- Logged values --------------------------------------------------------------------------------------------------
+
+
+def _held_on(metric: Any, device: torch.device) -> bool:
+    """Whether what a `_ResultMetric` accumulates (its value and batch-size states, or the torchmetrics Metric it
+    holds) is on `device`; False when its layout is not the one this was written for (Lightning's move runs)."""
+    try:
+        held = [getattr(metric, name) for name in metric._defaults] if metric.is_tensor else [metric.value]
+    except AttributeError:
+        return False
+    return all(value is not None and getattr(value, "device", None) == device for value in held)
+
+
+def _skip_redundant_moves(lightning_to: Callable[..., Any]) -> Callable[..., Any]:
+    """Lightning's `_ResultMetric.to`, returning at once when there is nothing to move.
+
+    Reason: every `self.log` call runs `_ResultMetric.to(value.device)`, which walks all of the accumulator's
+    attributes and deep-copies its metadata also when nothing moves: about 1,700 Python calls, 210 us a `log` call
+    on a CPU, 16 us with this. Moves to another device are Lightning's own.
+    """
+
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs and isinstance(args[0], torch.device) and _held_on(self, args[0]):
+            return self
+        return lightning_to(self, *args, **kwargs)
+
+    return to
+
+
+# --- Data hooks -----------------------------------------------------------------------------------------------------
+
+
+def _look_up_once(lightning_get_instance: Callable[..., Any]) -> Callable[..., Any]:
+    """Lightning's `_DataHookSelector.get_instance`, worked out once per hook for the selector's module and data.
+
+    Reason: with a DataModule, every batch asks which of the two overrides each batch hook, inspecting both
+    classes each time: about 120 Python calls and 11 us per batch (0.7 us with this). The answer is kept per
+    selector (one per fit, validate or test) while its module and DataModule stay the same.
+    """
+
+    def get_instance(self: Any, hook_name: str) -> Any:
+        owners = self.__dict__.setdefault("_owners", {})
+        cached = owners.get(hook_name)
+        if cached is None or cached[0] is not self.model or cached[1] is not self.datamodule:
+            cached = owners[hook_name] = (self.model, self.datamodule, lightning_get_instance(self, hook_name))
+        return cached[2]
+
+    return get_instance
+
+
+# --- The fast paths -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """A private attribute replaced, while a job runs, by `replacement(original)`."""
+
+    workaround: Workaround
+    target: Private  # what is replaced: a module function or a class's method
+    replacement: Callable[[Any], Any]
+
+    def install(self) -> Callable[[], None]:
+        """Replace the target; returns what puts Lightning's own code back."""
+        module, _, attrs = self.target.path.partition(":")
+        *owner_path, name = attrs.split(".")
+        owner = Private(f"{module}:{'.'.join(owner_path)}" if owner_path else module).resolve()
+        own = name in vars(owner)  # an inherited method is put back by removing the replacement
+        original = vars(owner)[name] if own else getattr(owner, name)
+        setattr(owner, name, self.replacement(getattr(owner, name)))
+        return (lambda: setattr(owner, name, original)) if own else (lambda: delattr(owner, name))
+
+
+def _fast_path(name: str, target: Private, replacement: Callable[[Any], Any], *also: Private) -> FastPath:
+    return FastPath(Workaround(name, (target, *also)), target, replacement)
+
+
+FAST_PATHS = (
+    _fast_path(
+        "callback dispatch (only the callbacks that override a hook)",
+        Private(f"{CALL}:_call_callback_hooks", params=("trainer", "hook_name", "monitoring_callbacks")),
+        _dispatch,
+    ),
+    _fast_path(
+        "self.log without redundant moves",
+        Private(f"{RESULT}:_ResultMetric.to"),
+        _skip_redundant_moves,
+        Private(f"{RESULT}:_ResultMetric", params=("metadata", "is_tensor")),
+    ),
+    _fast_path(
+        "data hooks looked up once per fit",
+        Private(f"{DATA}:_DataHookSelector.get_instance", params=("self", "hook_name")),
+        _look_up_once,
+        Private(f"{DATA}:_DataHookSelector", params=("model", "datamodule")),
+    ),
+)
+
+
+def usable(workaround: Workaround) -> bool:
+    """Whether a fast path's private code is as it was written for; if not, says so once per process."""
+    problem = workaround.problem()
+    if problem is not None and workaround.name not in _warned:
+        _warned.add(workaround.name)
+        log.warning(
+            f"fast path off: {workaround.name} ({problem}; {installed()} installed, written for {TESTED}); "
+            "Lightning's own code runs instead, results are the same"
+        )
+    return problem is None
+
+
+@contextlib.contextmanager
+def fast_paths(enabled: bool = True) -> Iterator[None]:
+    """Install every usable fast path for the duration of the block (a job's `fit` or `test`), then remove them:
+    a plain Lightning Trainer used later in the same process runs Lightning's own code."""
+    undo = [path.install() for path in FAST_PATHS if enabled and usable(path.workaround)] if not active() else []
+    _state["active"] += enabled
+    try:
+        yield
+    finally:
+        _state["active"] -= enabled
+        for restore in reversed(undo):
+            restore()

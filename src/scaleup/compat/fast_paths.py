@@ -163,10 +163,9 @@ class FastPath:
         module, _, attrs = self.target.path.partition(":")
         *owner_path, name = attrs.split(".")
         owner = Private(f"{module}:{'.'.join(owner_path)}" if owner_path else module).resolve()
-        own = name in vars(owner)  # an inherited method is put back by removing the replacement
-        original = vars(owner)[name] if own else getattr(owner, name)
-        setattr(owner, name, self.replacement(getattr(owner, name)))
-        return (lambda: setattr(owner, name, original)) if own else (lambda: delattr(owner, name))
+        original = vars(owner)[name]  # its own attribute: the gate checked
+        setattr(owner, name, self.replacement(original))
+        return lambda: setattr(owner, name, original)
 
 
 def _fast_path(name: str, target: Private, replacement: Callable[[Any], Any], *also: Private) -> FastPath:
@@ -181,7 +180,7 @@ FAST_PATHS = (
     ),
     _fast_path(
         "self.log without redundant moves",
-        Private(f"{RESULT}:_ResultMetric.to"),
+        Private(f"{RESULT}:_ResultMetric.to", params=("self",)),
         _skip_redundant_moves,
         Private(f"{RESULT}:_ResultMetric", params=("metadata", "is_tensor")),
     ),

@@ -29,8 +29,8 @@ INSTALL_TESTED = 'python -m pip install -c constraints.txt -e ".[test]"'
 
 @dataclass(frozen=True)
 class Private:
-    """A private name: `module:attr.attr` (an attribute of the module, or of a class in it), and the parameters
-    it must take."""
+    """A private name: `module:attr.attr` (an attribute of the module, or of a class in it: defined by that class
+    itself, not inherited), and the parameters it must take."""
 
     path: str
     params: tuple[str, ...] = ()
@@ -39,14 +39,14 @@ class Private:
         module, _, attrs = self.path.partition(":")
         found: Any = importlib.import_module(module)
         for attr in attrs.split(".") if attrs else ():
-            found = inspect.getattr_static(found, attr) if isinstance(found, type) else getattr(found, attr)
+            found = vars(found)[attr] if isinstance(found, type) else getattr(found, attr)
         return found
 
     def problem(self) -> str | None:
         """What is gone or changed, or None."""
         try:
             found = self.resolve()
-        except (ImportError, AttributeError):
+        except (ImportError, AttributeError, KeyError):
             return f"{self.path} is gone"
         if self.params:
             target = found.fget if isinstance(found, property) else getattr(found, "__func__", found)
@@ -84,6 +84,15 @@ def require(*workarounds: Workaround) -> None:
             )
 
 
+#: Private names with a public fallback that gives the same result: used where present, never checked.
+WITH_FALLBACK = (
+    Private("lightning.pytorch.core.optimizer:_configure_optimizers"),
+    Private("lightning.fabric.connector:_PRECISION_INPUT"),
+    Private("torch.distributed.checkpoint.default_planner:_EmptyStateDictLoadPlanner"),
+    Private("torch.distributed.checkpoint.state_dict_loader:_load_state_dict"),
+    Private("torch.utils.tensorboard.writer:SummaryWriter._get_file_writer"),
+)
+
 # --- The correctness workarounds, checked before a job that uses them starts ----------------------------------------
 
 RESULT = "lightning.pytorch.trainer.connectors.logger_connector.result"
@@ -115,3 +124,4 @@ FSDP_OPTIMIZER_KEYS = Workaround(
         ),
     ),
 )
+CORRECTNESS = (EXACT_EVAL, SPAWN_LAUNCHER, EMA_DEVICE, FSDP_OPTIMIZER_KEYS)

@@ -275,7 +275,7 @@ def test_sigterm_to_the_torchrun_agent_exits_143_and_the_run_resumes(tmp_path):
     assert stopped.returncode == 143, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert "torchrun: pre-empted (the agent got SIGTERM)" in stopped.stderr
     step = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
-    assert step == 11  # the workers agreed one micro-batch after the signal
+    assert 10 < step < 19  # mid-epoch: soon after the agent passed the signal on, as the workers agreed
     assert not (run_dir / "metrics.json").exists()
     check(torchrun("--standalone", "--nproc_per_node=2", args=args, **wrapper))
     assert "resuming from" in (run_dir / "train.log").read_text()

@@ -159,6 +159,29 @@ class SigtermAtBatch(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class SigtermParentAtStep(L.Callback):
+    """Rank 0 sends its parent process SIGTERM at the end of step `step`: under torchrun, the agent, as a scheduler
+    signals the process it started."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
+        if trainer.global_rank == 0 and trainer.global_step == self.step:
+            os.kill(os.getppid(), signal.SIGTERM)
+
+
+class SigtermAfterFit(L.Callback):
+    """Sends SIGTERM to rank `rank` when fit has ended, before the test starts: a pre-emption between the stages."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class SigtermOnLoad(torch.utils.data.Dataset):
     """A split whose loading of sample `index` sends this process SIGTERM, once (the marker file remembers):
     a pre-emption at a known point of whichever phase reads that split, in whichever rank loads the sample."""

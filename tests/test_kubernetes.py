@@ -8,6 +8,7 @@ Service name resolves to nothing: MASTER_ADDR becomes 127.0.0.1 and the port a f
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,20 +70,22 @@ def test_torchrun_reads_what_each_operator_sets(name, monkeypatch):
     processes per node and the master that the command's trainer.devices and trainer.num_nodes describe."""
     job = load(DEPLOY / name)
     pods = pytorchjob_pods(job) if job["kind"] == "PyTorchJob" else trainjob_pods(job)
+    grace = int(re.search(r"terminationGracePeriodSeconds: (\d+)", (DEPLOY / name).read_text())[1])
     for index, (_, env, spec) in enumerate(pods):
         for key in [k for k in os.environ if k.startswith("PET_")]:
             monkeypatch.delenv(key)
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         program = command(spec)
-        assert program[0] == "torchrun" and program[1] == "train.py"
-        args = torchrun.get_args_parser().parse_args(program[1:])
+        assert program[:3] == ["python", "-m", "scaleup.distributed.torchrun"] and "train.py" in program
+        args = torchrun.get_args_parser().parse_args(program[3:])  # the wrapper passes its arguments on as they are
         overrides = dict(arg.split("=", 1) for arg in args.training_script_args)
         assert (args.nnodes, args.node_rank, args.nproc_per_node) == (overrides["trainer.num_nodes"], index, "4")
         assert overrides["trainer.devices"] == args.nproc_per_node
         assert args.master_addr == env["PET_MASTER_ADDR"] and args.master_port == int(env["PET_MASTER_PORT"])
         config, _, _ = torchrun.config_from_args(args)
         assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 4)
+        assert config.shutdown_timeout < grace  # after SIGTERM, the agent waits for its workers, then the pod goes
 
 
 def test_more_devices_than_one_process_per_pod_is_one_clear_message(tmp_path, monkeypatch):

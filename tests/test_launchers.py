@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import (
     EXACT_TEST,
@@ -37,9 +38,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(*torchrun_args: str, args: list[str], env=None, timeout=300) -> subprocess.CompletedProcess:
+def torchrun(
+    *torchrun_args: str, args: list[str], env=None, timeout=300, module="torch.distributed.run"
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "train.py", *merged(args)],
+        [sys.executable, "-m", module, *torchrun_args, "train.py", *merged(args)],
         cwd=ROOT,
         env=env or clean_env(),
         capture_output=True,
@@ -258,6 +261,25 @@ def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path):
     assert "resuming from" in log and "last.ckpt" in log
     assert_one_clean_run(run_dir)
     assert "injected failure" in result.stdout + result.stderr
+
+
+def test_sigterm_to_the_torchrun_agent_exits_143_and_the_run_resumes(tmp_path):
+    """scaleup.distributed.torchrun: SIGTERM to the agent of `--standalone` with 2 workers (as Kubernetes signals a
+    pod's torchrun) stops both workers with last.ckpt written, and the agent exits 143 (torchrun's own exits 1),
+    so `restartPolicy: ExitCode` restarts the pod; the restarted command resumes from last.ckpt."""
+    run_dir = tmp_path / "run"
+    args = [*ONE_EPOCH, "trainer.devices=2", "ckpt_path=last", f"hydra.run.dir={run_dir}", probe_dir_arg(tmp_path)]
+    signal_agent = ["+callbacks.sigterm._target_=probes.SigtermParentAtStep", "+callbacks.sigterm.step=10"]
+    wrapper = {"module": "scaleup.distributed.torchrun"}
+    stopped = torchrun("--standalone", "--nproc_per_node=2", args=[*args, *signal_agent], **wrapper)
+    assert stopped.returncode == 143, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert "torchrun: pre-empted (the agent got SIGTERM)" in stopped.stderr
+    step = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    assert 10 < step < 19  # mid-epoch: soon after the agent passed the signal on, as the workers agreed
+    assert not (run_dir / "metrics.json").exists()
+    check(torchrun("--standalone", "--nproc_per_node=2", args=args, **wrapper))
+    assert "resuming from" in (run_dir / "train.log").read_text()
+    assert_one_clean_run(run_dir)
 
 
 def test_an_unwritable_working_directory_is_one_line():

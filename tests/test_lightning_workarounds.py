@@ -231,6 +231,35 @@ def test_sigterm_in_test_ends_plain_lightning_with_exit_code_0(tmp_path):
     assert isinstance(stopped.value, SystemExit) and stopped.value.code is None
 
 
+class HandlerAtSetupAndStart(L.Callback):
+    """Installs its own SIGTERM handler in `setup`, and records which one is installed when the test starts."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        signal.signal(signal.SIGTERM, self.on_signal)
+
+    def on_signal(self, signum, frame) -> None:
+        pass
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self.at_start = signal.getsignal(signal.SIGTERM)
+
+
+def test_lightning_registers_its_own_sigterm_handler_after_setup(tmp_path):
+    """keep_sigterm_handler. A handler installed in `setup` is replaced by Lightning's own, registered by the
+    private `trainer._signal_connector.register_signal_handlers`, before the stage's first hook; the stage's end
+    puts it back."""
+    probe = HandlerAtSetupAndStart()
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        run = trainer(tmp_path, callbacks=[probe])
+        assert callable(run._signal_connector.register_signal_handlers)
+        run.test(Tiny(), verbose=False)
+        assert probe.at_start != probe.on_signal and type(probe.at_start).__name__ == "_HandlersCompose"
+        assert signal.getsignal(signal.SIGTERM) == probe.on_signal
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 class LoggingSteps(L.Callback):
     def __init__(self) -> None:
         self.seen: list[bool] = []

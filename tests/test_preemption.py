@@ -3,8 +3,9 @@ without results, and the requeued `ckpt_path=last` run completes.
 
 The signal comes from the data: probes.SigtermDigits sends SIGTERM to the process that loads sample 130 of the
 chosen split (once: a marker file remembers), so it lands at a known point of that phase, in whichever rank
-loads the sample. On 2 processes the test split's sample 130 is rank 0's (unpadded shards: rank r gets r, r + 2,
-...), which passes the signal on to the rank it started, as a scheduler signals every process of a job.
+loads the sample. On 2 processes the test split's sample 131 is rank 1's (unpadded shards: rank r gets r, r + 2,
+...): a signal that reaches one rank alone, as a pre-empted pod's does, which rank 0 must learn of before the
+test's metric collectives.
 """
 
 import subprocess
@@ -23,15 +24,20 @@ STEPS_PER_EPOCH = 19  # 1,257 training samples, global batch 64
 EPOCHS = {"train": 1, "val": 2, "test": 1}
 
 
-def sigterm_in(split: str, tmp_path, plus: str = "") -> list[str]:
+def sigterm_in(split: str, tmp_path, plus: str = "", index: int = 130) -> list[str]:
     epochs = [] if plus else [f"trainer.max_epochs={EPOCHS[split]}"]  # eval.py trains nothing
     return [
         *epochs,
         f"{plus}data._target_=probes.SigtermDigits",
         f"+data.split={split}",
-        "+data.index=130",
+        f"+data.index={index}",
         f"+data.marker={tmp_path / 'signalled'}",
     ]
+
+
+# Rank 1 alone signalled: in the test (its sample 131), or when fit has ended (before the test starts).
+RANK_1_IN_TEST = {"index": 131}
+RANK_1_AFTER_FIT = ["+callbacks={sigterm:{_target_:probes.SigtermAfterFit,rank:1}}"]  # beside callbacks=[]
 
 
 def has_test_results(run_dir) -> bool:
@@ -71,30 +77,42 @@ def finished(proc: subprocess.Popen, timeout: float = 300) -> subprocess.Complet
 
 
 def test_two_processes_stop_together_in_every_phase_and_resume(trained_run, tmp_path):
-    """On 2 processes, SIGTERM in training (in whichever rank loads the sample), in validation, in the final test
-    and in eval.py: both ranks stop, within the timeout, with exit 143; the requeued test completes."""
+    """On 2 processes, SIGTERM in training (in whichever rank loads the sample), in validation, and to rank 1
+    alone in the final test, between fit and test, and in eval.py: both ranks stop, within the timeout, with exit
+    143 and no traceback; the requeued tests complete."""
     two = ["trainer.devices=2"]
-    runs = {phase: tmp_path / phase for phase in ("train", "val", "test")}
-    procs = {
-        phase: start([sys.executable, "train.py", *RUN, *two, *sigterm_in(phase, run_dir), f"hydra.run.dir={run_dir}"])
-        for phase, run_dir in runs.items()
+    runs = {phase: tmp_path / phase for phase in ("train", "val", "test", "after_fit")}
+    signals = {
+        "train": sigterm_in("train", runs["train"]),
+        "val": sigterm_in("val", runs["val"]),
+        "test": sigterm_in("test", runs["test"], **RANK_1_IN_TEST),
+        "after_fit": ["trainer.max_epochs=1", *RANK_1_AFTER_FIT],
     }
+    train = {phase: [*RUN, *two, *signals[phase], f"hydra.run.dir={run_dir}"] for phase, run_dir in runs.items()}
+    procs = {phase: start([sys.executable, "train.py", *args]) for phase, args in train.items()}
     (best,) = (trained_run / "checkpoints").glob("best-*.ckpt")
     eval_dir = tmp_path / "eval"
-    eval_args = [f"ckpt_path={best}", *two, *sigterm_in("test", eval_dir, plus="+"), f"hydra.run.dir={eval_dir}"]
-    procs["eval"] = start([sys.executable, "eval.py", *eval_args])
+    eval_signal = sigterm_in("test", eval_dir, plus="+", **RANK_1_IN_TEST)
+    procs["eval"] = start(
+        [sys.executable, "eval.py", f"ckpt_path={best}", *two, *eval_signal, f"hydra.run.dir={eval_dir}"]
+    )
     results = {phase: finished(proc) for phase, proc in procs.items()}
     for phase, result in results.items():
         assert result.returncode == 143, f"{phase}: exit {result.returncode}\n{result.stdout[-3000:]}"
         assert "Traceback" not in result.stdout, f"{phase}\n{result.stdout[-3000:]}"
+        assert "stopped by SIGTERM" in result.stdout, f"{phase}\n{result.stdout[-3000:]}"
     assert not (eval_dir / "metrics.json").exists()
     # The ranks agree on a stop one micro-batch after the signal (the flags travel in the background).
-    assert last_step(runs["val"]) == STEPS_PER_EPOCH + 2 and last_step(runs["test"]) == STEPS_PER_EPOCH
-    assert not has_test_results(runs["test"])
+    assert last_step(runs["val"]) == STEPS_PER_EPOCH + 2
+    for phase in ("test", "after_fit"):
+        assert last_step(runs[phase]) == STEPS_PER_EPOCH and not has_test_results(runs[phase]), phase
 
-    # The requeue of the stopped test runs just the test, on both ranks (resuming a pre-empted fit on 2 processes
+    # The requeues of the stopped tests run just the test, on both ranks (resuming a pre-empted fit on 2 processes
     # is tests/test_any_device_count.py's, from the same kind of checkpoint).
-    requeued = [*RUN, *two, *sigterm_in("test", runs["test"]), "ckpt_path=last", f"hydra.run.dir={runs['test']}"]
-    check(finished(start([sys.executable, "train.py", *requeued])))
-    assert read_json(runs["test"] / "metrics.json")["test/samples"] == 360
-    assert read_json(runs["test"] / "plan.json")["world_size"] == 2
+    requeues = {
+        phase: start([sys.executable, "train.py", *train[phase], "ckpt_path=last"]) for phase in ("test", "after_fit")
+    }
+    for phase, proc in requeues.items():
+        check(finished(proc))
+        assert read_json(runs[phase] / "metrics.json")["test/samples"] == 360
+        assert read_json(runs[phase] / "plan.json")["world_size"] == 2

@@ -23,6 +23,8 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from scaleup.compat.workarounds import keep_sigterm_handler
+
 log = logging.getLogger("scaleup")
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, the shell's convention for "terminated"
@@ -42,31 +44,40 @@ def exit_when_stopped(stop: StopOnSigterm, resume_hint: str) -> Iterator[None]:
 
 
 class StopOnSigterm(Callback):
-    """Takes SIGTERM over from Lightning at the start of every stage, and stops every rank at the same point.
+    """Takes SIGTERM over from Lightning as soon as the process group exists, and stops every rank at the same point.
 
     Lightning 2.6.6. Reason: its handler runs a collective inside the signal handler (a broadcast that can
     interleave with the training step's and hang), a signal in `test` ends with SIGTERMException, a SystemExit
     without a code (exit 0, no results), and a signal on one rank stops that rank alone.
     Canary: test_sigterm_in_test_ends_plain_lightning_with_exit_code_0.
 
-    Here the handler only sets a flag. Training checks it at the end of every micro-batch (the last callback, so
-    the others finish that batch; where a mid-epoch ModelCheckpoint saves too): on one process the flag itself,
-    on several an all-reduce (max) of the ranks' flags, so a signal on any rank stops all of them after the same
-    micro-batch, where `PreemptionCheckpoint` writes last.ckpt. The all-reduce runs on the CPU (gloo) and in the
-    background, read one micro-batch later: no device sync and no wait in the step, and the stop comes one
-    micro-batch later. Evaluation batches are uneven across ranks (no per-batch collective may run there), so
-    validation inside `fit` runs to its end and training stops after its next micro-batch; `test` (and
-    `eval.py`) stops at the next batch on each rank, without saving: a test has nothing to resume.
+    Here the handler only sets a flag. It is installed in `setup`, right after Lightning starts the process group,
+    and stays until the job ends: Lightning's own, registered when each stage starts, is replaced at once
+    (`keep_sigterm_handler`), and between stages Lightning restores the handler it found, this one.
+
+    Training checks the flag at the end of every micro-batch (the last callback, so the others finish that batch;
+    where a mid-epoch ModelCheckpoint saves too): on one process the flag itself, on several an all-reduce (max)
+    of the ranks' flags, so a signal on any rank stops all of them after the same micro-batch, where
+    `PreemptionCheckpoint` writes last.ckpt. The all-reduce runs on the CPU (gloo) and in the background, read one
+    micro-batch later: no device sync and no wait in the step, and the stop comes one micro-batch later.
+
+    Evaluation batches are uneven across ranks: no per-batch collective may run there. Validation inside `fit`
+    runs to its end and training stops after its next micro-batch. `test` (and `eval.py`, and `validate`) stops
+    without saving (a test has nothing to resume): on one process after the batch of the signal; on several, the
+    ranks agree once, at the end of each rank's last batch, before the epoch end's metric collectives
+    (ExactEvalMetrics), in which a rank that had stopped alone would leave its peers with a closed connection. So
+    a signal on any rank, also one between `fit` and `test`, stops every rank at the end of its share of the test.
     `exit_when_stopped` then exits 143.
     """
 
     def __init__(self) -> None:
         self.requested = False
         self._trainer: L.Trainer | None = None
+        self._ready = False  # set up once per job: the process group, the handler kept over Lightning's
         self._group: Any = None  # the CPU process group the flags travel in
         self._flag = torch.zeros(1)
         self._pending: Any = None  # the all-reduce in flight
-        self._alone = True  # one process: the flag is the answer (set per fit, not read from the Trainer per step)
+        self._alone = True  # one process: the flag is the answer (set once, not read from the Trainer per step)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.requested:
@@ -76,46 +87,50 @@ class StopOnSigterm(Callback):
                 launcher.kill(signum)
         self.requested = True
 
-    def _take_over(self, trainer: L.Trainer) -> None:
-        # Lightning registers its handler when a stage starts, after `on_fit_start`; the first hook of each
-        # stage runs after that, so this replaces it.
-        self._trainer = trainer
+    def _install(self) -> None:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_signal)
 
-    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._take_over(trainer)
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._take_over(trainer)
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Lightning starts the process group just before `setup`, which every rank runs together.
+        self._trainer = trainer
+        self._install()
+        if self._ready:
+            return
+        keep_sigterm_handler(trainer, self._install)
         self._alone = trainer.world_size == 1 or not dist.is_initialized()
         if not self._alone:
-            # Every rank gets here together. gloo runs on the CPU: NCCL's default group would sync the device.
+            # gloo runs on the CPU: NCCL's default group would sync the device.
             self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self._ready = True
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
 
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._take_over(trainer)
-
-    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._take_over(trainer)
-
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
         # At a batch's end, where a mid-epoch ModelCheckpoint saves too: the resume path proven exact.
         if self._agreed(trainer):
             raise SIGTERMException
 
-    def on_test_batch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        if self.requested:
+    def on_test_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._stop_evaluation(trainer.test_loop.batch_progress.is_last_batch)
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        if trainer.state.fn == "validate":  # inside fit, validation runs to its end
+            self._stop_evaluation(trainer.validate_loop.batch_progress.is_last_batch)
+
+    def _stop_evaluation(self, last_batch: bool) -> None:
+        """Stops a test or a validation: one process at once; several when any rank asked, checked at the last
+        batch (one collective per epoch, which every rank reaches, however many batches it has)."""
+        if self.requested if self._alone else last_batch and self._any_rank_requested():
             raise SIGTERMException
 
-    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        if self.requested and trainer.state.fn == "validate":  # inside fit, validation runs to its end
-            raise SIGTERMException
+    def _any_rank_requested(self) -> bool:
+        flag = torch.tensor([float(self.requested)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
 
     def _agreed(self, trainer: L.Trainer) -> bool:
         """Whether any rank had been asked to stop by the previous micro-batch: the same answer on every rank."""

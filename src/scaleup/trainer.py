@@ -19,7 +19,7 @@ from scaleup.callbacks.performance import PerformanceSettings, set_tf32
 from scaleup.callbacks.run_files import ConfigInCheckpoint, MetricsFile
 from scaleup.checkpoints.io import AtomicCheckpointIO, remove_interrupted_writes
 from scaleup.compat.fast_paths import fast_paths
-from scaleup.compat.gates import EMA_DEVICE, EXACT_EVAL, FSDP_OPTIMIZER_KEYS, SPAWN_LAUNCHER, require
+from scaleup.compat.gates import EMA_DEVICE, EXACT_EVAL, FSDP_OPTIMIZER_KEYS, SIGTERM_HANDLER, SPAWN_LAUNCHER, require
 from scaleup.compat.workarounds import (
     BatchProgressRescale,
     EpochProgressRepair,
@@ -155,6 +155,7 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
     check_order(callbacks, template)
     require(
         EXACT_EVAL,
+        SIGTERM_HANDLER,
         *([SPAWN_LAUNCHER] if isinstance(strategy, SpawnDDPStrategy) else []),
         *([FSDP_OPTIMIZER_KEYS] if isinstance(strategy, FSDPStrategy) else []),
         *([EMA_DEVICE] if any(isinstance(cb, EMA) for cb in callbacks) else []),
@@ -191,7 +192,7 @@ def build_eval_trainer(
     topology: Topology, precision: Any, plan: dict[str, Any], run_dir: Path, progress_bar: bool
 ) -> Run:
     """The Trainer of `eval.py`: the checkpoint's own speed settings, exact metrics into metrics.json, no logger."""
-    require(EXACT_EVAL)
+    require(EXACT_EVAL, SIGTERM_HANDLER)
     stop = StopOnSigterm()
     tf32, channels_last = plan.get("tf32", False), plan.get("channels_last", False)  # as trained
     set_tf32(tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs

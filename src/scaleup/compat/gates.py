@@ -124,4 +124,8 @@ FSDP_OPTIMIZER_KEYS = Workaround(
         ),
     ),
 )
-CORRECTNESS = (EXACT_EVAL, SPAWN_LAUNCHER, EMA_DEVICE, FSDP_OPTIMIZER_KEYS)
+SIGTERM_HANDLER = Workaround(
+    "the SIGTERM take-over (keep_sigterm_handler)",
+    (Private("lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector.register_signal_handlers"),),
+)
+CORRECTNESS = (EXACT_EVAL, SIGTERM_HANDLER, SPAWN_LAUNCHER, EMA_DEVICE, FSDP_OPTIMIZER_KEYS)

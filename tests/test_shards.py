@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import fsspec
@@ -18,9 +22,13 @@ from conftest import (
     EXACT_TEST,
     EXACT_TRAIN,
     EXACT_VAL,
+    QUICK,
+    ROOT,
+    TESTS,
     TOLERANCE,
     assert_same_weights,
     check,
+    clean_env,
     in_process,
     read_json,
     run,
@@ -299,3 +307,106 @@ def test_webdataset_reads_the_shards_as_its_own(shards):
     for i in (0, 64, EXACT_VAL - 1):
         image, label = dm.splits["val"][i]
         assert torch.equal(torch.from_numpy(samples[i]["0.npy"]), image) and samples[i]["1.cls"] == label
+
+
+@pytest.fixture(scope="module")
+def s3_shards(shards, s3_endpoint) -> str:
+    """The digits shards uploaded to the S3 endpoint through s3fs, as a user uploads a data set."""
+    import s3fs
+
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in s3_endpoint.env.items():
+            env.setenv(key, value)
+        s3fs.S3FileSystem().put(str(shards), "bucket/digits", recursive=True)
+    return "s3://bucket/digits"
+
+
+def test_s3_with_loader_workers_trains_as_the_local_directory(shards, s3_shards, s3, tmp_path):
+    """s3:// through AWS_ENDPOINT_URL with 2 forked loader workers (the default): the same metrics as the local
+    directory, and each shard that was read served once (the cache)."""
+    short = ["data=sharded", "data.window_shards=2", "data.num_workers=2"]
+    short += ["trainer.max_steps=3", "trainer.limit_val_batches=0", "trainer.limit_test_batches=2", *QUICK]
+    local = in_process([*short, f"data.url={shards}", f"hydra.run.dir={tmp_path / 'local'}"])
+    cache = tmp_path / "cache"
+    remote = in_process([*short, f"data.url={s3_shards}", f"data.cache_dir={cache}", f"hydra.run.dir={tmp_path}/s3"])
+    results = [{k: v for k, v in metrics.items() if not k.startswith("perf/")} for metrics in (local, remote)]
+    assert results[0] == results[1] and "test/acc" in results[0]  # perf/: timings
+    cached = sum(p.stat().st_size for p in cache.rglob("*.tar"))  # a folder per split
+    indexes = sum((shards / split / "index.json").stat().st_size for split in ("train", "val", "test"))
+    assert cached and s3.bytes_sent >= cached + indexes  # every shard in the cache came from S3
+    assert s3.bytes_sent < cached + indexes + 64 * 1024  # ... once (the rest: listings)
+
+
+def test_s3_503s_and_dropped_connections_that_clear_are_retried(shards, s3_shards, s3, monkeypatch, caplog, tmp_path):
+    """503 SlowDown answers, then connections closed with no answer, 10 in a row (one s3fs read: its own 5 tries of
+    2 requests): the template tries again with backoff, and the reads succeed once the endpoint recovers."""
+    monkeypatch.setenv("SCALEUP_READ_BACKOFF_S", "0.01")
+    s3.fail(3, status=503, path="val/index.json")
+    assert len(ShardIndex.load(f"{s3_shards}/val")) == EXACT_VAL
+    assert s3.requests == 3 + 2  # HEAD and GET
+    assert "val/index.json failed (OSError: [Errno 16] Service Unavailable); try 4 of 5 in 0.04 s" in caplog.text
+    s3.drop(10, path="val/shard-000001.tar")
+    dm = module(s3_shards, cache_dir=str(tmp_path))
+    dm.setup()
+    image, label = dm.splits["val"][PER_SHARD]
+    expected = module(shards).rank_loader(split="val").dataset[PER_SHARD]
+    assert torch.equal(image, expected[0]) and label == expected[1]
+    assert "val/shard-000001.tar failed (ConnectionClosedError: Connection was closed" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def fault_runs(shards, tmp_path_factory) -> dict[str, dict]:
+    """`python train.py` (tests/entry_point_cases.py: both in one interpreter) on a dead S3 endpoint (a closed
+    loopback port, 3 tries), and with 2 loader workers on a local copy whose first validation sample is corrupt."""
+    tmp = tmp_path_factory.mktemp("faults")
+    copy = shutil.copytree(shards, tmp / "shards")
+    victim = copy / "val/shard-000000.tar"
+    data = bytearray(victim.read_bytes())
+    data[600] ^= 0xFF  # inside sample 0's image (the .npy header)
+    victim.write_bytes(bytes(data))
+    with socket.socket() as closed:  # a port nothing listens on once it is closed
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    short = ["data=sharded", "trainer.max_epochs=1", "trainer.limit_train_batches=1", *QUICK]
+    cases = {  # the first pays for the imports
+        "corrupt in a worker": [*short, f"data.url={copy}", "data.num_workers=2", f"hydra.run.dir={tmp / 'corrupt'}"],
+        "dead s3": [*short, "data.url=s3://bucket/digits", f"hydra.run.dir={tmp / 'dead'}"],
+    }
+    (tmp / "cases.json").write_text(json.dumps([["train.py", args] for args in cases.values()]))
+    env = clean_env(
+        AWS_ENDPOINT_URL=dead,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_MAX_ATTEMPTS="1",  # botocore's own retries, inside each of the template's
+        SCALEUP_READ_TRIES="3",
+        SCALEUP_READ_BACKOFF_S="0.1",
+    )
+    driver = [sys.executable, str(TESTS / "entry_point_cases.py"), str(tmp / "cases.json"), str(tmp / "results.json")]
+    subprocess.run(driver, cwd=ROOT, env=env, check=True, timeout=300)
+    return dict(zip(cases, read_json(tmp / "results.json"), strict=True))
+
+
+def error_lines(result: dict) -> list[str]:
+    """The run's `error:` lines, after checking that it exited 2 with no traceback and no loader-worker wrapper."""
+    output = result["stdout"] + result["stderr"]
+    assert result["rc"] == 2, output[-3000:]
+    assert "Traceback" not in output and "DataLoader worker" not in output, output[-3000:]
+    return [line for line in result["stderr"].splitlines() if line.startswith("error:")]
+
+
+def test_a_dead_s3_endpoint_is_one_line_naming_the_url_after_bounded_retries(fault_runs):
+    (line,) = error_lines(fault_runs["dead s3"])
+    assert line.startswith(
+        "error: s3://bucket/digits/train/index.json could not be read after 3 tries (EndpointConnectionError: Could "
+        "not connect to the endpoint URL"
+    ), line
+    retry = r"index.json failed \(EndpointConnectionError: .*\); try (\d) of 3 in ([\d.]+) s"
+    waits = re.findall(retry, fault_runs["dead s3"]["stdout"])
+    assert waits == [("2", "0.1"), ("3", "0.2")]
+    assert fault_runs["dead s3"]["seconds"] < 20  # refused connections fail at once: the run, and 0.3 s of waits
+
+
+def test_a_corrupt_shard_read_in_a_loader_worker_is_one_line(fault_runs):
+    """UserError raised in a DataLoader worker: one line naming the sample and shard, as without workers."""
+    (line,) = error_lines(fault_runs["corrupt in a worker"])
+    assert re.fullmatch(r"error: sample 0 of shard .*/shards/val/shard-000000.tar cannot be decoded \(.*\); .*", line)

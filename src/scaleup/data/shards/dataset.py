@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ class ShardSplit(Dataset):
         self._ends = np.cumsum(index.counts)
         self._image = index.fields[0].rsplit(".", 1)[-1] in IMAGE_TYPES
         self._cache: ShardCache | None = None
+        self._cache_pid = os.getpid()
 
     def __len__(self) -> int:
         return int(self._ends[-1])
@@ -48,8 +50,11 @@ class ShardSplit(Dataset):
 
     @property
     def cache(self) -> ShardCache:
-        if self._cache is None:
+        """This process's cache, made on first use. A forked loader worker inherits its parent's (rank 0 asks it
+        whether it is large enough) and makes its own: a remote's client is not fork-safe (s3fs refuses to run)."""
+        if self._cache is None or self._cache_pid != os.getpid():
             self._cache = ShardCache(self.index, self.cache_dir, self.cache_bytes, self.keep_open)
+            self._cache_pid = os.getpid()
         return self._cache
 
     def locate(self, index: int) -> tuple[int, int]:

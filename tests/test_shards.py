@@ -338,7 +338,7 @@ def test_s3_with_loader_workers_trains_as_the_local_directory(shards, s3_shards,
     """s3:// through AWS_ENDPOINT_URL with 2 forked loader workers (the default): the same metrics as the local
     directory, and each shard that was read served once (the cache)."""
     short = ["data=sharded", "data.window_shards=2", "data.num_workers=2"]
-    short += ["trainer.max_steps=3", "trainer.limit_val_batches=0", "trainer.limit_test_batches=2", *QUICK]
+    short += ["trainer.max_steps=2", "trainer.limit_val_batches=0", "trainer.limit_test_batches=1", *QUICK]
     local = in_process([*short, f"data.url={shards}", f"hydra.run.dir={tmp_path / 'local'}"])
     cache = tmp_path / "cache"
     remote = in_process([*short, f"data.url={s3_shards}", f"data.cache_dir={cache}", f"hydra.run.dir={tmp_path}/s3"])

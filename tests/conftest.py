@@ -254,6 +254,34 @@ def kill_writer_at_random(
 
 
 @pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[Any]:
+    """A local S3 endpoint (tests/s3_server.py: moto's server, counting what it serves) for the whole session (one
+    per xdist worker), holding the bucket `bucket`; stopped at the session's end. Tests take `s3`."""
+    import s3fs
+    from s3_server import S3Endpoint
+
+    endpoint = S3Endpoint().start()
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in endpoint.env.items():
+            env.setenv(key, value)
+        s3fs.S3FileSystem().mkdir("bucket")
+    yield endpoint
+    endpoint.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint, monkeypatch) -> Iterator[Any]:
+    """The session's S3 endpoint with its counters zeroed and no fault pending, and the environment set as a user
+    sets it to reach an S3-compatible endpoint (AWS_ENDPOINT_URL and a key). botocore's own retries are off
+    (AWS_MAX_ATTEMPTS=1): a fault reaches the template's retries, and every request shows in the counts."""
+    for key, value in s3_endpoint.env.items():
+        monkeypatch.setenv(key, value)
+    s3_endpoint.reset()
+    yield s3_endpoint
+    s3_endpoint.reset()
+
+
+@pytest.fixture(scope="session")
 def trained_run(tmp_path_factory) -> Path:
     """One default-config training run (12 epochs of digits, ~10 s), shared by the end-to-end tests."""
     run_dir = tmp_path_factory.mktemp("trained") / "run"

@@ -3,8 +3,8 @@
 CASES.json is a list of `[script, [override, ...]]` (script: train.py, eval.py or export.py, in the repository
 root). Each one runs as `python <script> <overrides>` would: the script itself, as `__main__`, with `sys.argv`
 set, its stdout and stderr captured and its SystemExit caught. RESULTS.json gets a list of `{"rc", "stdout",
-"stderr"}` in the same order. One interpreter start (several seconds, most of it importing torch and Lightning)
-serves every case, where a subprocess per case would pay it each time.
+"stderr", "seconds"}` in the same order. One interpreter start (several seconds, most of it importing torch and
+Lightning) serves every case, where a subprocess per case would pay it each time.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import io
 import json
 import runpy
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ def run_case(script: str, overrides: list[str]) -> dict[str, Any]:
     path = str(ROOT / script)
     stdout, stderr = io.StringIO(), io.StringIO()
     sys.argv = [path, *overrides]
-    rc = 0
+    rc, started = 0, time.monotonic()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         try:
             runpy.run_path(path, run_name="__main__")
@@ -39,7 +40,8 @@ def run_case(script: str, overrides: list[str]) -> dict[str, Any]:
             rc = 1
         finally:
             GlobalHydra.instance().clear()  # each @hydra.main run initialises it anew
-    return {"rc": rc, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+    seconds = time.monotonic() - started
+    return {"rc": rc, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(), "seconds": seconds}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import fsspec
@@ -18,6 +21,7 @@ from conftest import (
     EXACT_TEST,
     EXACT_TRAIN,
     EXACT_VAL,
+    QUICK,
     TOLERANCE,
     assert_same_weights,
     check,
@@ -35,7 +39,7 @@ from scaleup.data.sharded import ShardedDataModule
 from scaleup.data.shards import remote
 from scaleup.data.shards.index import ShardIndex, shard_list_checksum
 from scaleup.data.shards.order import ShardWindowOrder
-from scaleup.errors import UserError
+from scaleup.errors import UserError, exit_on_user_error
 
 PER_SHARD = 64  # 513 training samples: 9 shards, the last holding one
 SOURCE = ["data=digits", f"data.val_size={EXACT_VAL}", f"data.test_size={EXACT_TEST}", f"samples_per_shard={PER_SHARD}"]
@@ -76,6 +80,7 @@ def test_converter_is_deterministic_parallel_and_stores_sizes_and_checksums(shar
     for entry in doc["shardlist"]:
         data = (shards / "train" / entry["url"]).read_bytes()
         assert (len(data), hashlib.sha256(data).hexdigest()) == (entry["filesize"], entry["sha256"])
+        assert np.array(entry["crc32"]).shape == (entry["nsamples"], 2)  # per sample, per member
     assert doc["scaleup"]["model_settings"] == {"net.num_classes": 10, "net.in_channels": 1}
     sizes = {split: len(ShardIndex.load(f"{shards}/{split}")) for split in ("train", "val", "test")}
     assert sizes == {"train": EXACT_TRAIN, "val": EXACT_VAL, "test": EXACT_TEST}
@@ -152,17 +157,33 @@ def test_evaluation_counts_every_sample_once_in_contiguous_runs(shards, world):
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
-def test_a_corrupt_or_truncated_shard_is_one_error_naming_it(shards, tmp_path):
+def without_member_checksums(directory: Path) -> None:
+    """Rewrite every index under `directory` as a converter before per-member checksums wrote it."""
+    for path in directory.rglob("index.json"):
+        doc = json.loads(path.read_text())
+        for shard in doc["shardlist"]:
+            del shard["crc32"]
+        doc["scaleup"]["checksum"] = shard_list_checksum(doc["shardlist"])
+        path.write_text(json.dumps(doc))
+
+
+def test_a_flipped_corrupt_or_truncated_shard_is_one_error_naming_it(shards, tmp_path):
     copy = shutil.copytree(shards, tmp_path / "copy")
     victim = copy / "train/shard-000001.tar"
     original = victim.read_bytes()
     data = bytearray(original)
-    data[600] ^= 0xFF  # inside the first sample's image (the .npy header)
+    data[740] ^= 0x01  # one bit of a pixel of the shard's first sample (its .npy payload), which still decodes
     victim.write_bytes(bytes(data))
     dm = module(copy)
     dm.setup()
-    with pytest.raises(UserError, match=r"sample 64 of shard .*train/shard-000001.tar cannot be decoded \(Cannot"):
+    with pytest.raises(UserError, match=r"sample 64 of shard .*/shard-000001.tar \(split train\) fails its checksum"):
         dm.splits["train"][PER_SHARD]
+    assert dm.splits["train"][PER_SHARD + 1][1] == module(shards).rank_loader().dataset[PER_SHARD + 1][1]
+    without_member_checksums(copy)  # an older index: read unchecked, and a damaged .npy header still found
+    data[600] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"sample 64 of shard .*train/shard-000001.tar cannot be decoded \(Cannot"):
+        module(copy).rank_loader().dataset[PER_SHARD]
     data = bytearray(original)
     data[1024 + 10] ^= 0xFF  # the name in the second member's header
     victim.write_bytes(bytes(data))
@@ -299,3 +320,104 @@ def test_webdataset_reads_the_shards_as_its_own(shards):
     for i in (0, 64, EXACT_VAL - 1):
         image, label = dm.splits["val"][i]
         assert torch.equal(torch.from_numpy(samples[i]["0.npy"]), image) and samples[i]["1.cls"] == label
+
+
+@pytest.fixture(scope="module")
+def s3_shards(shards, s3_endpoint) -> str:
+    """The digits shards uploaded to the S3 endpoint through s3fs, as a user uploads a data set."""
+    import s3fs
+
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in s3_endpoint.env.items():
+            env.setenv(key, value)
+        s3fs.S3FileSystem().put(str(shards), "bucket/digits", recursive=True)
+    return "s3://bucket/digits"
+
+
+def test_s3_with_loader_workers_trains_as_the_local_directory(shards, s3_shards, s3, tmp_path):
+    """s3:// through AWS_ENDPOINT_URL with 2 forked loader workers (the default): the same metrics as the local
+    directory, and each shard that was read served once (the cache)."""
+    short = ["data=sharded", "data.window_shards=2", "data.num_workers=2"]
+    short += ["trainer.max_steps=2", "trainer.limit_val_batches=0", "trainer.limit_test_batches=1", *QUICK]
+    local = in_process([*short, f"data.url={shards}", f"hydra.run.dir={tmp_path / 'local'}"])
+    cache = tmp_path / "cache"
+    remote = in_process([*short, f"data.url={s3_shards}", f"data.cache_dir={cache}", f"hydra.run.dir={tmp_path}/s3"])
+    results = [{k: v for k, v in metrics.items() if not k.startswith("perf/")} for metrics in (local, remote)]
+    assert results[0] == results[1] and "test/acc" in results[0]  # perf/: timings
+    cached = sum(p.stat().st_size for p in cache.rglob("*.tar"))  # a folder per split
+    indexes = sum((shards / split / "index.json").stat().st_size for split in ("train", "val", "test"))
+    assert cached and s3.bytes_sent >= cached + indexes  # every shard in the cache came from S3
+    assert s3.bytes_sent < cached + indexes + 64 * 1024  # ... once (the rest: listings)
+
+
+def test_s3_503s_and_dropped_connections_that_clear_are_retried(shards, s3_shards, s3, monkeypatch, caplog, tmp_path):
+    """503 SlowDown answers, then connections closed with no answer, 10 in a row (one s3fs read: its own 5 tries of
+    2 requests): the template tries again with backoff, and the reads succeed once the endpoint recovers."""
+    monkeypatch.setenv("SCALEUP_READ_BACKOFF_S", "0.01")
+    s3.fail(3, status=503, path="val/index.json")
+    assert len(ShardIndex.load(f"{s3_shards}/val")) == EXACT_VAL
+    assert s3.requests == 3 + 2  # HEAD and GET
+    assert "val/index.json failed (OSError: [Errno 16] Service Unavailable); try 4 of 5 in 0.04 s" in caplog.text
+    s3.drop(10, path="val/shard-000001.tar")
+    dm = module(s3_shards, cache_dir=str(tmp_path))
+    dm.setup()
+    image, label = dm.splits["val"][PER_SHARD]
+    expected = module(shards).rank_loader(split="val").dataset[PER_SHARD]
+    assert torch.equal(image, expected[0]) and label == expected[1]
+    assert "val/shard-000001.tar failed (ConnectionClosedError: Connection was closed" in caplog.text
+
+
+def entry_point(args: list[str], capsys) -> str:
+    """Train as `python train.py` does, inside `exit_on_user_error` (here, without a new interpreter): the one
+    `error:` line it prints, after checking that the run exits 2 with no traceback and no loader-worker wrapper."""
+    with pytest.raises(SystemExit) as exit_:
+        exit_on_user_error(in_process)(["data=sharded", "trainer.max_epochs=1", "trainer.limit_train_batches=1", *args])
+    output = capsys.readouterr()
+    assert exit_.value.code == 2, output.err[-3000:]
+    assert "Traceback" not in output.err and "DataLoader worker" not in output.err, output.err[-3000:]
+    (line,) = [line for line in output.err.splitlines() if line.startswith("error:")]
+    return line
+
+
+def test_a_dead_s3_endpoint_is_one_line_naming_the_url_after_bounded_retries(monkeypatch, capsys, caplog, tmp_path):
+    """A closed loopback port as AWS_ENDPOINT_URL (botocore's EndpointConnectionError), 3 tries."""
+    import s3fs
+
+    with socket.socket() as closed:  # a port nothing listens on once it is closed
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_MAX_ATTEMPTS": "1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
+    monkeypatch.setenv("SCALEUP_READ_TRIES", "3")
+    monkeypatch.setenv("SCALEUP_READ_BACKOFF_S", "0.1")
+    s3fs.S3FileSystem.clear_instance_cache()  # a client made for the live endpoint would be reused
+    started = time.monotonic()
+    try:
+        line = entry_point(["data.url=s3://bucket/digits", f"hydra.run.dir={tmp_path}"], capsys)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert time.monotonic() - started < 20  # refused connections fail at once: the run, and 0.3 s of waits
+    assert line.startswith(
+        "error: s3://bucket/digits/train/index.json could not be read after 3 tries (EndpointConnectionError: Could "
+        "not connect to the endpoint URL"
+    ), line
+    retry = r"index.json failed \(EndpointConnectionError: .*\); try (\d) of 3 in ([\d.]+) s"
+    assert re.findall(retry, caplog.text) == [("2", "0.1"), ("3", "0.2")]
+
+
+def test_a_flipped_bit_read_in_a_loader_worker_is_one_line(shards, capsys, tmp_path):
+    """A UserError raised in a DataLoader worker (here: a flipped bit of a validation sample, against its crc32) is
+    one line naming the sample, shard and split, as without workers; the run never trains on the sample."""
+    copy = shutil.copytree(shards, tmp_path / "shards")
+    victim = copy / "val/shard-000000.tar"
+    data = bytearray(victim.read_bytes())
+    data[740] ^= 0x01  # one bit of a pixel of sample 0: it decodes, its crc32 differs
+    victim.write_bytes(bytes(data))
+    line = entry_point([f"data.url={copy}", "data.num_workers=2", *QUICK, f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    shard = r"error: sample 0 of shard .*/shards/val/shard-000000.tar \(split val\)"
+    assert re.fullmatch(rf"{shard} fails its checksum: its 0.npy has crc32 [0-9a-f]{{8}}, the index says .*", line)

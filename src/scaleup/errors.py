@@ -27,7 +27,23 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 
 class UserError(Exception):
-    """A mistake the user can fix; the message says how."""
+    """A mistake the user can fix; the message says how.
+
+    Raised in a DataLoader worker (a corrupt shard, a dead remote, a user's transform), it reaches the main process
+    rebuilt by torch from one string, `Caught UserError in DataLoader worker process 0.\nOriginal Traceback ...:
+    <message>` (`torch._utils.ExceptionWrapper.reraise`): the constructor keeps only the original message, so the
+    user reads one line, whatever the subclass.
+    """
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(worker_message(message))
+
+
+def worker_message(message: str) -> str:
+    """The original message of an exception that torch re-raised from a loader worker, or `message` itself."""
+    if message.startswith("Caught ") and "\nOriginal Traceback" in message:
+        return message.rstrip().splitlines()[-1].split(": ", 1)[-1]
+    return message
 
 
 EXIT_USER_ERROR = 2

@@ -18,6 +18,7 @@ import json
 import multiprocessing
 import os
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,7 @@ def write_shard(task: tuple[str, int, int, str]) -> dict[str, Any]:
     fields: list[str] | None = None
     name = f"shard-{shard:06d}.tar"
     partial = Path(directory) / f".partial-{name}"
-    digest, size = hashlib.sha256(), 0
+    digest, size, crc32 = hashlib.sha256(), 0, []
     with open(partial, "wb") as out:
         for index in range(first, last):
             stored = raw_sample(dataset, index)
@@ -85,12 +86,13 @@ def write_shard(task: tuple[str, int, int, str]) -> dict[str, Any]:
             if fields is not None and names != fields:
                 raise UserError(f"sample {index} of {split} has fields {names}, sample {first} {fields}")
             fields = names
+            crc32.append([zlib.crc32(data) for _, data in stored])
             for piece in (sample_bytes(index, stored),) + ((end_of_archive(),) if index == last - 1 else ()):
                 out.write(piece)
                 digest.update(piece)
                 size += len(piece)
     os.replace(partial, Path(directory) / name)
-    entry = {"url": name, "nsamples": last - first, "filesize": size, "sha256": digest.hexdigest()}
+    entry = {"url": name, "nsamples": last - first, "filesize": size, "sha256": digest.hexdigest(), "crc32": crc32}
     return {"entry": entry, "fields": fields}
 
 

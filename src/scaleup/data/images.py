@@ -33,17 +33,7 @@ EVAL_CROP_FRACTION = 0.875
 
 
 class ImageDecodeError(UserError):
-    """A file that is not a readable image, named in the message.
-
-    Raised in a loader worker, the DataLoader re-raises it in the main process rebuilt from one string, "Caught
-    ImageDecodeError in DataLoader worker process 0. Original Traceback ...: <message>": the constructor keeps only
-    the message, so the user still reads one line naming the file.
-    """
-
-    def __init__(self, message: str) -> None:
-        if message.startswith("Caught ") and "Original Traceback" in message:
-            message = message.rstrip().splitlines()[-1].split(": ", 1)[-1]
-        super().__init__(message)
+    """A file that is not a readable image, named in the message (one line also from a loader worker: UserError)."""
 
 
 def encoded_tensor(data: torch.Tensor | bytes) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import zlib
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,7 @@ class ShardSplit(Dataset):
         self._ends = np.cumsum(index.counts)
         self._image = index.fields[0].rsplit(".", 1)[-1] in IMAGE_TYPES
         self._cache: ShardCache | None = None
+        self._cache_pid = os.getpid()
 
     def __len__(self) -> int:
         return int(self._ends[-1])
@@ -48,8 +51,11 @@ class ShardSplit(Dataset):
 
     @property
     def cache(self) -> ShardCache:
-        if self._cache is None:
+        """This process's cache, made on first use. A forked loader worker inherits its parent's (rank 0 asks it
+        whether it is large enough) and makes its own: a remote's client is not fork-safe (s3fs refuses to run)."""
+        if self._cache is None or self._cache_pid != os.getpid():
             self._cache = ShardCache(self.index, self.cache_dir, self.cache_bytes, self.keep_open)
+            self._cache_pid = os.getpid()
         return self._cache
 
     def locate(self, index: int) -> tuple[int, int]:
@@ -62,8 +68,10 @@ class ShardSplit(Dataset):
     def __getitem__(self, index: int) -> tuple[Any, ...]:
         shard, local = self.locate(index)
         opened = self.cache.shard(shard)
+        members = [opened.field(local, i) for i in range(len(self.index.fields))]
+        self.check(index, shard, local, members)
         try:
-            values = [decode_field(name, opened.field(local, i)) for i, name in enumerate(self.index.fields)]
+            values = [decode_field(name, data) for name, data in zip(self.index.fields, members, strict=True)]
         except (ShardFormatError, RuntimeError, ValueError) as err:  # e.g. torchvision: an undecodable JPEG
             raise UserError(
                 f"sample {index} of shard {self.index.shard_url(shard)} cannot be decoded ({err}); the shard is "
@@ -75,3 +83,18 @@ class ShardSplit(Dataset):
         elif self._image and not self.uint8_images:
             first = first.to(torch.float32) / 255
         return (first, *values[1:])
+
+    def check(self, index: int, shard: int, local: int, members: list[memoryview]) -> None:
+        """Compare each member's crc32 with the index's (from the cache, a local disk or a remote alike): a sample
+        with a changed byte is refused before it is decoded, never trained on. An index without them: unchecked."""
+        expected = self.index.crc32[shard]
+        if expected is None:
+            return
+        for field, data, crc in zip(self.index.fields, members, expected[local], strict=True):
+            if zlib.crc32(data) != crc:
+                split = self.index.url.rsplit("/", 1)[-1]
+                raise UserError(
+                    f"sample {index} of shard {self.index.shard_url(shard)} (split {split}) fails its checksum: its "
+                    f"{field} has crc32 {zlib.crc32(data):08x}, the index says {int(crc):08x}; the shard is corrupt: "
+                    "restore it, or convert the data again"
+                )

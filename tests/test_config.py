@@ -104,12 +104,13 @@ def test_every_model_builds_with_every_optimizer(model, optimizer):
 
 
 def test_no_progress_bar_among_the_callbacks_gets_the_throttled_one(tmp_path):
-    """callbacks=[] with the bar on: Lightning would add its TQDM bar, which redraws after every step."""
+    """callbacks=[] with the bar on: Lightning would add its TQDM bar, which redraws after every step. And
+    logger=[] (an empty list of the group, which leaves no logger key at all) trains with no logger."""
     names = tmp_path / "callbacks.json"
     in_process(
         [
             "callbacks=[]",
-            "logger=none",
+            "logger=[]",
             "trainer.max_steps=1",
             "trainer.limit_val_batches=1",
             "trainer.limit_test_batches=1",

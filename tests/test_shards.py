@@ -49,6 +49,26 @@ def shards(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["out=s3://bucket/conv"], "error: out=s3://bucket/conv: the converter writes to a local directory; convert"),
+        (["out={tmp}", "samples_per_shard=0"], "error: samples_per_shard=0 must be an integer >= 1"),
+        (["out={tmp}", "samples_per_shard=abc"], "error: samples_per_shard=abc must be an integer >= 1"),
+        (
+            ["out={tmp}", "sample_per_shard=8"],
+            "error: sample_per_shard: there is no such key; did you mean samples_per_shard?",
+        ),
+    ],
+)
+def test_converter_refuses_a_wrong_argument_in_one_line(args, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert convert(["data=digits", *(arg.format(tmp=tmp_path / "out") for arg in args)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even ./s3:
+
+
 def module(url, global_batch_size: int = 64, **kwargs) -> ShardedDataModule:
     settings = {"window_shards": 2, "persistent_workers": False, **kwargs}  # workers end with their loader
     return ShardedDataModule(url=str(url), global_batch_size=global_batch_size, seed=42, **settings)
@@ -64,8 +84,9 @@ def global_batches(dm: ShardedDataModule, world_size: int, epoch: int, accumulat
     ]
 
 
-def test_converter_is_deterministic_parallel_and_stores_sizes_and_checksums(shards, tmp_path):
+def test_converter_is_deterministic_parallel_and_stores_sizes_and_checksums(shards, tmp_path, capsys):
     assert convert([*SOURCE, f"out={tmp_path}", "workers=1"]) == 0
+    assert "train: 9/9 shards written" in capsys.readouterr().out.splitlines()
     files = sorted(p.relative_to(shards) for p in shards.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert all((shards / f).read_bytes() == (tmp_path / f).read_bytes() for f in files)  # 1 or 2 workers alike
@@ -197,6 +218,9 @@ def test_remote_shards_through_a_bounded_cache_and_a_changed_remote_shard(shards
     assert "holds fewer than the 3 shards of memory://remote-digits/train a process keeps open" in caplog.text
     cached = list(cache.rglob("*.tar"))
     assert 0 < len(cached) <= 2 and sum(p.stat().st_size for p in cached) <= 2.5 * shard_bytes
+    assert all(torch.is_tensor(remote_dm.splits["val"][i][0]) for i in range(0, EXACT_VAL, 16))  # its own folder
+    cached = list(cache.rglob("*.tar"))  # the limit covers the whole cache: every split's folder together
+    assert sum(p.stat().st_size for p in cached) <= 2.5 * shard_bytes
     changed = bytearray(memory.cat_file("/remote-digits/train/shard-000003.tar"))
     changed[-2000] ^= 1  # a sample's bytes, the size unchanged
     memory.pipe_file("/remote-digits/train/shard-000003.tar", bytes(changed))

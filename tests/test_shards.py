@@ -323,3 +323,16 @@ def test_webdataset_reads_the_shards_as_its_own(shards):
     for i in (0, 64, EXACT_VAL - 1):
         image, label = dm.splits["val"][i]
         assert torch.equal(torch.from_numpy(samples[i]["0.npy"]), image) and samples[i]["1.cls"] == label
+
+
+def test_images_of_different_sizes_without_a_transform_are_one_clear_error(shards):
+    """ImageFolder shards store each image as it is: without a resizing transform, a batch of two sizes cannot be
+    stacked. The loaders' collate says so, naming the sizes and the key to set."""
+    collate = module(shards).collate_fn("val")
+    assert collate([(torch.zeros(3, 8, 8), 0), (torch.ones(3, 8, 8), 1)])[0].shape == (2, 3, 8, 8)
+    with pytest.raises(UserError) as raised:
+        collate([(torch.zeros(3, 32, 40), 0), (torch.zeros(3, 28, 28), 1)])
+    assert str(raised.value).startswith(
+        "the val samples of data.url have different sizes ((3, 28, 28), (3, 32, 40)) and cannot form a batch: set "
+        "data.eval_transform to a transform that resizes them to one size"
+    )

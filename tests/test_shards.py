@@ -199,7 +199,11 @@ def test_a_changed_shard_set_is_refused_mid_epoch(shards, tmp_path):
     dm.setup()
     sampler = dm.train_sampler(64, 1, 0)
     written = {"sampler": sampler.ORDER.replace(dm.indexes["train"].checksum[:16], "0" * 16), "global_batch_size": 64}
-    with pytest.raises(UserError, match=r"stopped mid-epoch .* under the shard-window-v1 \(window 2, shards 0{16}\)"):
+    with pytest.raises(
+        UserError,
+        match=r"stopped mid-epoch .* under the shard-window-v1 \(window 2, shards 0{16}\) sampler, now shard-window-v1 "
+        r"\(window 2, shards \w{16}\): the shard set or data.window_shards changed since",
+    ):
         resumed_steps(written, "at-13.ckpt", 1, 13, sampler)
     assert resumed_steps({"sampler": sampler.ORDER, "global_batch_size": 64}, "at-13.ckpt", 1, 13, sampler) == 5
 

@@ -203,3 +203,11 @@ def test_every_image_data_option_fits_every_image_model(data, tmp_path):
         with torch.device("meta"):
             logits = instantiate(net_cfg)(torch.empty(2, *IMAGE_SHAPES[data]))
         assert logits.shape == (2, net_cfg["num_classes"]) and plan["global_batch_size"] > 0, (data, model)
+
+
+def test_eval_help_shows_its_config_not_the_training_groups():
+    """`python eval.py --help` would list the training groups of configs/, which eval.py then refuses."""
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3", job_name="eval"):
+        cfg = compose("eval", return_hydra_config=True)
+    template = cfg.hydra.help.template
+    assert "$CONFIG" in template and "$APP_CONFIG_GROUPS" not in template and "+data.KEY=VALUE" in template

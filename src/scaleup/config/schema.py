@@ -12,8 +12,10 @@ Two sources of types:
 Values are checked strictly, as YAML and the command line give them: `abc` stays a string and `1.5` is no
 integer, so a value that passes reaches the code as it was checked. (Against a constructor's hints a string may
 also stand for what strings name, a `Path` or an enum member, and a list for a tuple: YAML has neither.) Each
-wrong value is `key=value must be <what is allowed>`, all of them in one UserError. Keys a section does not
-declare pass; a declared key that is absent is not checked (the code has its default). What depends on several
+wrong value is `key=value must be <what is allowed>`, all of them in one UserError. An unknown key in a section
+the template reads alone (trainer, monitor, checkpoint, performance, lr_schedule, strategy, loader) is a
+misspelling, refused with the closest known key; elsewhere (data, model) keys a section does not declare pass
+to the constructor. A declared key that is absent is not checked (the code has its default). What depends on several
 keys (exactly one batch size, divisibility, warmup in epochs or steps) is checked where it is derived:
 plan/resolve.py, plan/batch.py.
 """

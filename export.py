@@ -1,14 +1,17 @@
 """`python export.py [key=value ...]`: see configs/export.yaml and docs/configuration.md."""
 
+from pathlib import Path
+
 import hydra
 
 from scaleup.distributed.run_dir import register_resolvers
-from scaleup.errors import exit_on_user_error
+from scaleup.errors import exit_on_user_error, one_line_composition_errors
 from scaleup.export import export
 
 register_resolvers()
 
 
+@one_line_composition_errors(Path(__file__).resolve().parent / "configs", "export")
 @hydra.main(version_base="1.3", config_path="configs", config_name="export")
 @exit_on_user_error
 def main(cfg):

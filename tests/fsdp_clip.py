@@ -5,9 +5,12 @@ through forward and backward, and clips with Lightning's own call (`Precision.cl
 `trainer.gradient_clip_val` runs). One process does the same on the whole batch, unsharded. The norm over all
 shards and every clipped gradient must agree to 1e-12. Also: a sharded unit with a dropout layer gives the same
 gradients with `activation_checkpointing` as without (the backward recomputes the unit, drawing the same mask).
+And `strategy.mixed_precision=bfloat16` trains the template's default DigitsCNN, with BatchNorm (FSDP2 casts
+BatchNorm's weights, not its running statistics: the template keeps each BatchNorm in float32).
 Prints the largest differences; exit 1 if any is off.
 """
 
+import math
 import os
 import socket
 import sys
@@ -74,6 +77,20 @@ def recomputation_difference(mesh: object, x: torch.Tensor, y: torch.Tensor) -> 
     return max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
 
 
+def bfloat16_batchnorm_loss(mesh: object, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The loss of one bfloat16 step of DigitsCNN with BatchNorm, sharded with mixed precision; nan if the running
+    statistics did not move or the gradients are not finite."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"net": DigitsCNN(norm="batch", width=8)})
+    shard(model, mesh, None, mixed_precision="bfloat16")
+    norm = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    loss = F.cross_entropy(model["net"](x.float()), y)
+    loss.backward()
+    moved = bool(norm.running_mean.abs().sum() > 0)
+    finite = all(bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters())
+    return loss.detach().item() if moved and finite else float("nan")
+
+
 def worker(rank: int, out: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -87,8 +104,9 @@ def worker(rank: int, out: str, port: int) -> None:
     norm = clipped(model, *mine)
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     recomputed = recomputation_difference(mesh, *mine)
+    bfloat16 = bfloat16_batchnorm_loss(mesh, *mine)
     if rank == 0:
-        torch.save({"norm": norm, "grads": grads, "recomputed": recomputed}, out)
+        torch.save({"norm": norm, "grads": grads, "recomputed": recomputed, "bfloat16": bfloat16}, out)
     dist.destroy_process_group()
 
 
@@ -105,9 +123,11 @@ def main() -> int:
     recomputed = sharded["recomputed"]
     print(
         f"norm over all shards {sharded['norm']:.12g}, whole model {norm:.12g}; clipped gradients differ by "
-        f"{worst:.1e}; activation checkpointing changes the gradients by {recomputed:.1e}"
+        f"{worst:.1e}; activation checkpointing changes the gradients by {recomputed:.1e}; a bfloat16 step with "
+        f"BatchNorm: loss {sharded['bfloat16']:.3g}"
     )
-    return int(not (norm > CLIP and abs(sharded["norm"] - norm) < 1e-12 and worst < 1e-12 and recomputed < 1e-12))
+    agree = norm > CLIP and abs(sharded["norm"] - norm) < 1e-12 and worst < 1e-12 and recomputed < 1e-12
+    return int(not (agree and math.isfinite(sharded["bfloat16"])))
 
 
 if __name__ == "__main__":

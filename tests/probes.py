@@ -182,6 +182,17 @@ class SigtermAfterFit(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class CtrlCAtBatch(L.Callback):
+    """Ctrl-C after training batch `batch_idx` of epoch 0: the KeyboardInterrupt Python raises for SIGINT."""
+
+    def __init__(self, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
+        if batch_idx == self.batch_idx:
+            raise KeyboardInterrupt
+
+
 class SigtermOnLoad(torch.utils.data.Dataset):
     """A split whose loading of sample `index` sends this process SIGTERM, once (the marker file remembers):
     a pre-emption at a known point of whichever phase reads that split, in whichever rank loads the sample."""

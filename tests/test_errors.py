@@ -73,7 +73,7 @@ CASES = [
         ["data.num_workers=${{nowhere}}"],
         "the config does not resolve (at data.num_workers): Interpolation key 'nowhere' not found",
     ),
-    ("trainer argument", "train", ["+trainer.colour=red", *QUIET], "trainer: Trainer.__init__() got an unexpected"),
+    ("trainer argument", "train", ["+trainer.colour=red", *QUIET], "trainer.colour is not a key of trainer"),
     # devices
     ("fp16 on cpu", "train", ["trainer.precision=16-mixed", "trainer.accelerator=cpu"], "16-mixed needs a GPU"),
     (
@@ -212,6 +212,24 @@ ENTRY_POINTS = {
         ["hydra.run.dir=/proc/nope/run", "dry_run=true"],
         "error: cannot create the run directory /proc/nope/run: No such file or directory; pass "
         "hydra.run.dir=<a directory you can write> (or fix paths.log_dir)",
+    ),
+    # Hydra's own composition errors, before the job starts: one line with the closest match, not Hydra's message.
+    "misspelled trainer key": (
+        "train.py",
+        ["trainer.max_epoch=1", "dry_run=true", "hydra.run.dir={tmp}/max_epoch"],
+        "error: trainer.max_epoch: there is no such key; did you mean trainer.max_epochs? (a key of your own: "
+        "+trainer.max_epoch=VALUE)",
+    ),
+    "misspelled data option": (
+        "train.py",
+        ["data=digit", "dry_run=true", "hydra.run.dir={tmp}/digit"],
+        "error: data=digit: there is no such option; did you mean data=digits? (the options: char_text, cifar10, "
+        "digits, imagefolder, sharded, synthetic, synthetic_imagenet)",
+    ),
+    "misspelled eval key": (
+        "eval.py",
+        ["ckpt_pat=x.ckpt", "hydra.run.dir={tmp}/ckpt_pat"],
+        "error: ckpt_pat: there is no such key; did you mean ckpt_path? (a key of your own: +ckpt_pat=VALUE)",
     ),
 }
 
@@ -398,6 +416,12 @@ WRONG_VALUES = {
         "overwrite=maybe must be true or false",
     ),
     "export module": ("export.py", ["ckpt_path=nope.ckpt", "module=5"], "module=5 must be a string"),
+    # Hydra's hint for an unknown key, followed: the template's own sections know their keys
+    "added misspelled key": (
+        "train.py",
+        ["+trainer.max_epoch=1", "dry_run=true"],
+        "trainer.max_epoch is not a key of trainer; did you mean trainer.max_epochs?",
+    ),
 }
 # What none of them may leave in the run directory: the plan, the resolved config, checkpoints, metrics, the data
 # (paths.data_dir points there), an export.
@@ -637,6 +661,13 @@ class Widget:
             "train",
             "model.colour=green must be one of red, blue; model.size=2.0 must be an integer >= 1",
         ),
+        (
+            {"lr_schedule": {"warmup_epoch": 2}, "strategy": {"mixed_precison": "bfloat16"}, "loader": {"x": 1}},
+            "train",
+            "loader.x is not a key of loader; lr_schedule.warmup_epoch is not a key of lr_schedule; did you mean "
+            "lr_schedule.warmup_epochs?; strategy.mixed_precison is not a key of strategy; did you mean "
+            "strategy.mixed_precision?",
+        ),
     ],
 )
 def test_schema_messages(config, job, message):
@@ -657,6 +688,8 @@ ACCEPTED = [
     # construction says so)
     {"model": {"_target_": f"{__name__}.Widget", "size": None, "scale": {"_target_": "math.sqrt"}}},
     {"model": {"_target_": "no.such.module.Model", "width": "abc"}},
+    # a Trainer argument the schema does not check, and the data module's own arguments
+    {"trainer": {"enable_checkpointing": True}, "data": {"anything": 1}},
 ]
 
 

@@ -1,15 +1,17 @@
 """The batch and LR plan: pure functions, then the real CLI in dry-run mode."""
 
+import logging
 import math
 
 import pytest
 
 from conftest import in_process, read_json
+from scaleup.checkpoints.resume import log_changes
 from scaleup.errors import UserError
 from scaleup.plan.batch import resolve_batch, total_steps
 from scaleup.plan.checks import batchnorm_warning
 from scaleup.plan.lr import LRSchedule, lr_factor
-from scaleup.plan.resolve import build_plan
+from scaleup.plan.resolve import Plan, build_plan
 from scaleup.plan.topology import Topology
 
 
@@ -123,7 +125,7 @@ def test_eval_split_smaller_than_world_is_refused():
         plan_for(dataset_sizes={"train": 10_000, "val": 5, "test": 100})
 
 
-def test_dry_run_goyal_plan_for_256_gpus(tmp_path):
+def test_dry_run_goyal_plan_for_256_gpus(tmp_path, caplog):
     recipe = ["experiment=goyal_imagenet", "dry_run=true", "trainer.devices=8", "trainer.num_nodes=32"]
     in_process([*recipe, f"hydra.run.dir={tmp_path}"])
     plan = read_json(tmp_path / "plan.json")
@@ -137,6 +139,10 @@ def test_dry_run_goyal_plan_for_256_gpus(tmp_path):
     log = (tmp_path / "train.log").read_text()
     assert "3.2 @ 8192" in log and "BatchNorm statistics" not in log
     assert not (tmp_path / "checkpoints").exists()
+    # A resume of an FSDP checkpoint with this plan (no sharding): the log says what the value became.
+    with caplog.at_level(logging.INFO, logger="scaleup"):
+        log_changes("last.ckpt", {**plan, "sharding": "11 unit(s)"}, Plan(**plan))
+    assert "resuming from last.ckpt; changed since: sharding 11 unit(s) -> none" in caplog.text
 
 
 def test_indivisible_batch_fails_before_anything_is_written(tmp_path):

@@ -8,6 +8,7 @@ loads the sample. On 2 processes the test split's sample 131 is rank 1's (unpadd
 test's metric collectives.
 """
 
+import signal
 import subprocess
 import sys
 
@@ -116,3 +117,22 @@ def test_two_processes_stop_together_in_every_phase_and_resume(trained_run, tmp_
         check(finished(proc))
         assert read_json(runs[phase] / "metrics.json")["test/samples"] == 360
         assert read_json(runs[phase] / "plan.json")["world_size"] == 2
+
+
+def test_ctrl_c_in_training_exits_130_with_the_resume_hint(tmp_path, caplog):
+    """Lightning shuts down on Ctrl-C and exits 1, silently; the run exits 130 (128 + SIGINT) naming the resume."""
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            in_process(
+                [
+                    *RUN,
+                    "+callbacks.ctrl_c._target_=probes.CtrlCAtBatch",
+                    "+callbacks.ctrl_c.batch_idx=2",
+                    f"hydra.run.dir={tmp_path}",
+                ]
+            )
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # Lightning ignores further Ctrl-C while it shuts down
+    assert exited.value.code == 130
+    assert f"interrupted (Ctrl-C); resume with: python train.py ckpt_path=last hydra.run.dir={tmp_path}" in caplog.text

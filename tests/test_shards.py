@@ -53,6 +53,26 @@ def shards(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["out=s3://bucket/conv"], "error: out=s3://bucket/conv: the converter writes to a local directory; convert"),
+        (["out={tmp}", "samples_per_shard=0"], "error: samples_per_shard=0 must be an integer >= 1"),
+        (["out={tmp}", "samples_per_shard=abc"], "error: samples_per_shard=abc must be an integer >= 1"),
+        (
+            ["out={tmp}", "sample_per_shard=8"],
+            "error: sample_per_shard: there is no such key; did you mean samples_per_shard?",
+        ),
+    ],
+)
+def test_converter_refuses_a_wrong_argument_in_one_line(args, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert convert(["data=digits", *(arg.format(tmp=tmp_path / "out") for arg in args)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even ./s3:
+
+
 def module(url, global_batch_size: int = 64, **kwargs) -> ShardedDataModule:
     settings = {"window_shards": 2, "persistent_workers": False, **kwargs}  # workers end with their loader
     return ShardedDataModule(url=str(url), global_batch_size=global_batch_size, seed=42, **settings)
@@ -68,8 +88,9 @@ def global_batches(dm: ShardedDataModule, world_size: int, epoch: int, accumulat
     ]
 
 
-def test_converter_is_deterministic_parallel_and_stores_sizes_and_checksums(shards, tmp_path):
+def test_converter_is_deterministic_parallel_and_stores_sizes_and_checksums(shards, tmp_path, capsys):
     assert convert([*SOURCE, f"out={tmp_path}", "workers=1"]) == 0
+    assert "train: 9/9 shards written" in capsys.readouterr().out.splitlines()
     files = sorted(p.relative_to(shards) for p in shards.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert all((shards / f).read_bytes() == (tmp_path / f).read_bytes() for f in files)  # 1 or 2 workers alike
@@ -199,7 +220,11 @@ def test_a_changed_shard_set_is_refused_mid_epoch(shards, tmp_path):
     dm.setup()
     sampler = dm.train_sampler(64, 1, 0)
     written = {"sampler": sampler.ORDER.replace(dm.indexes["train"].checksum[:16], "0" * 16), "global_batch_size": 64}
-    with pytest.raises(UserError, match=r"stopped mid-epoch .* under the shard-window-v1 \(window 2, shards 0{16}\)"):
+    with pytest.raises(
+        UserError,
+        match=r"stopped mid-epoch .* under the shard-window-v1 \(window 2, shards 0{16}\) sampler, now shard-window-v1 "
+        r"\(window 2, shards \w{16}\): the shard set or data.window_shards changed since",
+    ):
         resumed_steps(written, "at-13.ckpt", 1, 13, sampler)
     assert resumed_steps({"sampler": sampler.ORDER, "global_batch_size": 64}, "at-13.ckpt", 1, 13, sampler) == 5
 
@@ -218,6 +243,9 @@ def test_remote_shards_through_a_bounded_cache_and_a_changed_remote_shard(shards
     assert "holds fewer than the 3 shards of memory://remote-digits/train a process keeps open" in caplog.text
     cached = list(cache.rglob("*.tar"))
     assert 0 < len(cached) <= 2 and sum(p.stat().st_size for p in cached) <= 2.5 * shard_bytes
+    assert all(torch.is_tensor(remote_dm.splits["val"][i][0]) for i in range(0, EXACT_VAL, 16))  # its own folder
+    cached = list(cache.rglob("*.tar"))  # the limit covers the whole cache: every split's folder together
+    assert sum(p.stat().st_size for p in cached) <= 2.5 * shard_bytes
     changed = bytearray(memory.cat_file("/remote-digits/train/shard-000003.tar"))
     changed[-2000] ^= 1  # a sample's bytes, the size unchanged
     memory.pipe_file("/remote-digits/train/shard-000003.tar", bytes(changed))
@@ -421,3 +449,16 @@ def test_a_flipped_bit_read_in_a_loader_worker_is_one_line(shards, capsys, tmp_p
     line = entry_point([f"data.url={copy}", "data.num_workers=2", *QUICK, f"hydra.run.dir={tmp_path / 'run'}"], capsys)
     shard = r"error: sample 0 of shard .*/shards/val/shard-000000.tar \(split val\)"
     assert re.fullmatch(rf"{shard} fails its checksum: its 0.npy has crc32 [0-9a-f]{{8}}, the index says .*", line)
+
+
+def test_images_of_different_sizes_without_a_transform_are_one_clear_error(shards):
+    """ImageFolder shards store each image as it is: without a resizing transform, a batch of two sizes cannot be
+    stacked. The loaders' collate says so, naming the sizes and the key to set."""
+    collate = module(shards).collate_fn("val")
+    assert collate([(torch.zeros(3, 8, 8), 0), (torch.ones(3, 8, 8), 1)])[0].shape == (2, 3, 8, 8)
+    with pytest.raises(UserError) as raised:
+        collate([(torch.zeros(3, 32, 40), 0), (torch.zeros(3, 28, 28), 1)])
+    assert str(raised.value).startswith(
+        "the val samples of data.url have different sizes ((3, 28, 28), (3, 32, 40)) and cannot form a batch: set "
+        "data.eval_transform to a transform that resizes them to one size"
+    )

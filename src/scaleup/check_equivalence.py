@@ -48,6 +48,8 @@ TOLERANCE = {"64-true": 1e-10, "32-true": 1e-4}
 NAMES = {"64-true": "float64", "32-true": "float32"}
 # The three runs: name -> (processes, accumulation).
 RUNS = {"1": (1, 1), "1x2": (1, 2), "2": (2, 1)}
+# The module's import path for the child processes, which cannot import `__main__` (its name under `python -m`).
+MODULE = "scaleup.check_equivalence"
 GENERATORS = "generators.json"  # in each run directory: the generators of the user's own drawn from in training
 
 
@@ -132,7 +134,7 @@ def start_run(devices: int, accumulation: int, overrides: list[str], run_dir: Pa
         *overrides,
         f"trainer.devices={devices}",
         *([f"trainer.accumulate_grad_batches={accumulation}"] if accumulation > 1 else []),
-        f"+callbacks.drawn_generators._target_={DrawnGenerators.__module__}.{DrawnGenerators.__name__}",
+        f"+callbacks.drawn_generators._target_={MODULE}.{DrawnGenerators.__name__}",
         f"+callbacks.drawn_generators.path={run_dir / GENERATORS}",
         f"hydra.run.dir={run_dir}",
     ]

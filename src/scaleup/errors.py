@@ -12,18 +12,19 @@ Anything else is a bug and keeps its traceback. `HYDRA_FULL_ERROR=1` shows the t
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hydra.errors import InstantiationException
+from hydra.errors import ConfigCompositionException, InstantiationException, MissingConfigException
 from hydra.experimental.callback import Callback
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from omegaconf import DictConfig
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 
 class UserError(Exception):
@@ -117,6 +118,81 @@ def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(EXIT_USER_ERROR)
 
     return wrapper
+
+
+def did_you_mean(word: str, known: Iterable[str], prefix: str = "") -> str:
+    """`; did you mean <prefix><closest>?` for the known word closest to `word`, or "" when none is close."""
+    match = difflib.get_close_matches(word, [str(k) for k in known], n=1)
+    return f"; did you mean {prefix}{match[0]}?" if match else ""
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def composition_error(
+    err: BaseException, compose: Callable[[list[str]], DictConfig], overrides: list[str], extra: Iterable[str] = ()
+) -> UserError | None:
+    """The user mistake behind Hydra's composition error `err`, in one line with the closest match, or None.
+
+    An unknown option of a group (`data=digit`) is matched against the group's options; an unknown key
+    (`trainer.max_epoch=1`) against the keys beside it in the config that `compose` builds without it (`extra`:
+    more known keys at the top level, e.g. a tool's own options).
+    """
+    if isinstance(err, MissingConfigException) and err.options is not None and err.missing_cfg_file:
+        group, _, option = err.missing_cfg_file.rpartition("/")
+        hint = did_you_mean(option, err.options, f"{group}=")
+        return UserError(f"{group}={option}: there is no such option{hint} (the options: {', '.join(err.options)})")
+    cause = err.__cause__
+    if not isinstance(err, ConfigCompositionException) or not isinstance(cause, ConfigAttributeError | ConfigKeyError):
+        return None
+    key = str(cause.full_key or cause.key)
+    parent, _, name = key.rpartition(".")
+    try:
+        config = compose([o for o in overrides if not f"{_override_key(o)}.".startswith(f"{key}.")])
+    except Exception:  # another mistake among the overrides: no suggestion for this one
+        config = None
+    node = OmegaConf.select(config, parent) if config is not None and parent else config
+    known = [*(node.keys() if isinstance(node, DictConfig) else ()), *([] if parent else extra)]
+    hint = did_you_mean(name, known, f"{parent}." if parent else "")
+    return UserError(f"{key}: there is no such key{hint} (a key of your own: +{key}=VALUE)")
+
+
+def one_line_composition_errors(config_dir: Path, config_name: str) -> Callable[[Callable], Callable]:
+    """Decorate an `@hydra.main` entry point: a mistake in the overrides that Hydra finds while it composes the
+    config, before the job starts (so before `exit_on_user_error`), ends in one line and exit code 2 instead of
+    Hydra's message. Composes the config once first; with Hydra's own flags (`--multirun`, `--cfg` ...) Hydra
+    reports as usual."""
+
+    def decorate(hydra_main: Callable) -> Callable:
+        @functools.wraps(hydra_main)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            overrides = sys.argv[1:]
+            if not args and not kwargs and not any(arg.startswith("-") for arg in overrides):
+                exit_on_composition_error(config_dir, config_name, overrides)
+            return hydra_main(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def exit_on_composition_error(config_dir: Path, config_name: str, overrides: list[str]) -> None:
+    """Compose `config_name` with `overrides`; on an unknown key or group option, `error: <message>`, exit 2."""
+    from hydra import compose, initialize_config_dir
+
+    def composed(given: list[str]) -> DictConfig:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3", job_name=config_name):
+            return compose(config_name, overrides=given, return_hydra_config=True)
+
+    try:
+        composed(overrides)
+    except Exception as err:
+        user_error = composition_error(err, composed, overrides)
+        if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            return  # Hydra reports it
+        print(f"error: {user_error}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
 
 
 class RunDirCheck(Callback):

@@ -148,7 +148,7 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
     stop = StopOnSigterm()
     callbacks.append(stop)
     with config_errors("logger"):
-        loggers = instantiate_each(config["logger"])
+        loggers = instantiate_each(config.get("logger"))  # logger=[] leaves no key
     # Lightning refuses an LR monitor with nowhere to log.
     if not loggers:
         callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]

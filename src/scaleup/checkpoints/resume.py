@@ -168,12 +168,17 @@ def best_checkpoint(checkpoint: dict[str, Any], config: dict[str, Any], path: Pa
     return str(path)
 
 
+def shown(value: Any) -> str:
+    """A plan value in the resume log: an empty one (e.g. no FSDP sharding on one device) as `none`."""
+    return "none" if value in (None, "") else str(value)
+
+
 def log_changes(path: Path | str, previous: dict[str, Any], plan: Plan) -> None:
     skipped = {"dataset_sizes", "sync_batchnorm_reason", "launcher"}
     if plan.max_per_device_batch_size == "auto":  # settled again at the start of fit
         skipped |= {"per_device_batch_size", "accumulate_grad_batches", "bn_batch_size"}
     changed = [
-        f"{key} {previous[key]} -> {value}"
+        f"{key} {shown(previous[key])} -> {shown(value)}"
         for key, value in plan.to_dict().items()
         if key in previous and previous[key] != value and key not in skipped
     ]

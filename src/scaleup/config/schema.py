@@ -12,8 +12,10 @@ Two sources of types:
 Values are checked strictly, as YAML and the command line give them: `abc` stays a string and `1.5` is no
 integer, so a value that passes reaches the code as it was checked. (Against a constructor's hints a string may
 also stand for what strings name, a `Path` or an enum member, and a list for a tuple: YAML has neither.) Each
-wrong value is `key=value must be <what is allowed>`, all of them in one UserError. Keys a section does not
-declare pass; a declared key that is absent is not checked (the code has its default). What depends on several
+wrong value is `key=value must be <what is allowed>`, all of them in one UserError. An unknown key in a section
+the template reads alone (trainer, monitor, checkpoint, performance, lr_schedule, strategy, loader) is a
+misspelling, refused with the closest known key; elsewhere (data, model) keys a section does not declare pass
+to the constructor. A declared key that is absent is not checked (the code has its default). What depends on several
 keys (exactly one batch size, divisibility, warmup in epochs or steps) is checked where it is derived:
 plan/resolve.py, plan/batch.py.
 """
@@ -36,7 +38,7 @@ from pydantic.fields import FieldInfo
 
 from scaleup.compat.workarounds import lightning_precisions
 from scaleup.config.plain import to_plain
-from scaleup.errors import UserError
+from scaleup.errors import UserError, did_you_mean
 from scaleup.plan.lr import DECAYS, SCALING_RULES
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -67,9 +69,22 @@ Precision = Literal[("auto", *lightning_precisions())]
 
 
 class Section(BaseModel):
-    """A config section's keys and what each may hold (see the module docstring for what passes)."""
+    """A config section's keys and what each may hold (see the module docstring for what passes).
+
+    `closed`: the section belongs to the template, which reads only the keys it knows (`known_keys`): any other
+    key there is a misspelling (also one added with `+`), refused with the closest known key.
+    """
 
     model_config = ConfigDict(strict=True, extra="allow", protected_namespaces=())
+    closed: typing.ClassVar[bool] = False
+
+    @classmethod
+    def known_keys(cls) -> list[str]:
+        return list(cls.model_fields)
+
+
+class ClosedSection(Section):
+    closed: typing.ClassVar[bool] = True
 
 
 class TrainKeys(Section):
@@ -79,23 +94,23 @@ class TrainKeys(Section):
     package: str = Field(description="your package's import name (src/<package>/)")
 
 
-class Monitor(Section):
+class Monitor(ClosedSection):
     metric: str
     mode: Literal["min", "max"]
 
 
-class Checkpointing(Section):
+class Checkpointing(ClosedSection):
     dirpath: str
     every_n_train_steps: PositiveInt | None
 
 
-class Performance(Section):
+class Performance(ClosedSection):
     tf32: bool
     channels_last: bool
     fast_paths: bool = True
 
 
-class LRSchedule(Section):
+class LRSchedule(ClosedSection):
     base_batch_size: PositiveInt
     base_bn_batch_size: PositiveInt | None
     rule: Literal[SCALING_RULES]
@@ -106,7 +121,7 @@ class LRSchedule(Section):
     gamma: Positive
 
 
-class Strategy(Section):
+class Strategy(ClosedSection):
     name: Literal["ddp", "ddp_spawn", "fsdp"]
     timeout_minutes: Positive
     # ddp
@@ -121,7 +136,7 @@ class Strategy(Section):
     activation_checkpointing: bool
 
 
-class Loader(Section):
+class Loader(ClosedSection):
     pin_memory: bool | Literal["auto"]
     persistent_workers: bool
     prefetch_factor: PositiveInt | None
@@ -148,7 +163,7 @@ class Optimizer(Section):
     eps: Positive
 
 
-class TrainerArgs(Section):
+class TrainerArgs(ClosedSection):
     """lightning.Trainer's arguments as configs/trainer/default.yaml lists them."""
 
     accelerator: Accelerator
@@ -195,6 +210,13 @@ class TrainerArgs(Section):
     enable_model_summary: bool | None
     enable_autolog_hparams: bool
     model_registry: str | None
+
+    @classmethod
+    def known_keys(cls) -> list[str]:
+        """Every argument of lightning.Trainer (the section passes to it), not only those checked here."""
+        import lightning as L
+
+        return list(dict.fromkeys([*cls.model_fields, *inspect.signature(L.Trainer).parameters]))
 
 
 class EvalKeys(Section):
@@ -266,6 +288,9 @@ def section_problems(config: Mapping[str, Any], path: str, schema: type[Section]
         return []
     if not isinstance(section, Mapping):
         return [(path, f"{path}={render(section)} must be a mapping of keys (one per line in its YAML file)")]
+    unknown = unknown_keys(section, path, schema)
+    if unknown:
+        return unknown
     try:
         schema.model_validate(section)
     except ValidationError as err:
@@ -275,6 +300,18 @@ def section_problems(config: Mapping[str, Any], path: str, schema: type[Section]
             for name in names
         ]
     return []
+
+
+def unknown_keys(section: Mapping[str, Any], path: str, schema: type[Section]) -> list[tuple[str, str]]:
+    """(key, message) for each key of a closed section that the template does not know, with the closest known."""
+    if not schema.closed:
+        return []
+    known = schema.known_keys()
+    return [
+        (dotted(path, name), f"{dotted(path, name)} is not a key of {path}{did_you_mean(str(name), known, f'{path}.')}")
+        for name in section
+        if name not in known
+    ]
 
 
 def targets(tree: Any, path: str) -> typing.Iterator[tuple[str, dict[str, Any]]]:

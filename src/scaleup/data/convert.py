@@ -1,6 +1,8 @@
 """Convert any data set of the template (any `data=` option) into shards: `python -m scaleup.data.convert`.
 
-    python -m scaleup.data.convert data=digits out=DIR [samples_per_shard=1024] [workers=2] [data.KEY=VALUE ...]
+    python -m scaleup.data.convert data=digits out=DIR [samples_per_shard=1024] [workers=N] [data.KEY=VALUE ...]
+
+workers defaults to min(8, the CPU count). DIR is a local directory: copy it to object storage afterwards.
 
 Writes `DIR/<split>/shard-000000.tar ...` and `DIR/<split>/index.json` for each split the data module builds,
 then `data=sharded data.url=DIR` trains on them. Shard k of a split holds its samples [k x samples_per_shard,
@@ -18,7 +20,9 @@ import json
 import multiprocessing
 import os
 import sys
+import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +30,10 @@ from torch.utils.data import Dataset, Subset
 
 from scaleup.data.shards.format import IMAGE_TYPES, encode_field, end_of_archive, sample_bytes
 from scaleup.data.shards.index import INDEX, index_document
-from scaleup.errors import UserError
+from scaleup.errors import UserError, composition_error
 
 OPTIONS = {"out": None, "samples_per_shard": "1024", "workers": str(min(8, os.cpu_count() or 1))}
+PROGRESS_SECONDS = 5.0  # between two progress lines of a split
 _SPLITS: dict[str, Dataset] = {}  # inherited by the forked workers: the data set is built once
 
 
@@ -109,7 +114,7 @@ def convert(splits: dict[str, Dataset], out: Path, per_shard: int, workers: int,
             directory = out / split
             directory.mkdir(parents=True, exist_ok=True)
             tasks = [(split, k, per_shard, str(directory)) for k in range(-(-len(dataset) // per_shard))]
-            written = pool.map(write_shard, tasks, chunksize=1)
+            written = list(with_progress(split, pool.imap(write_shard, tasks, chunksize=1), len(tasks)))
             fields = {tuple(w["fields"]) for w in written}
             if len(fields) != 1:
                 raise UserError(f"the shards of {split} hold different fields: {sorted(fields)}")
@@ -117,6 +122,16 @@ def convert(splits: dict[str, Dataset], out: Path, per_shard: int, workers: int,
             (directory / INDEX).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
             checksums[split] = doc["scaleup"]["checksum"]
     return checksums
+
+
+def with_progress(split: str, written: Iterator[dict], total: int) -> Iterator[dict]:
+    """The shards as they are written, with `<split>: k/total shards written` at most every PROGRESS_SECONDS."""
+    shown = time.monotonic()
+    for done, shard in enumerate(written, 1):
+        if done == total or time.monotonic() - shown >= PROGRESS_SECONDS:
+            print(f"{split}: {done}/{total} shards written", flush=True)
+            shown = time.monotonic()
+        yield shard
 
 
 class _InProcess:
@@ -128,22 +143,34 @@ class _InProcess:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def map(self, fn, tasks, chunksize: int = 1) -> list:
-        return [fn(task) for task in tasks]
+    def imap(self, fn, tasks, chunksize: int = 1) -> Iterator:
+        return map(fn, tasks)
+
+
+def compose_train(overrides: list[str]) -> Any:
+    """configs/train.yaml with the overrides, as `python train.py` would compose it."""
+    from hydra import compose, initialize_config_dir
+
+    configs = Path(__file__).resolve().parents[3] / "configs"
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3", job_name="convert"):
+        return compose("train", overrides=overrides)
 
 
 def build_source(overrides: list[str]) -> tuple[dict[str, Dataset], dict[str, Any]]:
     """The data module the overrides choose (as `python train.py` would build it): its splits and model settings."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from scaleup.components import build_datamodule
     from scaleup.distributed.run_dir import register_resolvers
 
     register_resolvers()
-    configs = Path(__file__).resolve().parents[3] / "configs"
-    with initialize_config_dir(config_dir=str(configs), version_base="1.3", job_name="convert"):
-        cfg = compose("train", overrides=overrides)
+    try:
+        cfg = compose_train(overrides)
+    except Exception as err:  # a misspelled key or data option: one line naming the closest
+        user_error = composition_error(err, compose_train, overrides, extra=OPTIONS)
+        if user_error is None:
+            raise
+        raise user_error from err
     config = {
         "data": OmegaConf.to_container(cfg.data, resolve=True),
         "loader": OmegaConf.to_container(cfg.loader, resolve=True),
@@ -154,7 +181,31 @@ def build_source(overrides: list[str]) -> tuple[dict[str, Dataset], dict[str, An
     return datamodule.build_splits(), datamodule.model_settings()
 
 
+def positive_int(options: dict[str, Any], key: str) -> int:
+    """The option `key` as an integer >= 1, or a UserError naming it."""
+    try:
+        value = int(options[key])
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise UserError(f"{key}={options[key]} must be an integer >= 1")
+    return value
+
+
+def local_out(out: str | None) -> Path:
+    """The output directory, which must be local (a URL would become a local directory named like it)."""
+    if not out:
+        raise UserError("give the output directory: python -m scaleup.data.convert data=<source> out=DIR")
+    if "://" in out:
+        raise UserError(
+            f"out={out}: the converter writes to a local directory; convert to one (out=DIR), then copy DIR to "
+            "object storage (e.g. aws s3 cp --recursive DIR s3://...) and train with data.url=s3://..."
+        )
+    return Path(out)
+
+
 def main(argv: list[str]) -> int:
+    """0: converted, 2: a mistake in the arguments (one line on stderr)."""
     if {"-h", "--help"} & set(argv):
         print(__doc__)
         return 0
@@ -167,11 +218,10 @@ def main(argv: list[str]) -> int:
         else:
             overrides.append(arg)
     try:
-        if not options["out"]:
-            raise UserError("give the output directory: python -m scaleup.data.convert data=<source> out=DIR")
-        per_shard, workers = int(options["samples_per_shard"]), int(options["workers"])
+        out = local_out(options["out"])
+        per_shard, workers = positive_int(options, "samples_per_shard"), positive_int(options, "workers")
         splits, settings = build_source(overrides)
-        checksums = convert(splits, Path(options["out"]), per_shard, max(1, workers), settings)
+        checksums = convert(splits, out, per_shard, workers, settings)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -130,10 +130,19 @@ def resumed_steps(
             )
         return 0
     if order != sampler.ORDER:
+        if order.split(" (")[0] == sampler.ORDER.split(" (")[0]:  # the same sampler, on other shards or windows
+            why = (
+                f"now {sampler.ORDER}: the shard set or data.window_shards changed since, and the order depends on "
+                "both; resume with the shards and window it was written with, or from an epoch-end checkpoint"
+            )
+        else:
+            why = (
+                f"whose order this version ({sampler.ORDER}) does not reproduce: resume from an epoch-end "
+                "checkpoint, or with the scaleup version that wrote it"
+            )
         raise UserError(
             f"{checkpoint} stopped mid-epoch ({steps_done} of epoch {epoch}'s {steps_per_epoch} steps) under the "
-            f"{order} sampler, whose order this version ({sampler.ORDER}) does not reproduce: resume from an "
-            "epoch-end checkpoint, or with the scaleup version that wrote it"
+            f"{order} sampler, {why}"
         )
     if global_batch != sampler.global_batch_size:
         raise UserError(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated, Any
 
 from lightning.pytorch.utilities import rank_zero_only
 from pydantic import Field
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from scaleup.data.datamodule import GlobalBatchDataModule
 from scaleup.data.image_batches import normalized_batch
@@ -92,6 +93,9 @@ class ShardedDataModule(GlobalBatchDataModule):
             return batch
         return normalized_batch(batch, self.mean, self.std, self.trainer, self.channels_last)
 
+    def collate_fn(self, split: str) -> Callable[[list], Any]:
+        return functools.partial(same_size_collate, split)
+
     def draws_random_numbers(self, split: str) -> bool:
         """Only a transform draws: without one, the samples need no seeding."""
         return (self.train_transform if split == "train" else self.eval_transform) is not None
@@ -173,3 +177,22 @@ class ShardedDataModule(GlobalBatchDataModule):
 
     def eval_sampler(self, split: str, world_size: int, rank: int) -> ContiguousEvalSampler:
         return ContiguousEvalSampler(self.splits[split], num_replicas=world_size, rank=rank, shuffle=False)
+
+
+def same_size_collate(split: str, samples: list) -> Any:
+    """torch's default_collate; samples of different sizes (images of an ImageFolder stored as they are) end in
+    one UserError naming the sizes and the transform that would make them one, not torch.stack's traceback."""
+    try:
+        return default_collate(samples)
+    except RuntimeError:
+        shapes = sorted(
+            {tuple(getattr(sample[0] if isinstance(sample, tuple) else sample, "shape", ())) for sample in samples}
+        )
+        if len(shapes) < 2:
+            raise
+        key = "data.train_transform" if split == "train" else "data.eval_transform"
+        raise UserError(
+            f"the {split} samples of data.url have different sizes ({', '.join(map(str, shapes[:4]))}) and cannot "
+            f"form a batch: set {key} to a transform that resizes them to one size, e.g. "
+            f"{key}={{_target_:torchvision.transforms.v2.Resize,size:[32,32]}}"
+        ) from None

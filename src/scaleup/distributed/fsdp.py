@@ -121,6 +121,16 @@ def mib(count: int) -> str:
     return f"{count / 2**20:.2f} MiB" if count < 2**30 else f"{count / 2**30:.2f} GiB"
 
 
+def batch_norms(model: nn.Module) -> list[str]:
+    """Names of the BatchNorm modules with weights in the model's networks."""
+    return [
+        f"{root}.{name}"
+        for root, net in networks(model)
+        for name, module in net.named_modules()
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and holds_parameters(module)
+    ]
+
+
 def shard(
     model: nn.Module,
     mesh: Any,
@@ -130,7 +140,8 @@ def shard(
     cpu_offload: bool = False,
     activation_checkpointing: bool = False,
 ) -> list[str]:
-    """Apply `fully_shard` to every unit, then to every network, in place. Returns the unit names.
+    """Apply `fully_shard` to every unit, then to every network, in place. Returns the unit names (with
+    mixed precision, each BatchNorm first: a unit of its own).
 
     Module names and parameter names stay as they were (FSDP2 swaps the parameters for DTensors in place, no
     wrapper), so checkpoints keep their plain keys.
@@ -142,12 +153,18 @@ def shard(
         "mesh": mesh,
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
+    norms: list[str] = []
     if mixed_precision is not None:
         # Compute in the lower precision, keep float32 master weights and reduce the gradients in float32.
-        kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=getattr(torch, mixed_precision), reduce_dtype=torch.float32
-        )
-    units = unit_names(model, shard_modules)
+        low = getattr(torch, mixed_precision)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        norms = batch_norms(model)
+        # FSDP2 casts BatchNorm's weights but not its running statistics, which batch_norm refuses: each BatchNorm
+        # is a unit of its own that computes in float32 (its input cast up) and hands the lower precision on.
+        norm_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=low)
+        for name in norms:
+            fully_shard(model.get_submodule(name), **{**kwargs, "mp_policy": norm_policy})
+    units = [name for name in unit_names(model, shard_modules) if name not in norms]
     for name in units:
         unit = model.get_submodule(name)
         if activation_checkpointing:
@@ -156,7 +173,7 @@ def shard(
         fully_shard(unit, **kwargs)
     for _, net in networks(model):
         fully_shard(net, **kwargs)
-    return units
+    return [*norms, *units]
 
 
 def local_bytes(tensors: Iterable[Any]) -> int:

@@ -28,15 +28,27 @@ from scaleup.compat.workarounds import keep_sigterm_handler
 log = logging.getLogger("scaleup")
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, the shell's convention for "terminated"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
+
+
+def interrupted(err: BaseException) -> bool:
+    """Whether `err` is Ctrl-C: a KeyboardInterrupt, or the exit 1 Lightning turns it into (after its shutdown)."""
+    return isinstance(err, KeyboardInterrupt) or (
+        isinstance(err, SystemExit) and isinstance(err.__context__, KeyboardInterrupt)
+    )
 
 
 @contextlib.contextmanager
 def exit_when_stopped(stop: StopOnSigterm, resume_hint: str) -> Iterator[None]:
     """Exit 143 when the stage ends because of SIGTERM, also when it ended in another error after the signal
-    (a peer that stopped first closes its connections: the collective this rank waited in fails)."""
+    (a peer that stopped first closes its connections: the collective this rank waited in fails); exit 130 with
+    the same hint after Ctrl-C."""
     try:
         yield
     except BaseException as err:
+        if interrupted(err):
+            log.warning(f"interrupted (Ctrl-C); {resume_hint}")
+            sys.exit(EXIT_INTERRUPTED)
         if not (stop.requested or isinstance(err, SIGTERMException)):
             raise
         log.warning(f"stopped by SIGTERM; {resume_hint}")

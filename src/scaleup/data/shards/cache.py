@@ -3,7 +3,8 @@
 Every process (rank or loader worker) keeps the shards of its current shuffle window open, memory-mapped: the
 page cache, not the process, holds their bytes, and the ranks and workers of a node share it. A remote shard is
 copied once per node into `cache_dir` (a lock per shard: the first process fetches, the others wait and find it),
-its sha256 checked against the index; the least recently used shards are deleted to stay within `cache_bytes`.
+its sha256 checked against the index; the least recently used shards are deleted to keep the whole cache
+directory (every split and shard set in it) within `cache_bytes`.
 A full disk evicts the rest of the cache and tries again, then reads the shard into memory: bounded, never a crash.
 """
 
@@ -62,7 +63,8 @@ class ShardCache:
         self.local = is_local(self.fs)
         # One folder per index URL and checksum: another shard set never reads this one's files.
         tag = hashlib.sha256(f"{index.url}\0{index.checksum}".encode()).hexdigest()[:16]
-        self.dir = Path(cache_dir or default_cache_dir()) / tag
+        self.cache_root = Path(cache_dir or default_cache_dir())  # the limit covers all of it, every split
+        self.dir = self.cache_root / tag
         self._open: OrderedDict[int, OpenShard] = OrderedDict()
         self._warned_memory = False
 
@@ -160,11 +162,12 @@ class ShardCache:
             self._warned_memory = True
 
     def _evict(self, keep: Path, incoming: int) -> None:
-        """Delete the least recently used cached shards until `incoming` more bytes fit within the limit."""
-        with FileLock(str(self.dir / ".evict.lock")):
+        """Delete the least recently used cached shards, of any split or shard set in the cache directory, until
+        `incoming` more bytes fit within the limit."""
+        with FileLock(str(self.cache_root / ".evict.lock")):
             cached = sorted(
                 (p.stat().st_mtime_ns, p)
-                for p in self.dir.iterdir()
+                for p in self.cache_root.glob("*/*.tar")
                 if p.suffix == ".tar" and p != keep and not p.name.startswith(".partial-")
             )
             used = sum(p.stat().st_size for _, p in cached)

@@ -58,12 +58,11 @@ def _dispatch(lightning_call_callback_hooks: Callable[..., None]) -> Callable[..
     Lightning's own dispatch runs, so every hook is still timed.
     """
     cache: dict[str, tuple[tuple[Callback, ...], tuple[Callback, ...]]] = {}
-    debug = logging.getLogger(CALL)
 
     def call_overridden(
         trainer: L.Trainer, hook_name: str, *args: Any, monitoring_callbacks: bool | None = None, **kw: Any
     ) -> None:
-        if not isinstance(trainer.profiler, PassThroughProfiler) or debug.isEnabledFor(logging.DEBUG):
+        if lightning_dispatches(trainer):
             lightning_call_callback_hooks(trainer, hook_name, *args, monitoring_callbacks=monitoring_callbacks, **kw)
             return
         callbacks = tuple(trainer.callbacks)
@@ -86,6 +85,73 @@ def _dispatch(lightning_call_callback_hooks: Callable[..., None]) -> Callable[..
             set_fx_name(pl_module, previous)
 
     return call_overridden
+
+
+def lightning_dispatches(trainer: L.Trainer) -> bool:
+    """A profiler times every hook call, and Lightning's debug log names each one: then its own dispatch runs."""
+    return not isinstance(trainer.profiler, PassThroughProfiler) or logging.getLogger(CALL).isEnabledFor(logging.DEBUG)
+
+
+# --- Module, strategy and DataModule hooks --------------------------------------------------------------------------
+
+
+def _run_as(pl_module: L.LightningModule, hook_name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` with `pl_module._current_fx_name` set to `hook_name`, restored after (as Lightning
+    does: not when `fn` raises)."""
+    previous = pl_module._current_fx_name
+    set_fx_name(pl_module, hook_name)
+    output = fn(*args, **kwargs)
+    set_fx_name(pl_module, previous)
+    return output
+
+
+def _module_hooks(lightning_call: Callable[..., Any]) -> Callable[..., Any]:
+    """Lightning's `_call_lightning_module_hook` without its per-call debug message and profiler context.
+
+    Reason: Lightning formats a debug message (also with debug logging off), opens a profiler context named after
+    the hook and writes `_current_fx_name` through nn.Module's `__setattr__` around each call: 5-6 us, and a
+    training step makes 16 such calls (training_step, backward, optimizer_step, the batch hooks, the `on_*` hooks).
+    The same hooks run in the same order with the same `_current_fx_name`.
+    """
+
+    def call_module_hook(
+        trainer: L.Trainer, hook_name: str, *args: Any, pl_module: L.LightningModule | None = None, **kwargs: Any
+    ) -> Any:
+        if lightning_dispatches(trainer):
+            return lightning_call(trainer, hook_name, *args, pl_module=pl_module, **kwargs)
+        pl_module = pl_module or trainer.lightning_module
+        if pl_module is None:
+            raise TypeError("No `LightningModule` is available to call hooks on.")
+        fn = getattr(pl_module, hook_name)
+        return _run_as(pl_module, hook_name, fn, *args, **kwargs) if callable(fn) else None
+
+    return call_module_hook
+
+
+def _strategy_hooks(lightning_call: Callable[..., Any]) -> Callable[..., Any]:
+    """Lightning's `_call_strategy_hook`, the same way (reason: `_module_hooks`)."""
+
+    def call_strategy_hook(trainer: L.Trainer, hook_name: str, *args: Any, **kwargs: Any) -> Any:
+        if lightning_dispatches(trainer):
+            return lightning_call(trainer, hook_name, *args, **kwargs)
+        fn = getattr(trainer.strategy, hook_name)
+        return _run_as(trainer.lightning_module, hook_name, fn, *args, **kwargs) if callable(fn) else None
+
+    return call_strategy_hook
+
+
+def _datamodule_hooks(lightning_call: Callable[..., Any]) -> Callable[..., Any]:
+    """Lightning's `_call_lightning_datamodule_hook`, the same way (reason: `_module_hooks`)."""
+
+    def call_datamodule_hook(trainer: L.Trainer, hook_name: str, *args: Any, **kwargs: Any) -> Any:
+        if lightning_dispatches(trainer):
+            return lightning_call(trainer, hook_name, *args, **kwargs)
+        if trainer.datamodule is None:
+            raise TypeError("No `LightningDataModule` is available to call hooks on.")
+        fn = getattr(trainer.datamodule, hook_name)
+        return fn(*args, **kwargs) if callable(fn) else None
+
+    return call_datamodule_hook
 
 
 def set_fx_name(pl_module: L.LightningModule, name: str | None) -> None:
@@ -177,6 +243,21 @@ FAST_PATHS = (
         "callback dispatch (only the callbacks that override a hook)",
         Private(f"{CALL}:_call_callback_hooks", params=("trainer", "hook_name", "monitoring_callbacks")),
         _dispatch,
+    ),
+    _fast_path(
+        "module hooks called directly",
+        Private(f"{CALL}:_call_lightning_module_hook", params=("trainer", "hook_name", "pl_module")),
+        _module_hooks,
+    ),
+    _fast_path(
+        "strategy hooks called directly",
+        Private(f"{CALL}:_call_strategy_hook", params=("trainer", "hook_name")),
+        _strategy_hooks,
+    ),
+    _fast_path(
+        "DataModule hooks called directly",
+        Private(f"{CALL}:_call_lightning_datamodule_hook", params=("trainer", "hook_name")),
+        _datamodule_hooks,
     ),
     _fast_path(
         "self.log without redundant moves",

@@ -339,6 +339,116 @@ def test_with_a_profiler_every_callback_hook_is_still_timed(tmp_path):
     assert any(name.startswith("[Callback]LooksUp.on_train_batch_start") for name in run.profiler.recorded_durations)
 
 
+MODULE_HOOKS = [*HOOKS, "training_step", "validation_step", "test_step", "backward", "optimizer_step",
+                "optimizer_zero_grad", "configure_gradient_clipping", "on_before_batch_transfer",
+                "transfer_batch_to_device", "on_after_batch_transfer"]  # fmt: skip
+
+
+class FxNames(Tiny):
+    """Records (hook, `_current_fx_name` inside it) for every hook Lightning calls on it, and logs from the step
+    and batch-end hooks (which `self.log` allows by `_current_fx_name`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str | None]] = []
+        for hook in MODULE_HOOKS:
+            method = getattr(self, hook, None)
+            if callable(method):
+                setattr(self, hook, self._recorded(hook, method))
+
+    def _recorded(self, hook, method):
+        def recorded(*args, **kwargs):
+            self.calls.append((hook, self._current_fx_name))
+            output = method(*args, **kwargs)
+            if hook in ("training_step", "on_train_batch_end"):
+                self.log(f"logged_in_{hook}", 1.0)
+            return output
+
+        return recorded
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
+
+def test_lightning_wraps_every_module_hook_call_in_a_profiler_context(tmp_path, monkeypatch):
+    """fast_paths module, strategy and DataModule hooks called directly. With no profiler (PassThroughProfiler),
+    Lightning still opens a profiler context, named after the hook, around every module and strategy hook call of a
+    training step."""
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    opened = []
+    lightning_profile = PassThroughProfiler.profile
+    monkeypatch.setattr(
+        PassThroughProfiler, "profile", lambda self, name: opened.append(name) or lightning_profile(self, name)
+    )
+    trainer(tmp_path, max_steps=2).fit(FxNames())
+    assert {
+        "[LightningModule]FxNames.on_train_batch_start",
+        "[Strategy]SingleDeviceStrategy.training_step",
+        "[Strategy]SingleDeviceStrategy.backward",
+        "[LightningModule]FxNames.optimizer_step",
+    } <= set(opened)
+
+
+def test_direct_hook_calls_call_the_same_hooks_with_the_same_fx_names(tmp_path):
+    """With the workaround, the module sees the same hook calls in the same order, each with the same
+    `_current_fx_name`, and `self.log` works where Lightning allows it, through fit and test."""
+    seen = {}
+    for name, paths in {"lightning": contextlib.nullcontext, "workaround": fast_paths_on}.items():
+        module = FxNames()
+        run = trainer(tmp_path / name, max_steps=3, log_every_n_steps=1)
+        with paths():
+            run.fit(module)
+            logged = sorted(run.logged_metrics)
+            run.test(module)
+        seen[name] = (module.calls, logged)
+    calls, logged = seen["lightning"]
+    assert ("training_step", "training_step") in calls and ("optimizer_step", "optimizer_step") in calls
+    assert ("on_train_batch_end", "on_train_batch_end") in calls and len(calls) > 60
+    assert logged == ["logged_in_on_train_batch_end", "logged_in_training_step"]
+    assert seen["workaround"] == seen["lightning"]
+
+
+class BatchHookData(L.LightningDataModule):
+    """Scales each batch in its `on_after_batch_transfer`, counting the calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.ones(8, 4)), batch_size=2)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        self.calls += 1
+        return [batch[0] * 2]
+
+
+def test_direct_datamodule_hook_calls_transform_the_same_batches(tmp_path):
+    weights = {}
+    for name, paths in {"lightning": contextlib.nullcontext, "workaround": fast_paths_on}.items():
+        torch.manual_seed(0)
+        module, data = Tiny(), BatchHookData()
+        with paths():
+            trainer(tmp_path / name, max_steps=3).fit(module, data)
+        weights[name] = (data.calls, module.layer.weight.detach().clone())
+    assert weights["lightning"][0] == 3
+    assert weights["workaround"][0] == 3 and torch.equal(weights["workaround"][1], weights["lightning"][1])
+
+
+def test_with_a_profiler_every_hook_call_is_still_timed(tmp_path):
+    """The fast paths step aside while a profiler runs (`debug=profiler`): its report still times each hook."""
+    run = trainer(tmp_path, max_steps=2, profiler="simple")
+    with fast_paths_on():
+        run.fit(FxNames())
+    assert {"[LightningModule]FxNames.on_train_batch_start", "[Strategy]SingleDeviceStrategy.training_step"} <= set(
+        run.profiler.recorded_durations
+    )
+
+
 def test_model_parallel_strategy_refuses_a_module_without_configure_model():
     """configure_model_counts_as_overridden. ModelParallelStrategy.setup refuses a LightningModule that does not
     override `configure_model`, before it touches the model (no process group needed to see it)."""

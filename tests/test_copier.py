@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import os
 import re
 import shutil
 import site
@@ -33,7 +34,13 @@ MACHINERY_FIX = "src/scaleup/plan/batch.py"  # what the template's next version 
 EXAMPLE_FIX = "src/myproject/models/nets.py"  # ... and in the example code, which is the user's after the copy
 
 
+# copier commits in its scratch repositories: a machine without a git identity must not fail them.
+IDENTITY = {f"GIT_{who}_{what}": value for who in ("AUTHOR", "COMMITTER") for what, value in
+            (("NAME", "test"), ("EMAIL", "test@example.com"))}  # fmt: skip
+
+
 def sh(cwd: Path, *command: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**(env or os.environ), **IDENTITY}
     return check(subprocess.run([str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True))
 
 

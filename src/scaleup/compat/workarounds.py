@@ -55,19 +55,21 @@ def ignore_unresumable_loader_warning() -> None:
 # --- Launch ----------------------------------------------------------------------------------------------------------
 
 
-def clean_exit_launcher(strategy: Any, start_method: str, on_exit: Callable[[], None]) -> Any:
+@functools.cache
+def _clean_exit_launcher_class() -> type:
     """Lightning's spawn launcher, whose workers run `on_exit` (leave the process group together) before they exit.
 
     Lightning 2.6.6. Reason: Lightning's spawn worker function returns with the process group still up and has no
     hook after it; a worker that exits while its peer still holds gloo connections can abort ("terminate called
     without an active exception", seen at the end of a spawned test). Subclasses a private Lightning class, so the
-    class is made when a spawn run needs it (gates.SPAWN_LAUNCHER checks it first).
+    class is made when a spawn run needs it (gates.SPAWN_LAUNCHER checks it first), under this module's name, which
+    pickle finds through the module's `__getattr__` in the spawned workers too.
     Canary: test_spawn_worker_leaves_the_process_group_up.
     """
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
     class CleanExitLauncher(_MultiProcessingLauncher):
-        def __init__(self) -> None:
+        def __init__(self, strategy: Any, start_method: str, on_exit: Callable[[], None]) -> None:
             super().__init__(strategy, start_method=start_method)
             self.on_exit = on_exit  # a module-level function: spawn pickles it into every worker
 
@@ -75,18 +77,25 @@ def clean_exit_launcher(strategy: Any, start_method: str, on_exit: Callable[[], 
             super()._wrapping_function(*args, **kwargs)
             self.on_exit()
 
-    return CleanExitLauncher()
+    CleanExitLauncher.__module__, CleanExitLauncher.__qualname__ = __name__, "CleanExitLauncher"
+    return CleanExitLauncher
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CleanExitLauncher":
+        return _clean_exit_launcher_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class SpawnDDPStrategy(DDPStrategy):
-    """DDPStrategy(start_method="spawn") with `clean_exit_launcher` (same Lightning version, reason and canary)."""
+    """DDPStrategy(start_method="spawn") with the CleanExitLauncher (same Lightning version, reason and canary)."""
 
     def __init__(self, *, on_exit: Callable[[], None], **kwargs: Any) -> None:
         super().__init__(start_method="spawn", **kwargs)
         self.on_exit = on_exit
 
     def _configure_launcher(self) -> None:
-        self._launcher = clean_exit_launcher(self, self._start_method, self.on_exit)
+        self._launcher = _clean_exit_launcher_class()(self, self._start_method, self.on_exit)
 
 
 def keep_sigterm_handler(trainer: L.Trainer, install: Callable[[], None]) -> None:

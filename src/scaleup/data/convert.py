@@ -20,9 +20,7 @@ import json
 import multiprocessing
 import os
 import sys
-import time
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,6 @@ from scaleup.data.shards.index import INDEX, index_document
 from scaleup.errors import UserError, composition_error
 
 OPTIONS = {"out": None, "samples_per_shard": "1024", "workers": str(min(8, os.cpu_count() or 1))}
-PROGRESS_SECONDS = 5.0  # between two progress lines of a split
 _SPLITS: dict[str, Dataset] = {}  # inherited by the forked workers: the data set is built once
 
 
@@ -114,7 +111,8 @@ def convert(splits: dict[str, Dataset], out: Path, per_shard: int, workers: int,
             directory = out / split
             directory.mkdir(parents=True, exist_ok=True)
             tasks = [(split, k, per_shard, str(directory)) for k in range(-(-len(dataset) // per_shard))]
-            written = list(with_progress(split, pool.imap(write_shard, tasks, chunksize=1), len(tasks)))
+            written = pool.map(write_shard, tasks, chunksize=1)
+            print(f"{split}: {len(written)}/{len(tasks)} shards written", flush=True)
             fields = {tuple(w["fields"]) for w in written}
             if len(fields) != 1:
                 raise UserError(f"the shards of {split} hold different fields: {sorted(fields)}")
@@ -122,16 +120,6 @@ def convert(splits: dict[str, Dataset], out: Path, per_shard: int, workers: int,
             (directory / INDEX).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
             checksums[split] = doc["scaleup"]["checksum"]
     return checksums
-
-
-def with_progress(split: str, written: Iterator[dict], total: int) -> Iterator[dict]:
-    """The shards as they are written, with `<split>: k/total shards written` at most every PROGRESS_SECONDS."""
-    shown = time.monotonic()
-    for done, shard in enumerate(written, 1):
-        if done == total or time.monotonic() - shown >= PROGRESS_SECONDS:
-            print(f"{split}: {done}/{total} shards written", flush=True)
-            shown = time.monotonic()
-        yield shard
 
 
 class _InProcess:
@@ -143,8 +131,8 @@ class _InProcess:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def imap(self, fn, tasks, chunksize: int = 1) -> Iterator:
-        return map(fn, tasks)
+    def map(self, fn, tasks, chunksize: int = 1) -> list:
+        return [fn(task) for task in tasks]
 
 
 def compose_train(overrides: list[str]) -> Any:

@@ -25,17 +25,12 @@ QUICK_RUN = ["trainer.max_epochs=1", "trainer.enable_progress_bar=false"]
 
 def remove(monkeypatch: pytest.MonkeyPatch, private: gates.Private) -> None:
     """The private name gone, as a Lightning release without it would have it."""
-    module, _, attrs = private.path.partition(":")
-    *owner, name = attrs.split(".")
-    target = gates.Private(f"{module}:{'.'.join(owner)}" if owner else module).resolve()
-    monkeypatch.delattr(target, name)
+    monkeypatch.delattr(*private.owner())
 
 
 def change_signature(monkeypatch: pytest.MonkeyPatch, path: gates.Private) -> None:
     """The private function still there, with other parameters (it still does what it did)."""
-    module, _, attrs = path.path.partition(":")
-    *owner, name = attrs.split(".")
-    target = gates.Private(f"{module}:{'.'.join(owner)}" if owner else module).resolve()
+    target, name = path.owner()
     original = getattr(target, name)
     monkeypatch.setattr(target, name, lambda *args, **kwargs: original(*args, **kwargs))
 
@@ -122,9 +117,7 @@ import importlib, json, pkgutil, runpy, sys
 from scaleup.compat.gates import Private
 paths, run_dir = json.loads(sys.argv[1]), sys.argv[2]
 for path in paths:
-    module, _, attrs = path.partition(":")
-    *owner, name = attrs.split(".")
-    target = Private(f"{module}:{'.'.join(owner)}" if owner else module).resolve()
+    target, name = Private(path).owner()
     if name in vars(target):
         delattr(target, name)
 import scaleup

@@ -226,9 +226,7 @@ class FastPath:
 
     def install(self) -> Callable[[], None]:
         """Replace the target; returns what puts Lightning's own code back."""
-        module, _, attrs = self.target.path.partition(":")
-        *owner_path, name = attrs.split(".")
-        owner = Private(f"{module}:{'.'.join(owner_path)}" if owner_path else module).resolve()
+        owner, name = self.target.owner()
         original = vars(owner)[name]  # its own attribute: the gate checked
         setattr(owner, name, self.replacement(original))
         return lambda: setattr(owner, name, original)

@@ -42,6 +42,12 @@ class Private:
             found = vars(found)[attr] if isinstance(found, type) else getattr(found, attr)
         return found
 
+    def owner(self) -> tuple[Any, str]:
+        """(the module or class holding the name, the name's last part): where it is replaced or removed."""
+        module, _, attrs = self.path.partition(":")
+        *owner, name = attrs.split(".")
+        return Private(f"{module}:{'.'.join(owner)}" if owner else module).resolve(), name
+
     def problem(self) -> str | None:
         """What is gone or changed, or None."""
         try:

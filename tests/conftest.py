@@ -21,6 +21,7 @@ import math
 import multiprocessing
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -193,12 +194,16 @@ def in_process(args: list[str], *, job: str = "train") -> Any:
         del cfg["hydra"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    sigterm = signal.getsignal(signal.SIGTERM)
     try:
         with log or contextlib.nullcontext():
-            return {"train": train, "eval": evaluate, "export": export}[job](cfg)
+            result = {"train": train, "eval": evaluate, "export": export}[job](cfg)
     finally:
         torch.set_num_threads(threads)
         HydraConfig.instance().cfg = None
+    # A job leaves the process's SIGTERM handler as it found it (processes forked later must still die on it).
+    assert signal.getsignal(signal.SIGTERM) == sigterm, f"{job} left SIGTERM to {signal.getsignal(signal.SIGTERM)}"
+    return result
 
 
 def start(command: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.Popen:

@@ -19,6 +19,7 @@ import io
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import zlib
 from pathlib import Path
@@ -104,7 +105,9 @@ def convert(splits: dict[str, Dataset], out: Path, per_shard: int, workers: int,
     _SPLITS.update(splits)
     checksums = {}
     context = multiprocessing.get_context("fork")  # the workers inherit the data set instead of rebuilding it
-    with context.Pool(workers) if workers > 1 else _InProcess() as pool:
+    # A worker dies on the SIGTERM that ends the pool, whatever handler this process had (a training job's).
+    pool = context.Pool(workers, signal.signal, (signal.SIGTERM, signal.SIG_DFL)) if workers > 1 else _InProcess()
+    with pool:
         for split, dataset in splits.items():
             if not len(dataset):  # e.g. data.test_size=0: nothing to shard
                 continue

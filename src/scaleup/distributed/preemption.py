@@ -42,7 +42,10 @@ def interrupted(err: BaseException) -> bool:
 def exit_when_stopped(stop: StopOnSigterm, resume_hint: str) -> Iterator[None]:
     """Exit 143 when the stage ends because of SIGTERM, also when it ended in another error after the signal
     (a peer that stopped first closes its connections: the collective this rank waited in fails); exit 130 with
-    the same hint after Ctrl-C."""
+    the same hint after Ctrl-C. The SIGTERM handler the job found is put back when it ends: a process that
+    trains twice (a notebook, a test session) and the processes it forks later still die on SIGTERM."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    found = signal.getsignal(signal.SIGTERM)
     try:
         yield
     except BaseException as err:
@@ -53,6 +56,9 @@ def exit_when_stopped(stop: StopOnSigterm, resume_hint: str) -> Iterator[None]:
             raise
         log.warning(f"stopped by SIGTERM; {resume_hint}")
         sys.exit(EXIT_PREEMPTED)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, found)
 
 
 class StopOnSigterm(Callback):
@@ -64,8 +70,9 @@ class StopOnSigterm(Callback):
     Canary: test_sigterm_in_test_ends_plain_lightning_with_exit_code_0.
 
     Here the handler only sets a flag. It is installed in `setup`, right after Lightning starts the process group,
-    and stays until the job ends: Lightning's own, registered when each stage starts, is replaced at once
-    (`keep_sigterm_handler`), and between stages Lightning restores the handler it found, this one.
+    and stays until the job ends, where `exit_when_stopped` puts back the one it found: Lightning's own, registered
+    when each stage starts, is replaced at once (`keep_sigterm_handler`), and between stages Lightning restores the
+    handler it found, this one.
 
     Training checks the flag at the end of every micro-batch (the last callback, so the others finish that batch;
     where a mid-epoch ModelCheckpoint saves too): on one process the flag itself, on several an all-reduce (max)

@@ -5,7 +5,8 @@ serves and adds latency and faults on demand.
 loopback port, in a daemon thread of this process; `stop()` shuts it down. Clients reach it the standard way:
 `AWS_ENDPOINT_URL=<endpoint.url>` with any access key (`endpoint.env`, which also turns botocore's own retries off).
 
-- `requests` and `bytes_sent`: the requests served and the response body bytes sent, since the last `reset()`.
+- `requests` and `bytes_sent`: the requests served and the response body bytes sent, since the last `reset()`;
+  `sent_under(prefix)`: the bytes sent for the objects whose path starts with `prefix` (`/bucket/digits/train/`).
 - `delay_s`: seconds added before every response.
 - `fail(times, status=503, path="")`: the next `times` requests whose path contains `path` are answered with
   `status` (S3's SlowDown body) instead of reaching moto; `drop(times, path="")`: their connection is closed
@@ -87,6 +88,7 @@ class S3Endpoint:
         """Zero the counters, remove the delay and every pending fault."""
         with self._lock:
             self.requests, self.bytes_sent, self.delay_s = 0, 0, 0.0
+            self._sent_by_path: dict[str, int] = {}
             self._faults: list[Fault] = []
 
     def fail(self, times: int, status: int = 503, path: str = "") -> None:
@@ -106,10 +108,15 @@ class S3Endpoint:
                     return fault
         return None
 
-    def _count(self, body: Iterable[bytes]) -> Iterable[bytes]:
+    def sent_under(self, prefix: str) -> int:
+        with self._lock:
+            return sum(sent for path, sent in self._sent_by_path.items() if path.startswith(prefix))
+
+    def _count(self, body: Iterable[bytes], path: str) -> Iterable[bytes]:
         for chunk in body:
             with self._lock:
                 self.bytes_sent += len(chunk)
+                self._sent_by_path[path] = self._sent_by_path.get(path, 0) + len(chunk)
             yield chunk
 
     def __call__(self, environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
@@ -125,4 +132,4 @@ class S3Endpoint:
             headers = [("Content-Type", "application/xml"), ("Content-Length", str(len(SLOW_DOWN)))]
             start_response(f"{fault.status} Slow Down", headers)
             return [] if environ["REQUEST_METHOD"] == "HEAD" else [SLOW_DOWN]
-        return self._count(self._app(environ, start_response))
+        return self._count(self._app(environ, start_response), environ.get("PATH_INFO", ""))

@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+from test_launchers import free_port
 
 from conftest import (
     EXACT,
@@ -24,16 +26,18 @@ from conftest import (
     QUICK,
     TOLERANCE,
     assert_same_weights,
-    check,
+    clean_env,
     in_process,
+    merged,
     read_json,
-    run,
     save_every,
+    start,
     weights,
 )
 from myproject.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
 from scaleup.data.convert import main as convert
 from scaleup.data.image_batches import normalize
+from scaleup.data.index import main as index_main
 from scaleup.data.samplers import resumed_steps
 from scaleup.data.sharded import ShardedDataModule
 from scaleup.data.shards import remote
@@ -178,12 +182,12 @@ def test_evaluation_counts_every_sample_once_in_contiguous_runs(shards, world):
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
-def without_member_checksums(directory: Path) -> None:
-    """Rewrite every index under `directory` as a converter before per-member checksums wrote it."""
+def as_older_index(directory: Path) -> None:
+    """Rewrite every index under `directory` as a converter before per-member checksums and spans wrote it."""
     for path in directory.rglob("index.json"):
         doc = json.loads(path.read_text())
         for shard in doc["shardlist"]:
-            del shard["crc32"]
+            del shard["crc32"], shard["spans"]
         doc["scaleup"]["checksum"] = shard_list_checksum(doc["shardlist"])
         path.write_text(json.dumps(doc))
 
@@ -200,7 +204,7 @@ def test_a_flipped_corrupt_or_truncated_shard_is_one_error_naming_it(shards, tmp
     with pytest.raises(UserError, match=r"sample 64 of shard .*/shard-000001.tar \(split train\) fails its checksum"):
         dm.splits["train"][PER_SHARD]
     assert dm.splits["train"][PER_SHARD + 1][1] == module(shards).rank_loader().dataset[PER_SHARD + 1][1]
-    without_member_checksums(copy)  # an older index: read unchecked, and a damaged .npy header still found
+    as_older_index(copy)  # an older index: read unchecked, and a damaged .npy header still found
     data[600] ^= 0xFF
     victim.write_bytes(bytes(data))
     with pytest.raises(UserError, match=r"sample 64 of shard .*train/shard-000001.tar cannot be decoded \(Cannot"):
@@ -209,7 +213,9 @@ def test_a_flipped_corrupt_or_truncated_shard_is_one_error_naming_it(shards, tmp
     data[1024 + 10] ^= 0xFF  # the name in the second member's header
     victim.write_bytes(bytes(data))
     with pytest.raises(UserError, match=r"shard .*train/shard-000001.tar is corrupt: bad tar header checksum"):
-        module(copy).rank_loader().dataset[PER_SHARD]
+        module(copy).rank_loader().dataset[PER_SHARD]  # the older index: the headers are walked
+    shutil.copy(shards / "train/index.json", copy / "train/index.json")  # with spans, no header is read
+    assert module(copy).rank_loader().dataset[PER_SHARD][1] == module(shards).rank_loader().dataset[PER_SHARD][1]
     victim.write_bytes(bytes(data[:-1024]))
     with pytest.raises(UserError, match=r"shard-000001.tar changed after its index was written \(\d+ bytes"):
         module(copy).rank_loader().dataset[PER_SHARD]
@@ -272,18 +278,43 @@ def sharded_exact(shards: Path) -> list[str]:
     return [*kept, "data=sharded", f"data.url={shards}", "data.window_shards=2", augment]
 
 
+def two_nodes(args: list[str], run_dir: Path, env: dict[str, str]) -> None:
+    """`python train.py` on 2 nodes x 2 processes: one torchrun per node on 127.0.0.1, each node its own cache."""
+    port = free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2"]
+    torchrun += ["--master_addr=127.0.0.1", f"--master_port={port}"]
+    args = [*merged(args), "trainer.devices=2", "trainer.num_nodes=2"]
+    nodes = [
+        start([*torchrun, f"--node_rank={node}", "train.py", *args, f"data.cache_dir={run_dir}-node{node}"], env=env)
+        for node in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=400)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+
+
 @pytest.mark.slow
-def test_sharded_training_equal_on_one_and_two_processes_and_resumes_across_devices_and_workers(shards, tmp_path):
-    """float64: 1 process without loader workers; 2 processes with 2 workers each (saving mid-epoch at step 13, 5
-    of epoch 1's 8); that checkpoint resumed on 1 process with 1 worker. All three end with the same weights, and
-    evaluate every validation and test sample once."""
+def test_sharded_training_equal_on_one_process_and_two_nodes_from_s3_and_resumes_across_devices_and_workers(
+    shards, wds_shards, s3_endpoint, s3, tmp_path
+):
+    """float64: 1 process without loader workers, on the converted shards in a local directory; 2 nodes x 2
+    processes with 2 workers each, on ShardWriter's tars (indexed as they are) from S3 by sample, saving mid-epoch
+    at step 13 (5 of epoch 1's 8), the training split served at most once per epoch for the whole job; that
+    checkpoint resumed on 1 process with 1 worker, on those tars in a local directory. All three end with the
+    same weights, and evaluate every validation and test sample once."""
     args = sharded_exact(shards)
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
     in_process([*args, "trainer.devices=1", "data.num_workers=0", f"hydra.run.dir={one}"])
-    check(run([*args, "trainer.devices=2", "data.num_workers=2", *save_every("at13", 13), f"hydra.run.dir={two}"]))
-    assert read_json(two / "plan.json")["world_size"] == 2
+    url = upload(wds_shards, s3_endpoint, "wds")
+    s3.reset()
+    remote = [*args, f"data.url={url}", "data.num_workers=2", *save_every("at13", 13), f"hydra.run.dir={two}"]
+    two_nodes(remote, two, clean_env(**s3.env))
+    assert (read_json(two / "plan.json")["world_size"], read_json(two / "plan.json")["num_nodes"]) == (4, 2)
+    served = s3.sent_under("/bucket/wds/train/") - s3.sent_under("/bucket/wds/train/index.json")
+    epochs = int(next(a for a in EXACT if a.startswith("trainer.max_epochs=")).split("=")[1])
+    print(f"training split served {served / split_bytes(wds_shards, 'train'):.2f}x its size in {epochs} epochs")
+    assert served <= 1.1 * epochs * split_bytes(wds_shards, "train")
     # One loader worker: its first indices are drawn as the loader starts, before Lightning sets the epoch.
-    resume = [f"ckpt_path={two / 'steps/at-13.ckpt'}", f"hydra.run.dir={resumed}"]
+    resume = [f"ckpt_path={two / 'steps/at-13.ckpt'}", f"hydra.run.dir={resumed}", f"data.url={wds_shards}"]
     in_process([*args, "trainer.devices=1", "data.num_workers=1", *resume])
     reference = weights(one / "checkpoints/last.ckpt")
     for other in (two, resumed):
@@ -351,31 +382,100 @@ def test_webdataset_reads_the_shards_as_its_own(shards):
 
 
 @pytest.fixture(scope="module")
-def s3_shards(shards, s3_endpoint) -> str:
-    """The digits shards uploaded to the S3 endpoint through s3fs, as a user uploads a data set."""
+def wds_shards(shards, tmp_path_factory) -> Path:
+    """The digits splits written again by webdataset's own ShardWriter (its keys, fields `cls` and `npy`, 64 to a
+    tar, as the converter cut them), then indexed where they lie by `python -m scaleup.data.index`."""
+    import webdataset as wds
+
+    out = tmp_path_factory.mktemp("wds")
+    dm = module(shards)
+    dm.setup()
+    for split, samples in dm.splits.items():
+        (out / split).mkdir()
+        with wds.ShardWriter(str(out / split / "part-%04d.tar"), maxcount=PER_SHARD, verbose=0) as sink:
+            for i in range(len(samples)):
+                image, label = samples[i]
+                sink.write({"__key__": f"digit_{split}{i:05d}", "npy": image.numpy(), "cls": label})
+    assert index_main([str(out)]) == 0
+    return out
+
+
+def test_webdataset_writer_tars_indexed_as_they_are_read_as_the_converted_shards(shards, wds_shards, tmp_path, capsys):
+    """The index finds ShardWriter's samples, fields (input first) and model settings without re-encoding, and
+    the same global batches come out; a sample without the chosen fields is refused in one line naming it."""
+    index = ShardIndex.load(f"{wds_shards}/train")
+    assert (len(index), index.fields) == (EXACT_TRAIN, ("npy", "cls"))
+    assert index.model_settings == ShardIndex.load(f"{shards}/train").model_settings
+    assert all(map(torch.equal, global_batches(module(wds_shards), 2, 1), global_batches(module(shards), 2, 1)))
+    import webdataset as wds
+
+    with wds.TarWriter(str(tmp_path / "bad.tar")) as sink:
+        sink.write({"__key__": "a", "npy": np.zeros(2), "cls": 1})
+        sink.write({"__key__": "b", "npy": np.zeros(2)})
+    capsys.readouterr()
+    assert index_main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: sample 'b' of {tmp_path / 'bad.tar'} has the fields ['npy'], not ['npy', 'cls']: every sample "
+        "needs the same fields (choose them with fields=...)\n"
+    )
+
+
+def upload(directory: Path, endpoint, name: str) -> str:
+    """`directory` uploaded to the S3 endpoint through s3fs, as a user uploads a data set: its s3:// URL."""
     import s3fs
 
     with pytest.MonkeyPatch.context() as env:
-        for key, value in s3_endpoint.env.items():
+        for key, value in endpoint.env.items():
             env.setenv(key, value)
-        s3fs.S3FileSystem().put(str(shards), "bucket/digits", recursive=True)
-    return "s3://bucket/digits"
+        s3fs.S3FileSystem().put(str(directory), f"bucket/{name}", recursive=True)
+    return f"s3://bucket/{name}"
 
 
-def test_s3_with_loader_workers_trains_as_the_local_directory(shards, s3_shards, s3, tmp_path):
+@pytest.fixture(scope="module")
+def s3_shards(shards, s3_endpoint) -> str:
+    return upload(shards, s3_endpoint, "digits")
+
+
+def split_bytes(shards: Path, split: str) -> int:
+    return sum(p.stat().st_size for p in (shards / split).glob("*.tar"))
+
+
+def test_s3_with_loader_workers_trains_as_the_local_directory(shards, s3_shards, s3, tmp_path, caplog):
     """s3:// through AWS_ENDPOINT_URL with 2 forked loader workers (the default): the same metrics as the local
-    directory, and each shard that was read served once (the cache)."""
+    directory, by sample (reads=auto) and by whole shards through the cache, each shard read there served once."""
     short = ["data=sharded", "data.window_shards=2", "data.num_workers=2"]
     short += ["trainer.max_steps=2", "trainer.limit_val_batches=0", "trainer.limit_test_batches=1", *QUICK]
     local = in_process([*short, f"data.url={shards}", f"hydra.run.dir={tmp_path / 'local'}"])
+    assert "data.reads=shards: whole shards of " in caplog.text and "read in place" in caplog.text
     cache = tmp_path / "cache"
-    remote = in_process([*short, f"data.url={s3_shards}", f"data.cache_dir={cache}", f"hydra.run.dir={tmp_path}/s3"])
-    results = [{k: v for k, v in metrics.items() if not k.startswith("perf/")} for metrics in (local, remote)]
-    assert results[0] == results[1] and "test/acc" in results[0]  # perf/: timings
+    remote = [*short, f"data.url={s3_shards}", f"data.cache_dir={cache}"]
+    by_sample = in_process([*remote, f"hydra.run.dir={tmp_path}/samples"])
+    assert "data.reads=samples: each rank fetches only its own samples of s3://bucket/digits" in caplog.text
+    assert not list(cache.rglob("*.tar"))  # no shard copied whole
+    s3.reset()
+    by_shard = in_process([*remote, "data.reads=shards", f"hydra.run.dir={tmp_path}/shards"])
+    results = [
+        {k: v for k, v in metrics.items() if not k.startswith("perf/")} for metrics in (local, by_sample, by_shard)
+    ]
+    assert results[0] == results[1] == results[2] and "test/acc" in results[0]  # perf/: timings
     cached = sum(p.stat().st_size for p in cache.rglob("*.tar"))  # a folder per split
     indexes = sum((shards / split / "index.json").stat().st_size for split in ("train", "val", "test"))
     assert cached and s3.bytes_sent >= cached + indexes  # every shard in the cache came from S3
     assert s3.bytes_sent < cached + indexes + 64 * 1024  # ... once (the rest: listings)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_by_sample_each_rank_fetches_its_own_samples_once_ahead_of_its_loader(shards, s3_shards, s3, workers, tmp_path):
+    """reads=samples over S3, 2 ranks of 2 epochs: exactly the local directory's global batches, and the bytes
+    the endpoint serves for the training split, over both ranks, at most its size per epoch (the rank's next
+    steps were prefetched to local disk: no sample fetched twice), tiny prefetch units to cross many."""
+    remote = module(s3_shards, reads="samples", prefetch_mb=0.05, num_workers=workers, cache_dir=str(tmp_path))
+    for epoch in (0, 1):
+        assert all(map(torch.equal, global_batches(remote, 2, epoch), global_batches(module(shards), 2, epoch)))
+    served = s3.sent_under("/bucket/digits/train/") - s3.sent_under("/bucket/digits/train/index.json")
+    payload = sum(int(spans[:, :, 1].sum()) for spans in ShardIndex.load(f"{shards}/train").spans)
+    trained = 512 / 513  # 8 steps of 64 of the 513 samples, each epoch
+    assert 2 * trained * payload <= served <= 2 * split_bytes(shards, "train")
 
 
 def test_s3_503s_and_dropped_connections_that_clear_are_retried(shards, s3_shards, s3, monkeypatch, caplog, tmp_path):
@@ -436,6 +536,31 @@ def test_a_dead_s3_endpoint_is_one_line_naming_the_url_after_bounded_retries(mon
     ), line
     retry = r"index.json failed \(EndpointConnectionError: .*\); try (\d) of 3 in ([\d.]+) s"
     assert re.findall(retry, caplog.text) == [("2", "0.1"), ("3", "0.2")]
+
+
+def test_a_flipped_byte_on_s3_or_in_the_cache_is_one_error_naming_the_sample(shards, s3, tmp_path):
+    """One flipped payload byte, read by sample from the endpoint, and in a shard already in the cache."""
+    import s3fs
+
+    copy = shutil.copytree(shards, tmp_path / "flipped")
+    victim = copy / "val/shard-000001.tar"
+    data = bytearray(victim.read_bytes())
+    data[740] ^= 0x01  # a pixel of sample 64 (the shard's first)
+    victim.write_bytes(bytes(data))
+    s3fs.S3FileSystem().put(str(copy), "bucket/flipped", recursive=True)
+    flipped = r"sample 64 of shard s3://bucket/flipped/val/shard-000001.tar \(split val\) fails its checksum"
+    with pytest.raises(UserError, match=flipped):
+        module("s3://bucket/flipped", reads="samples").rank_loader(split="val").dataset[PER_SHARD]
+    cache = tmp_path / "cache"
+    dm = module(s3_shards, reads="shards", cache_dir=str(cache))
+    assert (
+        dm.rank_loader(split="val").dataset[PER_SHARD][1]
+        == module(shards).rank_loader(split="val").dataset[PER_SHARD][1]
+    )
+    (cached,) = cache.rglob("val/shard-000001.tar")  # the downloaded copy, its sha256 checked
+    cached.write_bytes(bytes(data))  # corrupted on the local disk since
+    with pytest.raises(UserError, match=flipped.replace("flipped", "digits")):
+        module(s3_shards, reads="shards", cache_dir=str(cache)).rank_loader(split="val").dataset[PER_SHARD]
 
 
 def test_a_flipped_bit_read_in_a_loader_worker_is_one_line(shards, capsys, tmp_path):

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch.utils.data import Dataset, Subset
 
-from scaleup.data.shards.format import IMAGE_TYPES, encode_field, end_of_archive, sample_bytes
+from scaleup.data.shards.format import IMAGE_TYPES, encode_field, end_of_archive, member_spans, sample_bytes
 from scaleup.data.shards.index import INDEX, index_document
 from scaleup.errors import UserError, composition_error
 
@@ -81,7 +81,7 @@ def write_shard(task: tuple[str, int, int, str]) -> dict[str, Any]:
     fields: list[str] | None = None
     name = f"shard-{shard:06d}.tar"
     partial = Path(directory) / f".partial-{name}"
-    digest, size, crc32 = hashlib.sha256(), 0, []
+    digest, size, crc32, spans = hashlib.sha256(), 0, [], []
     with open(partial, "wb") as out:
         for index in range(first, last):
             stored = raw_sample(dataset, index)
@@ -90,12 +90,14 @@ def write_shard(task: tuple[str, int, int, str]) -> dict[str, Any]:
                 raise UserError(f"sample {index} of {split} has fields {names}, sample {first} {fields}")
             fields = names
             crc32.append([zlib.crc32(data) for _, data in stored])
+            spans.append(member_spans(size, [len(data) for _, data in stored]))
             for piece in (sample_bytes(index, stored),) + ((end_of_archive(),) if index == last - 1 else ()):
                 out.write(piece)
                 digest.update(piece)
                 size += len(piece)
     os.replace(partial, Path(directory) / name)
-    entry = {"url": name, "nsamples": last - first, "filesize": size, "sha256": digest.hexdigest(), "crc32": crc32}
+    entry = {"url": name, "nsamples": last - first, "filesize": size, "sha256": digest.hexdigest()}
+    entry |= {"crc32": crc32, "spans": spans}
     return {"entry": entry, "fields": fields}
 
 

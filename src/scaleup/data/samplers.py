@@ -84,14 +84,19 @@ class GlobalBatchSampler(DistributedSampler):
         return ((self.epoch, index) for index in indices) if self.with_epoch else indices
 
     def _indices(self) -> Iterator[int]:
+        for chunk in self.chunks(self.steps_per_chunk):
+            yield from chunk.tolist()
+
+    def chunks(self, steps_per_chunk: int) -> Iterator[np.ndarray]:
+        """This rank's indices of the epoch (after the steps a resume skips), `steps_per_chunk` steps at a time."""
         shuffled = self.shuffle and self.steps_per_epoch > 0  # a permutation of nothing does not exist
         order = self.epoch_order() if shuffled else None
         # The positions of this rank's slice in one global batch; step s adds s x global batch.
         slice_positions = np.arange(self.rank * self.per_rank, (self.rank + 1) * self.per_rank, dtype=np.int64)
-        for first in range(self._skipped_steps(), self.steps_per_epoch, self.steps_per_chunk):
-            steps = np.arange(first, min(first + self.steps_per_chunk, self.steps_per_epoch), dtype=np.int64)
+        for first in range(self._skipped_steps(), self.steps_per_epoch, steps_per_chunk):
+            steps = np.arange(first, min(first + steps_per_chunk, self.steps_per_epoch), dtype=np.int64)
             positions = steps[:, None] * self.global_batch_size + slice_positions
-            yield from (positions if order is None else order[positions]).ravel().tolist()
+            yield (positions if order is None else order[positions]).ravel()
 
     def epoch_order(self) -> FeistelPermutation:
         """This epoch's permutation of [0, N): indexed with an array of positions, it gives the samples there.

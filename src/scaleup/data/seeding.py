@@ -96,6 +96,13 @@ class SeededSamples(Dataset):
         seed_generators(mixed_seed(self.seed, AUGMENTATION, epoch, index))
         return self.dataset[index]
 
+    def __getitems__(self, keys: list) -> list:
+        """A micro-batch: a dataset that reads a batch's bytes together (`fetch`, sharded data) does so first,
+        then each sample is loaded under its own seed."""
+        if hasattr(self.dataset, "fetch"):
+            self.dataset.fetch([key[1] if isinstance(key, tuple) else key for key in keys])
+        return [self[key] for key in keys]
+
 
 def micro_batch_offset(rank: int, accumulation: int, micro_batch: int, per_device: int) -> int:
     """Where a micro-batch starts in its global batch: rank r holds the r-th contiguous slice of accumulation x

@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 from lightning.pytorch.utilities import rank_zero_only
 from pydantic import Field
@@ -14,10 +15,12 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from scaleup.data.datamodule import GlobalBatchDataModule
 from scaleup.data.image_batches import normalized_batch
 from scaleup.data.samplers import UnrepeatedDistributedSampler
+from scaleup.data.shards.cache import default_cache_dir
 from scaleup.data.shards.dataset import ShardSplit
 from scaleup.data.shards.index import INDEX, ShardIndex
 from scaleup.data.shards.order import ShardWindowSampler
-from scaleup.data.shards.remote import MissingFile
+from scaleup.data.shards.prefetch import Prefetcher, unit_steps
+from scaleup.data.shards.remote import MissingFile, filesystem, is_local
 from scaleup.errors import UserError
 from scaleup.plan.batch import resolve_batch
 
@@ -54,6 +57,8 @@ class ShardedDataModule(GlobalBatchDataModule):
         window_shards: Annotated[int, Field(ge=1)] = 8,
         cache_dir: str | None = None,
         cache_gb: Annotated[float, Field(gt=0)] = 50.0,
+        reads: Literal["auto", "samples", "shards"] = "auto",
+        prefetch_mb: Annotated[float, Field(gt=0)] = 1024.0,
         train_transform: Any = None,
         eval_transform: Any = None,
         mean: Sequence[float] | None = None,
@@ -63,6 +68,8 @@ class ShardedDataModule(GlobalBatchDataModule):
         super().__init__(**loader_kwargs)
         self.url, self.window_shards = url.rstrip("/"), window_shards
         self.cache_dir, self.cache_bytes = cache_dir, int(cache_gb * 2**30)
+        self.reads, self.prefetch_bytes = reads, int(prefetch_mb * 2**20)
+        self._prefetcher: Prefetcher | None = None
         self.train_transform, self.eval_transform = train_transform, eval_transform
         if (mean is None) != (std is None):
             raise UserError("data.mean and data.std go together: set both (per channel, of pixels in [0, 1]) or none")
@@ -113,6 +120,19 @@ class ShardedDataModule(GlobalBatchDataModule):
         except NoShards:  # a dry run before the conversion: an image classifier's settings, unknown
             return {"net.num_classes": None, "net.in_channels": None}
 
+    def read_mode(self, index: ShardIndex) -> str:
+        """`reads`, with "auto" decided: by sample for a remote whose index says where the samples lie, whole
+        shards for a local directory (read in place) and for an index without spans."""
+        if self.reads != "auto":
+            if self.reads == "samples" and any(spans is None for spans in index.spans):
+                raise UserError(
+                    f"data.reads=samples needs the sample spans in {index.url}/{INDEX}, which this index (from an "
+                    "older converter) does not hold: convert the data again, or set data.reads=shards"
+                )
+            return self.reads
+        spans = all(spans is not None for spans in index.spans)
+        return "samples" if spans and not is_local(filesystem(index.url)[0]) else "shards"
+
     def build_splits(self) -> dict[str, Dataset]:
         splits = {
             split: ShardSplit(
@@ -123,15 +143,36 @@ class ShardedDataModule(GlobalBatchDataModule):
                 cache_bytes=self.cache_bytes,
                 # A global batch draws from one window, two at its boundary.
                 keep_open=self.window_shards + 1 if split == "train" else 2,
+                reads=self.read_mode(index),
             )
             for split, index in self.indexes.items()
         }
-        if "train" in splits and rank_zero_only.rank == 0 and (why := splits["train"].cache.too_small()):
-            log.warning(why)
+        train = splits.get("train")
+        if train is not None and rank_zero_only.rank == 0:
+            if train.reads == "samples":
+                log.info(
+                    f"data.reads=samples: each rank fetches only its own samples of {self.url}, by byte range, "
+                    f"its next steps prefetched to local disk (data.prefetch_mb={self.prefetch_bytes / 2**20:g})"
+                )
+            else:
+                log.info(f"data.reads=shards: whole shards of {self.url}, {self._where_shards(train)}")
+                if why := train.cache.too_small():
+                    log.warning(why)
         return splits
 
+    def _where_shards(self, split: ShardSplit) -> str:
+        if split.cache.local:
+            return "read in place"
+        return f"copied once per node into the cache {split.cache.cache_root} (data.cache_gb)"
+
     def train_sampler(self, global_batch_size: int, world_size: int, rank: int) -> ShardWindowSampler:
-        index = self.indexes["train"]
+        index, split = self.indexes["train"], self.splits["train"]
+        prefetch = None
+        if split.reads == "samples":
+            if self._prefetcher is None:  # one per process: the loader's workers read its spool
+                self._prefetcher = Prefetcher(index, Path(self.cache_dir or default_cache_dir()) / "prefetch")
+                split.spool = self._prefetcher.directory
+            prefetch = (self._prefetcher, unit_steps(self.prefetch_bytes, index, global_batch_size // world_size))
         return ShardWindowSampler(
             self.splits["train"],
             global_batch_size,
@@ -142,6 +183,7 @@ class ShardedDataModule(GlobalBatchDataModule):
             window=self.window_shards,
             checksum=index.checksum,
             with_epoch=self._seeded("train"),
+            prefetch=prefetch,
         )
 
     def train_dataloader(self):

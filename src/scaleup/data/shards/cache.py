@@ -95,10 +95,12 @@ class ShardCache:
             buffer = self._map(Path(f"{self.root}/{self.index.names[shard]}"), url, shard)
         else:
             buffer = self._remote(shard, url)
-        try:
-            _, spans = scan(buffer, int(self.index.starts[shard]), int(self.index.counts[shard]))
-        except ShardFormatError as err:
-            raise UserError(f"shard {url} is corrupt: {err}; convert the data again or restore the shard") from None
+        spans = self.index.spans[shard]
+        if spans is None:  # an index without them: walk the tar headers
+            try:
+                _, spans = scan(buffer, int(self.index.starts[shard]), int(self.index.counts[shard]))
+            except ShardFormatError as err:
+                raise UserError(f"shard {url} is corrupt: {err}; convert the data again or restore the shard") from None
         return OpenShard(buffer, spans)
 
     def _map(self, path: Path, url: str, shard: int) -> memoryview:

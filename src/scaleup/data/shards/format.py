@@ -7,9 +7,9 @@ array (`numpy.save`), `cls` an integer class in ASCII decimal, `txt` UTF-8 text.
 so `tar tvf`, `webdataset.WebDataset` and `wids` read the same files (docs/sharded-data.md).
 
 Members are written with mtime 0, owner 0 and mode 0644, so the same samples give the same bytes.
-Reading walks the 512-byte headers once per shard (each header's checksum verified) to find every member's
-offset, after which any sample is a slice of the shard's bytes: random access within the shuffle window, no
-re-parsing.
+The index records where every member's payload lies (`member_spans`), so a reader goes straight to a sample's
+bytes: a slice of a local shard, or a byte range of a remote one. An index without them (written before) is
+read by walking the 512-byte headers once per shard (`scan`, each header's checksum verified).
 """
 
 from __future__ import annotations
@@ -61,6 +61,16 @@ def encode_field(value: Any, position: int, image_type: str | None = None) -> tu
     buffer = io.BytesIO()
     np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
     return f"{position}.npy", buffer.getvalue()
+
+
+def member_spans(start: int, sizes: Sequence[int]) -> list[int]:
+    """Where the payloads of a sample's members lie when the sample's tar bytes begin at `start`: offset and size
+    of each, flat (`[offset0, size0, offset1, size1, ...]`), as the index records them."""
+    spans, position = [], start
+    for size in sizes:
+        spans += [position + BLOCK, size]
+        position += BLOCK + size + (-size % BLOCK)
+    return spans
 
 
 def sample_bytes(index: int, fields: Sequence[tuple[str, bytes]]) -> bytes:

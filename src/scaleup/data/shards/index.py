@@ -2,9 +2,10 @@
 tells whether the shard set changed.
 
 The file is a wids shard index (`"__kind__": "wids-shard-index-v1"`, a `shardlist` of `{url, nsamples,
-filesize}`), so webdataset's own indexed reader opens it too, plus per shard the sha256 of its bytes and the crc32
+filesize}`), so webdataset's own indexed reader opens it too, plus per shard the sha256 of its bytes, the crc32
 of every sample's members (`crc32`: one list per sample, one number per field; an index written before them has
-none, and its samples are read unchecked), and under
+none, and its samples are read unchecked) and where each member's payload lies (`spans`: per sample, offset and
+size of each field, flat; without them a reader walks the shard's tar headers), and under
 `scaleup` the fields of every sample, what the data tells the model (`model_settings`) and `checksum`: the sha256
 of the shard list, which changes whenever a shard is added, removed, reordered or rewritten.
 """
@@ -45,14 +46,15 @@ def index_document(shardlist: list[dict[str, Any]], fields: list[str], model_set
     }
 
 
-def member_checksums(shard: dict[str, Any], fields: int) -> np.ndarray | None:
-    """A shard entry's crc32 of each sample's members as a (samples, fields) array; None without them."""
-    if "crc32" not in shard:
+def per_member(shard: dict[str, Any], key: str, shape: tuple[int, ...], dtype: type) -> np.ndarray | None:
+    """A shard entry's per-sample, per-member list `key` (crc32, spans) as an array of `shape` after the sample
+    count; None when the entry has none (an older index)."""
+    if key not in shard:
         return None
-    crc32 = np.array(shard["crc32"], dtype=np.uint32)
-    if crc32.shape != (shard["nsamples"], fields):
-        raise ValueError(f"{shard['url']}: crc32 of shape {crc32.shape}, not ({shard['nsamples']}, {fields})")
-    return crc32
+    values = np.array(shard[key], dtype=dtype).reshape(-1, *shape)
+    if len(values) != shard["nsamples"]:
+        raise ValueError(f"{shard['url']}: {key} for {len(values)} samples, not {shard['nsamples']}")
+    return values
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class ShardIndex:
     sizes: tuple[int, ...]  # bytes per shard
     sha256: tuple[str, ...]
     crc32: tuple[np.ndarray | None, ...]  # per shard: (samples, fields) uint32, or None (an older index)
+    spans: tuple[np.ndarray | None, ...]  # per shard: (samples, fields, 2) offset and size, int64, or None
     fields: tuple[str, ...]
     model_settings: dict[str, Any]
     checksum: str
@@ -95,7 +98,9 @@ class ShardIndex:
             checksum = shard_list_checksum(shardlist)
             names = tuple(shard["url"] for shard in shardlist)
             counts = np.array([shard["nsamples"] for shard in shardlist], dtype=np.int64)
-            crc32 = tuple(member_checksums(shard, len(meta["fields"])) for shard in shardlist)
+            fields = len(meta["fields"])
+            crc32 = tuple(per_member(shard, "crc32", (fields,), np.uint32) for shard in shardlist)
+            spans = tuple(per_member(shard, "spans", (fields, 2), np.int64) for shard in shardlist)
         except (ValueError, KeyError, TypeError) as err:
             raise UserError(
                 f"{where} is not a scaleup shard index ({type(err).__name__}: {err}); write one with "
@@ -115,6 +120,7 @@ class ShardIndex:
             sizes=tuple(int(shard["filesize"]) for shard in shardlist),
             sha256=tuple(shard["sha256"] for shard in shardlist),
             crc32=crc32,
+            spans=spans,
             fields=tuple(meta["fields"]),
             model_settings=dict(meta.get("model_settings") or {}),
             checksum=checksum,

@@ -17,13 +17,14 @@ reads, and W shards open per process.
 
 from __future__ import annotations
 
-from collections.abc import Sized
+from collections.abc import Iterator, Sized
 
 import numpy as np
 
 from scaleup.data.permutation import FeistelPermutation
 from scaleup.data.samplers import GlobalBatchSampler
 from scaleup.data.seeding import mixed_seed
+from scaleup.data.shards.prefetch import Prefetcher
 
 # Key families of the two permutations; seeding.py's AUGMENTATION and MODEL are 0 and 1.
 SHARD_ORDER, WINDOW_ORDER = 2, 3
@@ -87,10 +88,18 @@ class ShardWindowSampler(GlobalBatchSampler):
         window: int,
         checksum: str,
         with_epoch: bool = False,
+        prefetch: tuple[Prefetcher, int] | None = None,
     ) -> None:
         super().__init__(dataset, global_batch_size, num_replicas, rank, seed, with_epoch=with_epoch)
         self.counts, self.window = counts, window
         self.ORDER = f"shard-window-v1 (window {window}, shards {checksum[:16]})"
+        self.prefetch = prefetch  # the prefetcher and its steps per unit (remote shards read by sample)
+
+    def _indices(self) -> Iterator[int]:
+        if self.prefetch is None:
+            return super()._indices()
+        prefetcher, steps = self.prefetch
+        return prefetcher.ahead(self.chunks(steps))  # the same indices, fetched before the loader asks
 
     def epoch_order(self) -> ShardWindowOrder:
         return ShardWindowOrder(self.counts, self.window, self.seed, self.epoch)

@@ -13,6 +13,14 @@ variants in every repeat, times the training loader of each with `--workers` loa
 - (d) `library`: webdataset's own loader (`webdataset.WebDataset`, no shuffle) on the same shards, batch 32;
   (c) and (d) decode and transform each sample with the same `ImageTransform` as (b);
 
+with `--remote`, the same shards on a local S3 endpoint (moto's server, tests/s3_server.py) that adds
+`--delay-ms` (default 50) to every request, read by sample (`data.reads=samples`):
+
+- (e) `s3_prefetch`: the rank's next steps prefetched to local disk in the background (the default);
+- (f) `s3_direct`: no prefetch (`data.prefetch_mb=0`): each micro-batch's byte ranges fetched when asked for;
+- (g) `unchecked`: (c) with the per-sample crc32 check switched off, to price the check;
+
+each reported as a ratio to (c), per repeat, beside the largest wait for one batch;
 and, beside them, in this process on one thread: `decode`, torchvision.io's JPEG decode alone (the ceiling of
 any pipeline that decodes on this CPU), and `map_inline`, pipeline (b)'s per-sample work without a loader.
 
@@ -21,7 +29,7 @@ sampler, the per-sample seeding, batch 32); a loader's figure counts the samples
 time from the first batch to the last, so worker start-up is left out. Medians over the repeats, and the ratio
 of each to (a), are printed and written to benchmarks/results/loader_cpu.json.
 
-    python benchmarks/loader.py [--images 256] [--repeats 3] [--workers 1] [--json FILE]
+    python benchmarks/loader.py [--images 256] [--repeats 3] [--workers 1] [--remote] [--json FILE]
 """
 
 from __future__ import annotations
@@ -31,10 +39,12 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,6 +59,7 @@ from myproject.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
 from scaleup.data.convert import convert
 from scaleup.data.images import ImageTransform
 from scaleup.data.sharded import ShardedDataModule
+from scaleup.data.shards.dataset import ShardSplit
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WIDTH, HEIGHT, SIZE, BATCH, CLASSES = 500, 375, 224, 32, 2
@@ -97,13 +108,45 @@ def make_shards(root: Path, out: Path) -> Path:
     return out
 
 
-def sharded_batches(shards: Path, workers: int) -> Iterable:
-    """(c): the template's sharded stream from local disk, iterated outside a Trainer."""
+def sharded_batches(shards: Path | str, workers: int, **settings: Any) -> Iterable:
+    """(c): the template's sharded stream from local disk, iterated outside a Trainer; (e), (f): from S3."""
     data = ShardedDataModule(
-        url=str(shards), global_batch_size=BATCH, num_workers=workers, train_transform=ImageTransform(SIZE, True)
+        url=str(shards),
+        global_batch_size=BATCH,
+        num_workers=workers,
+        train_transform=ImageTransform(SIZE, True),
+        **settings,
     )
     data.persistent_workers = False
     return data.rank_loader()
+
+
+def unchecked_batches(shards: Path, workers: int) -> Iterable:
+    """(g): (c) without the crc32 of each member compared (the forked workers inherit the switch)."""
+    check, ShardSplit.check = ShardSplit.check, lambda *args: None
+    try:
+        yield from sharded_batches(shards, workers)
+    finally:
+        ShardSplit.check = check
+
+
+def remote_loaders(shards: Path, delay_ms: float, cache: Path) -> tuple[dict[str, Callable], Callable[[], None]]:
+    """(e) and (f) against a local S3 endpoint holding `shards`, with `delay_ms` added per request; and a stop."""
+    import s3fs
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from s3_server import S3Endpoint
+
+    endpoint = S3Endpoint().start()
+    os.environ.update(endpoint.env)
+    s3fs.S3FileSystem().put(str(shards), "bucket/shards", recursive=True)
+    endpoint.delay_s = delay_ms / 1000
+    url = "s3://bucket/shards"
+    loaders = {
+        "s3_prefetch": lambda _, workers: sharded_batches(url, workers, reads="samples", cache_dir=str(cache)),
+        "s3_direct": lambda _, workers: sharded_batches(url, workers, reads="samples", prefetch_mb=0),
+    }
+    return loaders, endpoint.stop
 
 
 def library_batches(shards: Path, workers: int) -> Iterable:
@@ -118,13 +161,19 @@ def library_batches(shards: Path, workers: int) -> Iterable:
     return DataLoader(stream.batched(BATCH), batch_size=None, num_workers=workers)
 
 
-def loader_rate(batches: Iterable) -> float:
-    """Samples per second from the first batch to the last (the first one's wait includes worker start-up)."""
+def loader_rate(batches: Iterable, waits: list[float] | None = None) -> float:
+    """Samples per second from the first batch to the last (the first one's wait includes worker start-up);
+    the longest wait for one batch after the first is appended to `waits`."""
     iterator = iter(batches)
     next(iterator)
-    start, samples = time.perf_counter(), 0
+    start, samples, longest = time.perf_counter(), 0, 0.0
+    last = start
     for images, _ in iterator:
         samples += len(images)
+        now = time.perf_counter()
+        last, longest = now, max(longest, now - last)
+    if waits is not None:
+        waits.append(longest)
     return samples / (time.perf_counter() - start)
 
 
@@ -142,9 +191,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[1], help="loader worker counts to time")
     parser.add_argument("--data", type=Path, help="where the JPEGs go (default: a temporary directory)")
+    parser.add_argument("--remote", action="store_true", help="also (e)-(g): the shards on a local S3 endpoint")
+    parser.add_argument("--delay-ms", type=float, default=50.0, help="added to every request of the endpoint")
     parser.add_argument("--json", type=Path, default=RESULTS / "loader_cpu.json")
     args = parser.parse_args()
     torch.set_num_threads(1)  # what a loader worker gets
+    stop = None
     with tempfile.TemporaryDirectory() as tmp:
         root = args.data or Path(tmp)
         paths = make_jpegs(root, args.images)
@@ -161,15 +213,22 @@ def main() -> None:
             "shards": sharded_batches,
             "library": library_batches,
         }
+        if args.remote:
+            remote, stop = remote_loaders(shards, args.delay_ms, Path(tmp) / "cache")
+            loaders |= {**remote, "unchecked": unchecked_batches}
         runs: dict[str, list[float]] = {}
+        waits: dict[str, list[float]] = {}
         for repeat in range(args.repeats):
             for name, work in inline.items():
                 runs.setdefault(name, []).append(inline_rate(work, encoded))
             for workers in args.workers:
                 for name, batches in loaders.items():
-                    source = shards if name in ("shards", "library") else root
-                    runs.setdefault(f"{name}/{workers}", []).append(loader_rate(batches(source, workers)))
+                    source = root if name in ("pil", "map") else shards
+                    rate = loader_rate(batches(source, workers), waits.setdefault(f"{name}/{workers}", []))
+                    runs.setdefault(f"{name}/{workers}", []).append(rate)
             print(f"repeat {repeat + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items()), flush=True)
+        if stop is not None:
+            stop()
     medians = {name: statistics.median(rates) for name, rates in runs.items()}
     # Each repeat's ratio to (a) with as many workers, run next to it: the pairs share the machine's load.
     ratios = {
@@ -191,6 +250,18 @@ def main() -> None:
     for workers, r in against_library.items():
         spread = f"{min(r):.2f}-{max(r):.2f}"
         print(f"  (c) shards / (d) webdataset, {workers} worker(s): {statistics.median(r):.2f}x ({spread})")
+    # (e)-(g) against (c), the same shards and work, per repeat: what the remote and the checksums cost.
+    against_local = {
+        name: [x / c for x, c in zip(rates, runs[f"shards/{name.split('/')[1]}"], strict=True)]
+        for name, rates in runs.items()
+        if name.split("/")[0] in ("s3_prefetch", "s3_direct", "unchecked")
+    }
+    for name, r in against_local.items():
+        longest = max(waits[name]) * 1000
+        spread = f"{min(r):.2f}-{max(r):.2f}"
+        print(
+            f"  {name} / (c) shards: {statistics.median(r):.2f}x ({spread}), longest wait for a batch {longest:.0f} ms"
+        )
     result = {
         "machine": {
             "cpu": platform.processor() or platform.machine(),
@@ -203,6 +274,10 @@ def main() -> None:
         "samples_per_s": runs,
         "median": medians,
         "ratio_to_pil": {name: {"median": statistics.median(r), "per_repeat": r} for name, r in ratios.items()},
+        "longest_wait_s": waits,
+        "over_local_shards": {
+            name: {"median": statistics.median(r), "per_repeat": r} for name, r in against_local.items()
+        },
         "shards_over_library": {
             str(workers): {"median": statistics.median(r), "per_repeat": r} for workers, r in against_library.items()
         },

@@ -58,7 +58,7 @@ class ShardedDataModule(GlobalBatchDataModule):
         cache_dir: str | None = None,
         cache_gb: Annotated[float, Field(gt=0)] = 50.0,
         reads: Literal["auto", "samples", "shards"] = "auto",
-        prefetch_mb: Annotated[float, Field(gt=0)] = 1024.0,
+        prefetch_mb: Annotated[float, Field(ge=0)] = 1024.0,
         train_transform: Any = None,
         eval_transform: Any = None,
         mean: Sequence[float] | None = None,
@@ -150,9 +150,10 @@ class ShardedDataModule(GlobalBatchDataModule):
         train = splits.get("train")
         if train is not None and rank_zero_only.rank == 0:
             if train.reads == "samples":
+                ahead = "its next steps prefetched to local disk" if self.prefetch_bytes else "no prefetch"
                 log.info(
                     f"data.reads=samples: each rank fetches only its own samples of {self.url}, by byte range, "
-                    f"its next steps prefetched to local disk (data.prefetch_mb={self.prefetch_bytes / 2**20:g})"
+                    f"{ahead} (data.prefetch_mb={self.prefetch_bytes / 2**20:g})"
                 )
             else:
                 log.info(f"data.reads=shards: whole shards of {self.url}, {self._where_shards(train)}")
@@ -168,7 +169,7 @@ class ShardedDataModule(GlobalBatchDataModule):
     def train_sampler(self, global_batch_size: int, world_size: int, rank: int) -> ShardWindowSampler:
         index, split = self.indexes["train"], self.splits["train"]
         prefetch = None
-        if split.reads == "samples":
+        if split.reads == "samples" and self.prefetch_bytes:
             if self._prefetcher is None:  # one per process: the loader's workers read its spool
                 self._prefetcher = Prefetcher(index, Path(self.cache_dir or default_cache_dir()) / "prefetch")
                 split.spool = self._prefetcher.directory

@@ -42,7 +42,8 @@ def read_samples(index: ShardIndex, fs: fsspec.AbstractFileSystem, root: str, sa
     shards = np.searchsorted(ends, samples, side="right")
     local = samples - (ends[shards] - index.counts[shards])
     spans = np.stack([index.spans[shard][row] for shard, row in zip(shards.tolist(), local.tolist(), strict=True)])
-    begins, finishes = spans[:, 0, 0], spans[:, -1, 0] + spans[:, -1, 1]
+    # A sample's members lie together, in any order (ShardWriter sorts them by name, the index lists the input first).
+    begins, finishes = spans[:, :, 0].min(1), (spans[:, :, 0] + spans[:, :, 1]).max(1)
     # Ranges over the samples in shard and offset order; `starts[r]` is where range r begins in its shard.
     order = np.lexsort((begins, shards))
     range_of = np.empty(len(samples), dtype=np.int64)

@@ -301,10 +301,10 @@ def test_sharded_training_equal_on_one_process_and_two_nodes_from_s3_and_resumes
     shards, wds_shards, s3_endpoint, s3, tmp_path
 ):
     """float64, micro-batches of 16: 1 process without loader workers, on the converted shards in a local
-    directory; 2 nodes x 2 processes with 2 workers each, on ShardWriter's tars (indexed as they are) from S3 by sample, saving mid-epoch
-    at step 13 (5 of epoch 1's 8), the training split served at most once per epoch for the whole job; that
-    checkpoint resumed on 1 process with 1 worker, on those tars in a local directory. All three end with the
-    same weights, and evaluate every validation and test sample once."""
+    directory; 2 nodes x 2 processes with 2 workers each, on ShardWriter's tars (indexed as they are) from S3 by
+    sample, saving mid-epoch at step 13 (5 of epoch 1's 8), the training split served at most once per epoch for
+    the whole job; that checkpoint resumed on 1 process with 1 worker, on those tars in a local directory. All
+    three end with the same weights, and evaluate every validation and test sample once."""
     args = [*sharded_exact(shards), "data.max_per_device_batch_size=16"]  # micro-batches of 16 on every topology
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
     in_process([*args, "trainer.devices=1", "data.num_workers=0", f"hydra.run.dir={one}"])
@@ -491,7 +491,7 @@ def test_s3_503s_and_dropped_connections_that_clear_are_retried(shards, s3_shard
     assert s3.requests == 3 + 2  # HEAD and GET
     assert "val/index.json failed (OSError: [Errno 16] Service Unavailable); try 4 of 5 in 0.04 s" in caplog.text
     s3.drop(10, path="val/shard-000001.tar")
-    dm = module(s3_shards, cache_dir=str(tmp_path))
+    dm = module(s3_shards, cache_dir=str(tmp_path), reads="shards")
     dm.setup()
     image, label = dm.splits["val"][PER_SHARD]
     expected = module(shards).rank_loader(split="val").dataset[PER_SHARD]
@@ -542,7 +542,7 @@ def test_a_dead_s3_endpoint_is_one_line_naming_the_url_after_bounded_retries(mon
     assert re.findall(retry, caplog.text) == [("2", "0.1"), ("3", "0.2")]
 
 
-def test_a_flipped_byte_on_s3_or_in_the_cache_is_one_error_naming_the_sample(shards, s3, tmp_path):
+def test_a_flipped_byte_on_s3_or_in_the_cache_is_one_error_naming_the_sample(shards, s3_shards, s3, tmp_path):
     """One flipped payload byte, read by sample from the endpoint, and in a shard already in the cache."""
     import s3fs
 
@@ -561,7 +561,7 @@ def test_a_flipped_byte_on_s3_or_in_the_cache_is_one_error_naming_the_sample(sha
         dm.rank_loader(split="val").dataset[PER_SHARD][1]
         == module(shards).rank_loader(split="val").dataset[PER_SHARD][1]
     )
-    (cached,) = cache.rglob("val/shard-000001.tar")  # the downloaded copy, its sha256 checked
+    (cached,) = cache.rglob("shard-000001.tar")  # the downloaded copy (val: nothing else was read), sha256 checked
     cached.write_bytes(bytes(data))  # corrupted on the local disk since
     with pytest.raises(UserError, match=flipped.replace("flipped", "digits")):
         module(s3_shards, reads="shards", cache_dir=str(cache)).rank_loader(split="val").dataset[PER_SHARD]

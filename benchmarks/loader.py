@@ -18,7 +18,8 @@ with `--remote`, the same shards on a local S3 endpoint (moto's server, tests/s3
 
 - (e) `s3_prefetch`: the rank's next steps prefetched to local disk in the background (the default);
 - (f) `s3_direct`: no prefetch (`data.prefetch_mb=0`): each micro-batch's byte ranges fetched when asked for;
-- (g) `unchecked`: (c) with the per-sample crc32 check switched off, to price the check;
+- (g) `unchecked`: (c) with the per-sample crc32 check switched off, to price the check (also `crc32`, inline:
+  the check alone, as a share of `map_inline`'s work per sample);
 
 each reported as a ratio to (c), per repeat, beside the largest wait for one batch;
 and, beside them, in this process on one thread: `decode`, torchvision.io's JPEG decode alone (the ceiling of
@@ -39,9 +40,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -131,22 +134,31 @@ def unchecked_batches(shards: Path, workers: int) -> Iterable:
 
 
 def remote_loaders(shards: Path, delay_ms: float, cache: Path) -> tuple[dict[str, Callable], Callable[[], None]]:
-    """(e) and (f) against a local S3 endpoint holding `shards`, with `delay_ms` added per request; and a stop."""
+    """(e) and (f) against a local S3 endpoint holding `shards`, with `delay_ms` added per request, served by a
+    process of its own (its CPU is the remote's, not the loader's); and a stop."""
     import s3fs
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from s3_server import S3Endpoint
-
-    endpoint = S3Endpoint().start()
-    os.environ.update(endpoint.env)
-    s3fs.S3FileSystem().put(str(shards), "bucket/shards", recursive=True)
-    endpoint.delay_s = delay_ms / 1000
-    url = "s3://bucket/shards"
+    server = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve().parents[1] / "tests" / "s3_server.py"), str(delay_ms)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    url = server.stdout.readline().strip()
+    os.environ.update(
+        AWS_ENDPOINT_URL=url,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    s3 = s3fs.S3FileSystem()
+    s3.mkdir("bucket")
+    s3.put(str(shards), "bucket/shards", recursive=True)
+    remote = "s3://bucket/shards"
     loaders = {
-        "s3_prefetch": lambda _, workers: sharded_batches(url, workers, reads="samples", cache_dir=str(cache)),
-        "s3_direct": lambda _, workers: sharded_batches(url, workers, reads="samples", prefetch_mb=0),
+        "s3_prefetch": lambda _, workers: sharded_batches(remote, workers, reads="samples", cache_dir=str(cache)),
+        "s3_direct": lambda _, workers: sharded_batches(remote, workers, reads="samples", prefetch_mb=0),
     }
-    return loaders, endpoint.stop
+    return loaders, server.kill
 
 
 def library_batches(shards: Path, workers: int) -> Iterable:
@@ -205,6 +217,7 @@ def main() -> None:
         inline = {
             "decode": lambda data, name: decode_jpeg(data),
             "map_inline": transform.from_bytes,
+            "crc32": lambda data, name: zlib.crc32(data.numpy()),  # the check each sample's members pass
         }
         shards = make_shards(root, root / "shards")
         loaders = {
@@ -256,6 +269,9 @@ def main() -> None:
         for name, rates in runs.items()
         if name.split("/")[0] in ("s3_prefetch", "s3_direct", "unchecked")
     }
+    if "crc32" in medians:
+        share = medians["map_inline"] / medians["crc32"]
+        print(f"  the crc32 check: {share:.1%} of a sample's decode and transform (crc32 {medians['crc32']:.0f}/s)")
     for name, r in against_local.items():
         longest = max(waits[name]) * 1000
         spread = f"{min(r):.2f}-{max(r):.2f}"

@@ -133,3 +133,18 @@ class S3Endpoint:
             start_response(f"{fault.status} Slow Down", headers)
             return [] if environ["REQUEST_METHOD"] == "HEAD" else [SLOW_DOWN]
         return self._count(self._app(environ, start_response), environ.get("PATH_INFO", ""))
+
+
+def main() -> None:
+    """`python tests/s3_server.py [DELAY_MS]`: serve in this process, print the URL, run until killed (a remote
+    that does not share the GIL of the process it serves, for benchmarks/loader.py)."""
+    import sys
+
+    endpoint = S3Endpoint().start()
+    endpoint.delay_s = float(sys.argv[1]) / 1000 if len(sys.argv) > 1 else 0.0
+    print(endpoint.url, flush=True)
+    endpoint._thread.join()
+
+
+if __name__ == "__main__":
+    main()

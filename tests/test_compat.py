@@ -135,6 +135,7 @@ for args in (["dry_run=true"], ["trainer.max_epochs=1", "trainer.enable_progress
 """
 
 
+@pytest.mark.slow
 def test_without_any_private_name_the_engine_imports_plans_and_refuses_to_train_in_one_line(tmp_path):
     """Every private name removed at once: every engine module imports, a dry run plans, a training run is
     refused in one line with exit code 2."""

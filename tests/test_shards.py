@@ -444,6 +444,7 @@ def split_bytes(shards: Path, split: str) -> int:
     return sum(p.stat().st_size for p in (shards / split).glob("*.tar"))
 
 
+@pytest.mark.slow
 def test_s3_with_loader_workers_trains_as_the_local_directory(shards, s3_shards, s3, tmp_path, caplog):
     """s3:// through AWS_ENDPOINT_URL with 2 forked loader workers (the default): the same metrics as the local
     directory, by sample (reads=auto) and by whole shards through the cache, each shard read there served once."""
@@ -468,7 +469,7 @@ def test_s3_with_loader_workers_trains_as_the_local_directory(shards, s3_shards,
     assert s3.bytes_sent < cached + indexes + 64 * 1024  # ... once (the rest: listings)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_by_sample_each_rank_fetches_its_own_samples_once_ahead_of_its_loader(shards, s3_shards, s3, workers, tmp_path):
     """reads=samples over S3, 2 ranks of 2 epochs: exactly the local directory's global batches, and the bytes
     the endpoint serves for the training split, over both ranks, at most its size per epoch (the rank's next
@@ -497,6 +498,12 @@ def test_s3_503s_and_dropped_connections_that_clear_are_retried(shards, s3_shard
     expected = module(shards).rank_loader(split="val").dataset[PER_SHARD]
     assert torch.equal(image, expected[0]) and label == expected[1]
     assert "val/shard-000001.tar failed (ConnectionClosedError: Connection was closed" in caplog.text
+    by_sample = module(s3_shards, reads="samples").rank_loader(split="val").dataset
+    s3.reset()
+    s3.fail(2, status=503, path="val/shard-000002.tar")  # by sample: a ranged read meets two 503s, then succeeds
+    image, label = by_sample[2 * PER_SHARD]
+    expected = module(shards).rank_loader(split="val").dataset[2 * PER_SHARD]
+    assert torch.equal(image, expected[0]) and label == expected[1] and s3.requests == 3
 
 
 def entry_point(args: list[str], capsys) -> str:

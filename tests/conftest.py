@@ -27,16 +27,15 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import OmegaConf, open_dict, read_write
 
-from scaleup.distributed.run_dir import register_resolvers
+if TYPE_CHECKING:
+    import torch
+
+# torch, Hydra and the template are imported where they are used: pytest's controlling process loads this file
+# too, and imports nothing heavy before it starts the workers.
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -196,6 +195,13 @@ def in_process(args: list[str], *, job: str = "train") -> Any:
     Returns what the job returns (`train`/`eval`: the final metrics). Torch runs on one thread, as the
     subprocesses do (OMP_NUM_THREADS=1), so an in-process run and a subprocess run compute the same bits.
     """
+    import torch
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf, open_dict, read_write
+
+    from scaleup.distributed.run_dir import register_resolvers
     from scaleup.evaluate import evaluate
     from scaleup.export import export
     from scaleup.train import train
@@ -247,11 +253,15 @@ def read_json(path: Path) -> dict:
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    import torch
+
     return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
 
 
 def assert_same_weights(a: dict, b: dict, rtol: float, atol: float) -> float:
     """Assert two state_dicts match; return the largest absolute difference."""
+    import torch
+
     assert a.keys() == b.keys()
     worst = 0.0
     for key in a:

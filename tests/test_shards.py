@@ -404,6 +404,7 @@ def wds_shards(shards, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_webdataset_writer_tars_indexed_as_they_are_read_as_the_converted_shards(shards, wds_shards, tmp_path, capsys):
     """The index finds ShardWriter's samples, fields (input first) and model settings without re-encoding, and
     the same global batches come out; a sample without the chosen fields is refused in one line naming it."""
@@ -469,7 +470,8 @@ def test_s3_with_loader_workers_trains_as_the_local_directory(shards, s3_shards,
     assert s3.bytes_sent < cached + indexes + 64 * 1024  # ... once (the rest: listings)
 
 
-@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
 def test_by_sample_each_rank_fetches_its_own_samples_once_ahead_of_its_loader(shards, s3_shards, s3, workers, tmp_path):
     """reads=samples over S3, 2 ranks of 2 epochs: exactly the local directory's global batches, and the bytes
     the endpoint serves for the training split, over both ranks, at most its size per epoch (the rank's next
@@ -483,6 +485,7 @@ def test_by_sample_each_rank_fetches_its_own_samples_once_ahead_of_its_loader(sh
     assert 2 * trained * payload <= served <= 2 * split_bytes(shards, "train")
 
 
+@pytest.mark.slow
 def test_s3_503s_and_dropped_connections_that_clear_are_retried(shards, s3_shards, s3, monkeypatch, caplog, tmp_path):
     """503 SlowDown answers, then connections closed with no answer, 10 in a row (one s3fs read: its own 5 tries of
     2 requests): the template tries again with backoff, and the reads succeed once the endpoint recovers."""
@@ -549,6 +552,7 @@ def test_a_dead_s3_endpoint_is_one_line_naming_the_url_after_bounded_retries(mon
     assert re.findall(retry, caplog.text) == [("2", "0.1"), ("3", "0.2")]
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_on_s3_or_in_the_cache_is_one_error_naming_the_sample(shards, s3_shards, s3, tmp_path):
     """One flipped payload byte, read by sample from the endpoint, and in a shard already in the cache."""
     import s3fs

@@ -190,8 +190,9 @@ def test_multirun_sweep_with_two_devices_runs_ddp_spawn(tmp_path):
 @pytest.mark.parametrize(
     ("sweep", "plans"),
     [
-        # Through submitit's local launcher (the [slurm] extra): the sweep a SLURM user types, run here.
-        (["hydra/launcher=submitit_local", "seed=1,2"], [("seed", 1), ("seed", 2)]),
+        # Through submitit's local launcher (the [slurm] extra): the sweep a SLURM user types, run here (one
+        # epoch each: the sweep needs no key, the length is the test's).
+        (["hydra/launcher=submitit_local", "seed=1,2", "trainer.max_epochs=1"], [("seed", 1), ("seed", 2)]),
         (
             ["experiment=char_lm,cifar10_resnet18", "dry_run=true"],
             [("global_batch_size", 64), ("global_batch_size", 512)],

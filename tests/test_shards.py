@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import socket
@@ -43,6 +44,9 @@ from scaleup.data.sharded import ShardedDataModule
 from scaleup.data.shards import remote
 from scaleup.data.shards.index import ShardIndex, shard_list_checksum
 from scaleup.data.shards.order import ShardWindowOrder
+from scaleup.data.shards.prefetch import Prefetcher, Spool
+from scaleup.data.shards.remote import filesystem
+from scaleup.data.shards.samples import read_samples
 from scaleup.errors import UserError, exit_on_user_error
 
 PER_SHARD = 64  # 513 training samples: 9 shards, the last holding one
@@ -219,6 +223,24 @@ def test_a_flipped_corrupt_or_truncated_shard_is_one_error_naming_it(shards, tmp
     victim.write_bytes(bytes(data[:-1024]))
     with pytest.raises(UserError, match=r"shard-000001.tar changed after its index was written \(\d+ bytes"):
         module(copy).rank_loader().dataset[PER_SHARD]
+
+
+def test_the_prefetcher_yields_the_samplers_indices_keeps_five_units_and_clears_stale_spools(shards, tmp_path):
+    """The prefetcher's units (local shards read by sample, 12 units of 10 samples) come out as they went in; 5
+    stay on disk, a worker's spool finds a sample's members there, and a spool whose process ended is deleted."""
+    index = ShardIndex.load(f"{shards}/train")
+    host = socket.gethostname()
+    stale, live = tmp_path / f"{host}-999999999-0123456789ab", tmp_path / f"{host}-{os.getpid()}-0123456789ab"
+    stale.mkdir()
+    live.mkdir()
+    prefetcher = Prefetcher(index, tmp_path)
+    assert not stale.exists() and live.exists()
+    assert list(prefetcher.ahead(np.arange(k * 10, k * 10 + 10) for k in range(12))) == list(range(120))
+    assert len(list(prefetcher.directory.glob("unit-*.want.npy"))) == 5
+    fs, root = filesystem(str(shards / "train"))
+    expected = read_samples(index, fs, root, np.array([115])).members(0)
+    assert list(map(bytes, Spool(prefetcher.directory, 2).members(115))) == list(map(bytes, expected))
+    assert Spool(prefetcher.directory, 2).members(5) is None  # its unit was deleted: the caller reads it
 
 
 def test_a_changed_shard_set_is_refused_mid_epoch(shards, tmp_path):

@@ -119,9 +119,11 @@ def _save(path: Path, array: np.ndarray) -> None:
 def _remove_stale(spool_root: Path, host: str) -> None:
     """Delete the spools this host's ended processes left (a killed run does not clean up)."""
     for spool in spool_root.glob(f"{host}-*-*"):
-        pid = int(spool.name[len(host) + 1 :].split("-")[0])
+        owner, pid, _ = spool.name.rsplit("-", 2)  # a host name may hold dashes; the pid and checksum do not
+        if owner != host or not pid.isdigit():
+            continue
         try:
-            os.kill(pid, 0)
+            os.kill(int(pid), 0)
         except ProcessLookupError:
             shutil.rmtree(spool, ignore_errors=True)
         except PermissionError:  # another user's live process

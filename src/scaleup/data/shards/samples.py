@@ -58,7 +58,7 @@ def read_samples(index: ShardIndex, fs: fsspec.AbstractFileSystem, root: str, sa
             stops.append(int(finishes[i]))
         range_of[i] = len(names) - 1
     paths = [f"{root}/{index.names[shard]}" for shard in names]
-    url = index.shard_url(names[0]) if len(names) == 1 else f"{index.url} ({len(set(names))} shards)"
+    url = index.shard_url(names[0]) if len(set(names)) == 1 else f"{index.url} ({len(set(names))} shards)"
     pieces = with_retries(lambda: _cat_ranges(fs, paths, starts, stops), url)
     placed = np.cumsum([0] + [len(piece) for piece in pieces])[:-1]  # where each range lands in the buffer
     table = spans.copy()

@@ -175,7 +175,7 @@ class ShardedDataModule(GlobalBatchDataModule):
                 split.spool = self._prefetcher.directory
             prefetch = (self._prefetcher, unit_steps(self.prefetch_bytes, index, global_batch_size // world_size))
         return ShardWindowSampler(
-            self.splits["train"],
+            split,
             global_batch_size,
             num_replicas=world_size,
             rank=rank,

@@ -51,7 +51,6 @@ class ShardSplit(Dataset):
         self.cache_dir, self.cache_bytes, self.keep_open = cache_dir, cache_bytes, keep_open
         self.reads = reads
         self.spool: Path | None = None  # the rank's prefetched units (reads="samples", training)
-        self._ends = np.cumsum(index.counts)
         self._image = index.fields[0].rsplit(".", 1)[-1].lower() in IMAGE_TYPES
         self._cache: ShardCache | None = None
         self._cache_pid = os.getpid()
@@ -59,7 +58,7 @@ class ShardSplit(Dataset):
         self._reader: tuple[int, Any, str, Spool | None] | None = None  # pid, filesystem, root, spool
 
     def __len__(self) -> int:
-        return int(self._ends[-1])
+        return int(self.index.ends[-1])
 
     def __getstate__(self) -> dict[str, Any]:
         # Open memory maps and a remote's client stay in the process that opened them.
@@ -78,8 +77,8 @@ class ShardSplit(Dataset):
         """(shard, sample within the shard) of sample `index`."""
         if not 0 <= index < len(self):
             raise IndexError(index)
-        shard = int(np.searchsorted(self._ends, index, side="right"))
-        return shard, index - int(self._ends[shard] - self.index.counts[shard])
+        shard, local = self.index.locate(np.asarray(index))
+        return int(shard), int(local)
 
     def __getitems__(self, indices: list[int]) -> list[tuple[Any, ...]]:
         """A micro-batch (what the DataLoader asks for): with reads="samples", its bytes fetched together first."""

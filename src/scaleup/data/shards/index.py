@@ -12,6 +12,7 @@ of the shard list, which changes whenever a shard is added, removed, reordered o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -72,10 +73,20 @@ class ShardIndex:
     model_settings: dict[str, Any]
     checksum: str
 
+    @functools.cached_property
+    def ends(self) -> np.ndarray:
+        """The split index one past each shard's last sample."""
+        return np.cumsum(self.counts)
+
     @property
     def starts(self) -> np.ndarray:
         """The split index of each shard's first sample."""
-        return np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        return (self.ends - self.counts).astype(np.int64)
+
+    def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The shard of each of these split indices, and each one's place in its shard."""
+        shards = np.searchsorted(self.ends, samples, side="right")
+        return shards, samples - (self.ends[shards] - self.counts[shards])
 
     def __len__(self) -> int:
         return int(self.counts.sum())

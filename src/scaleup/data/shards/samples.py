@@ -38,9 +38,7 @@ class SampleBytes:
 def read_samples(index: ShardIndex, fs: fsspec.AbstractFileSystem, root: str, samples: np.ndarray) -> SampleBytes:
     """The members of `samples` (split indices) read from the shards under `root` on `fs`, with retries."""
     samples = np.unique(np.asarray(samples, dtype=np.int64))
-    ends = np.cumsum(index.counts)
-    shards = np.searchsorted(ends, samples, side="right")
-    local = samples - (ends[shards] - index.counts[shards])
+    shards, local = index.locate(samples)
     spans = np.stack([index.spans[shard][row] for shard, row in zip(shards.tolist(), local.tolist(), strict=True)])
     # A sample's members lie together, in any order (ShardWriter sorts them by name, the index lists the input first).
     begins, finishes = spans[:, :, 0].min(1), (spans[:, :, 0] + spans[:, :, 1]).max(1)

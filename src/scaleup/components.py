@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,8 @@ from hydra.utils import instantiate
 
 from scaleup.config.plain import build_model, lookup
 from scaleup.data.datamodule import GlobalBatchDataModule, apply_model_settings, sizes_for_plan
+from scaleup.distributed.fsdp import networks
+from scaleup.distributed.meta_init import MetaInit, build_on_meta, materialize_outside, tensors_of
 from scaleup.errors import UserError, config_errors
 from scaleup.plan.checks import check_data_config
 
@@ -35,14 +37,16 @@ def build_datamodule(config: dict[str, Any]) -> GlobalBatchDataModule:
 
 
 def build_data_and_model(
-    config: dict[str, Any], run_dir: Path, dry_run: bool
-) -> tuple[GlobalBatchDataModule, L.LightningModule, dict[str, int]]:
+    config: dict[str, Any], run_dir: Path, dry_run: bool, on_meta: bool = False
+) -> tuple[GlobalBatchDataModule, L.LightningModule, dict[str, int], MetaInit | None]:
     """The data module, the LightningModule, and the split sizes the plan is made from.
 
     The data is downloaded and set up first: the plan needs its split sizes, the model what only the data knows
     (classes, input channels, vocabulary), filled into `config["model"]` where it says null. A dry run takes only
     what the data module states without its files, and builds the net with 2 for what it cannot state (the plan
-    needs the parameter groups and whether there is BatchNorm, not those sizes).
+    needs the parameter groups and whether there is BatchNorm, not those sizes). `on_meta` (strategy=fsdp) builds
+    the networks on the meta device with their construction recorded, for the strategy to replay into each rank's
+    shards (distributed/meta_init.py): the recording is returned, None where the model was built eagerly.
     """
     datamodule = build_datamodule(config)
     dataset_sizes = sizes_for_plan(datamodule, run_dir=run_dir, dry_run=dry_run)
@@ -56,9 +60,33 @@ def build_data_and_model(
         apply_model_settings(model_cfg, dict.fromkeys(unknown, 2))
     # A dry run builds the model on the meta device: shapes and parameter groups, no memory and no time, so a
     # 7B model plans on a laptop.
-    with config_errors("model"), torch.device("meta") if dry_run else contextlib.nullcontext():
-        model = build_model(model_cfg, precision=config["trainer"]["precision"])
-    return datamodule, model, dataset_sizes
+    def build() -> L.LightningModule:
+        with config_errors("model"):
+            return build_model(model_cfg, precision=config["trainer"]["precision"])
+
+    if dry_run:
+        with torch.device("meta"):
+            return datamodule, build(), dataset_sizes, None
+    model, recording = build_recorded(build) if on_meta else (build(), None)
+    return datamodule, model, dataset_sizes, recording
+
+
+def build_recorded(build: Callable[[], L.LightningModule]) -> tuple[L.LightningModule, MetaInit | None]:
+    """The model on the meta device, its construction recorded, and everything outside its networks made real;
+    or, where a network's tensor cannot be replayed on its own, built eagerly, with a warning that says which."""
+    state = torch.random.get_rng_state()
+    model, recording = build_on_meta(build)
+    nets = networks(model)
+    if problem := recording.unreplayable((f"{root}.{name}", t) for root, net in nets for name, t in tensors_of(net)):
+        name, why = problem
+        log.warning(
+            f"strategy.meta_init: {name} cannot be made shard by shard ({why}): every rank builds the whole model "
+            "first (the same weights; the memory of a full copy per rank during set-up)"
+        )
+        torch.random.set_rng_state(state)  # the eager build draws what the recorded one drew
+        return build(), None
+    materialize_outside(model, [net for _, net in nets], recording)
+    return model, recording
 
 
 def check_model_fits_data(config: dict[str, Any], settings: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from scaleup.compat.workarounds import ignore_unresumable_loader_warning
 from scaleup.components import build_data_and_model
 from scaleup.config.plain import log_rows, to_plain, write_yaml
 from scaleup.config.schema import validate_config
+from scaleup.distributed.fsdp import FSDPStrategy
 from scaleup.distributed.launch import prepare_launch, shut_down_process_group
 from scaleup.observability.loggers import close_loggers
 from scaleup.plan.checks import pitfall_warnings
@@ -43,7 +44,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # Same seed on every rank before the data and the model are built: the same splits (also where a data module
     # splits with the global random state) and identical initial weights everywhere.
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule, model, dataset_sizes = build_data_and_model(config, run_dir, cfg.dry_run)
+    sharded = isinstance(launch.strategy, FSDPStrategy)
+    on_meta = sharded and config["strategy"]["meta_init"]
+    datamodule, model, dataset_sizes, recording = build_data_and_model(config, run_dir, cfg.dry_run, on_meta)
+    if sharded:
+        launch.strategy.recording = recording
     plan = plan_run(config, topology, launch, model, dataset_sizes)
     datamodule.channels_last = plan.channels_last  # batches laid out as PerformanceSettings lays out the weights
     resume = resume_point(None if cfg.dry_run else cfg.ckpt_path, config, plan, model, datamodule, run_dir)

@@ -131,6 +131,9 @@ class Strategy(ClosedSection):
     find_unused_parameters: bool
     # fsdp (distributed/fsdp.py)
     shard_modules: list[str] | None
+    sharding: Literal["full", "hybrid"]
+    meta_init: bool
+    sync_gradients: Literal["step", "micro_batch"]
     mixed_precision: Literal["bfloat16", "float16"] | None
     cpu_offload: bool
     activation_checkpointing: bool

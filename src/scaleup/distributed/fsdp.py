@@ -13,9 +13,11 @@ is gathered on rank 0 (checkpoints/sharded.py makes the write atomic and reads i
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from scaleup.compat.workarounds import (
     configure_model_counts_as_overridden,
     optimizer_states_keyed_in_group_order,
 )
+from scaleup.distributed.meta_init import META, MetaInit, materialize_shards, tensors_of
 from scaleup.errors import UserError
 
 log = logging.getLogger("scaleup")
@@ -105,16 +108,31 @@ def bytes_per_rank(model: nn.Module, world_size: int) -> tuple[int, int]:
     return total, per_rank
 
 
-def describe(model: nn.Module, shard_modules: Iterable[str] | None, world_size: int) -> str:
-    """The plan's row: the units, and the parameter bytes per rank."""
-    units = unit_names(model, shard_modules)
-    total, per_rank = bytes_per_rank(model, world_size)
+def describe(model: nn.Module, strategy_cfg: dict[str, Any], mesh: tuple[int, ...], accumulation: int) -> str:
+    """The plan's row: the units, the parameter bytes per rank, the mesh, how the model is built and when
+    gradients are reduced."""
+    units = unit_names(model, strategy_cfg["shard_modules"])
+    total, per_rank = bytes_per_rank(model, mesh[-1])
     shown = ", ".join(units[:6]) + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
     roots = ", ".join(name for name, _ in networks(model))
-    return (
+    parts = [
         f"{len(units)} unit(s) ({shown or 'none'}), then the root(s) {roots}; parameters {mib(per_rank)} per rank "
-        f"of {mib(total)} (gradients and optimizer state shard alike)"
-    )
+        f"of {mib(total)} (gradients and optimizer state shard alike)",
+        f"mesh {mesh[0]} node(s) x {mesh[1]}: sharded within a node, replicated across nodes"
+        if len(mesh) == 2
+        else f"mesh {mesh[0]}: sharded over every process",
+        "built on the meta device, each rank fills its shards with the ordinary build's values"
+        if strategy_cfg["meta_init"]
+        else "every rank builds the whole model, then shards it",
+    ]
+    if accumulation > 1:
+        parts.append(
+            f"gradients reduced once per optimizer step (whole gradients held between micro-batches: +{mib(total)} "
+            "per rank)"
+            if strategy_cfg["sync_gradients"] == "step"
+            else "gradients reduce-scattered at every micro-batch"
+        )
+    return "; ".join(parts)
 
 
 def mib(count: int) -> str:
@@ -238,6 +256,50 @@ def reshard_after_evaluation(model: nn.Module) -> None:
         module.set_reshard_after_forward(id(module) not in roots, recurse=False)
 
 
+def mesh_shape(sharding: str, world_size: int, num_nodes: int) -> tuple[int, ...]:
+    """`full`: one dimension of every rank; `hybrid`: (nodes, processes per node). Refused where hybrid cannot
+    shard within a node and replicate across nodes."""
+    if sharding == "full":
+        return (world_size,)
+    if num_nodes < 2:
+        raise UserError(
+            "strategy.sharding=hybrid replicates across nodes, and this run has one node: use strategy.sharding=full "
+            "(or trainer.num_nodes=N on N nodes)"
+        )
+    if world_size % num_nodes:
+        raise UserError(
+            f"strategy.sharding=hybrid needs the same number of processes on every node: world size {world_size} "
+            f"does not divide into {num_nodes} nodes"
+        )
+    return (num_nodes, world_size // num_nodes)
+
+
+@contextlib.contextmanager
+def gradient_sync_paused(roots: list[nn.Module], *, whole: bool) -> Iterator[None]:
+    """Within the block, backward passes do not reduce gradients across ranks (`whole`: not at all, each rank
+    accumulates whole gradients; else only the all-reduce across the replicas of hybrid sharding waits)."""
+    pause = "set_requires_gradient_sync" if whole else "set_requires_all_reduce"
+    for root in roots:
+        getattr(root, pause)(False)
+    try:
+        yield
+    finally:
+        for root in roots:
+            getattr(root, pause)(True)
+
+
+def eager_values(model: nn.Module, recording: MetaInit) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
+    """Per network, each parameter's and buffer's eager value, to replay after sharding (meta tensors: by their
+    recorded history, one at a time; tensors made for real: a copy now)."""
+    values: dict[str, dict[str, Callable[[], torch.Tensor]]] = {}
+    for root, net in networks(model):
+        values[root] = {}
+        for name, tensor in tensors_of(net):
+            copy = None if tensor.device == META else tensor.detach().clone()
+            values[root][name] = (lambda c=copy: c) if copy is not None else functools.partial(recording.value, tensor)
+    return values
+
+
 class FSDPStrategy(ModelParallelStrategy):
     """Lightning's ModelParallelStrategy, data parallel over every process, that shards the module itself.
 
@@ -249,7 +311,10 @@ class FSDPStrategy(ModelParallelStrategy):
         self,
         *,
         world_size: int,
+        num_nodes: int = 1,
         shard_modules: list[str] | None = None,
+        sharding: str = "full",
+        sync_gradients: str = "step",
         mixed_precision: str | None = None,
         cpu_offload: bool = False,
         activation_checkpointing: bool = False,
@@ -257,11 +322,16 @@ class FSDPStrategy(ModelParallelStrategy):
     ) -> None:
         super().__init__(data_parallel_size=world_size, tensor_parallel_size=1, timeout=timeout)
         self.shard_modules = shard_modules
+        self.mesh_shape = mesh_shape(sharding, world_size, num_nodes)
+        self.sync_gradients = sync_gradients
         self.options = {
             "mixed_precision": mixed_precision,
             "cpu_offload": cpu_offload,
             "activation_checkpointing": activation_checkpointing,
         }
+        # The recorded build of a model made on the meta device (the job sets it): each rank fills its shards with
+        # the values the eager build gives.
+        self.recording: MetaInit | None = None
         self._measured = False
         self._total_parameter_bytes = 0
 
@@ -282,9 +352,34 @@ class FSDPStrategy(ModelParallelStrategy):
         model = self.lightning_module
         self._total_parameter_bytes = bytes_per_rank(model, 1)[0]
         if not is_sharded(model):
-            shard(model, self.device_mesh["data_parallel"], self.shard_modules, **self.options)
+            eager = eager_values(model, self.recording) if self.recording else None
+            shard(model, self.sharding_mesh(), self.shard_modules, **self.options)
+            if eager is not None:
+                for name, net in networks(model):
+                    materialize_shards(net, eager[name], self.root_device)
+                self.recording = None  # the history holds constants: free them
         with configure_model_counts_as_overridden(model):
             super().setup(trainer)
+
+    def sharding_mesh(self) -> Any:
+        """The mesh `fully_shard` shards over: every rank (1-D), or (nodes, processes per node) for hybrid sharding,
+        each node holding one whole copy, sharded over its processes, and the copies kept equal by all-reducing the
+        gradients across nodes."""
+        if len(self.mesh_shape) == 1:
+            return self.device_mesh["data_parallel"]
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.root_device.type, self.mesh_shape, mesh_dim_names=("replicate", "shard"))
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """The micro-batches before an optimizer step's last: with `sync_gradients=step` no gradient leaves the rank
+        (each rank holds its whole gradient until the last micro-batch reduce-scatters it once); with `micro_batch`
+        each micro-batch reduce-scatters within the node, and only the all-reduce across the nodes of hybrid sharding
+        waits for the last. (Lightning's own only pauses a DDP-wrapped model.)"""
+        roots = [net for _, net in networks(self.lightning_module)]
+        with gradient_sync_paused(roots, whole=self.sync_gradients == "step"):
+            yield
 
     # Evaluation batches are uneven across ranks (every sample counted once, no padding), and a sharded forward
     # all-gathers every unit: a rank with one batch more would wait for the others forever. So evaluation gathers

@@ -54,7 +54,7 @@ def prepare_launch(strategy_cfg: dict[str, Any], topology: Topology, *, multirun
         check_launcher(topology)
         fresh_store_after_torchrun_restart()
     with config_errors("strategy"):
-        strategy, name = build_strategy(strategy_cfg, topology.world_size, multirun)
+        strategy, name = build_strategy(strategy_cfg, topology.world_size, multirun, num_nodes=topology.num_nodes)
     if dry_run:
         launcher = "planned only (dry run)"
     elif name == "ddp_spawn" and launched_world_size() is None:
@@ -64,7 +64,9 @@ def prepare_launch(strategy_cfg: dict[str, Any], topology: Topology, *, multirun
     return Launch(strategy, name, launcher)
 
 
-def build_strategy(strategy_cfg: dict[str, Any], world_size: int, multirun: bool) -> tuple[Any, str]:
+def build_strategy(
+    strategy_cfg: dict[str, Any], world_size: int, multirun: bool, num_nodes: int = 1
+) -> tuple[Any, str]:
     """The Trainer's `strategy` argument and a name for the plan, from the `strategy` config group.
 
     One process runs without a strategy. Under a Hydra multirun sweep Lightning's default subprocess launcher
@@ -80,7 +82,8 @@ def build_strategy(strategy_cfg: dict[str, Any], world_size: int, multirun: bool
         # One process has nothing to shard: it trains as DDP's single process does, and writes one file.
         if world_size == 1:
             return "auto", "auto"
-        return FSDPStrategy(world_size=world_size, timeout=timeout, **options), name
+        options.pop("meta_init")  # how the job builds the model (components.py), not an option of the strategy
+        return FSDPStrategy(world_size=world_size, num_nodes=num_nodes, timeout=timeout, **options), name
     if name not in ("ddp", "ddp_spawn"):
         raise UserError(f"strategy.name={name} is not one of ddp, ddp_spawn, fsdp")
     if world_size == 1:

@@ -42,6 +42,7 @@ def plan_run(
         launcher=launch.launcher,
     )
     if launch.name == "fsdp":
-        plan = replace(plan, sharding=describe_sharding(model, config["strategy"]["shard_modules"], plan.world_size))
+        sharding = describe_sharding(model, config["strategy"], launch.strategy.mesh_shape, plan.accumulate_grad_batches)
+        plan = replace(plan, sharding=sharding)
     check_config(config, plan)
     return plan

@@ -1,0 +1,351 @@
+"""A model built on the meta device whose shards get exactly the values an ordinary (eager) build gives.
+
+With `strategy=fsdp` every rank would otherwise build the whole model in host memory before sharding it: 8 ranks
+of a node each holding a full float32 copy of a 7B model is 224 GB before one shard exists. Here the user's
+unchanged LightningModule is built on the meta device (shapes only, no memory) while every tensor operation of
+its construction is recorded; after sharding, each rank replays the recorded history one tensor at a time, in
+full, on the CPU, and keeps only its own slice. The peak is the rank's shards plus the largest single tensor.
+
+Why not re-run each module's `reset_parameters()` on the shards (Lightning's and torchtitan's way)? The values
+would differ from the eager build: the random draws happen in another order (that of `modules()`, not of the
+constructor's code), init code outside `reset_parameters` (an `nn.init` loop, `torch.randn(...) * 0.02`) is lost,
+and on CPU meshes DTensor's random ops draw per shard. The replay draws every random number from the generator
+state it had at that point of the eager build (recording draws them too, on scratch tensors, so that the generator
+moves as in the eager build), so 1 DDP process and N FSDP processes start from the same weights, bit for bit.
+
+A tensor whose history cannot be replayed on its own (an operation that writes two tensors, a tensor never written
+after `torch.empty`, which is what an init function that skips meta tensors leaves) is reported by
+`MetaInit.unreplayable`: the caller then builds the model eagerly and says which tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+META = torch.device("meta")
+CPU = torch.device("cpu")
+# torch.nn.init's functions that return at once for a meta tensor (they draw through temporaries and copies):
+# recorded as one write each, the function itself replayed (`MetaInit.init_function`).
+SKIPPING_META = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
+EMPTY = ("aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default", "aten.new_empty.default")
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Tensors that share memory (a parameter, the tensor it wraps, its views) share this key."""
+    return tensor.untyped_storage()._cdata
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A meta tensor as an argument: a view of a recorded storage as it was after `version` writes."""
+
+    key: int
+    version: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class Call:
+    """One recorded operation (an aten op, or one of torch.nn.init's functions): meta tensors among its arguments
+    are `Ref`s, real ones constants."""
+
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng_state: torch.Tensor | None = None  # the generator's state before a random op draws
+    output: int | None = None  # which output of a multi-output op
+
+
+@dataclass
+class History:
+    """A storage: the call that made it and the in-place writes into (views of) it since, in order."""
+
+    source: Call
+    writes: list[tuple[Ref, Call]] = field(default_factory=list)
+    unreplayable: str | None = None  # why not, where an operation cannot be replayed on this storage alone
+
+
+class Unreplayable(Exception):
+    """A recorded history that cannot be replayed on its own."""
+
+
+UNKNOWN = object()  # a meta tensor argument with no recorded history
+
+
+def written_arguments(func: Any) -> list[int]:
+    return [i for i, arg in enumerate(func._schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
+
+
+def is_meta(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device == META
+
+
+def generator_of(kwargs: dict[str, Any]) -> torch.Generator:
+    return kwargs.get("generator") or torch.default_generator
+
+
+class MetaInit(TorchDispatchMode):
+    """Records, while active, every operation that makes or reads a meta tensor (use with `torch.device("meta")`):
+    what each storage was made from and every write into it. Random draws move the real CPU generator as the eager
+    build would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.histories: dict[int, History] = {}
+        self._alive: list[torch.Tensor] = []  # meta tensors stay referenced, so their storage keys stay unique
+        self.broken: str | None = None  # a random draw that could not be reproduced: no later draw can be trusted
+
+    # Recording ------------------------------------------------------------------------------------------------------
+
+    def _ref(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if not is_meta(value):
+            return value.detach().clone()  # a real tensor (torch.tensor(...) data): a constant of the history
+        history = self.histories.get(storage_key(value))
+        if history is None:  # made before recording began: nothing to replay
+            return UNKNOWN
+        return Ref(storage_key(value), len(history.writes), tuple(value.size()), tuple(value.stride()), value.storage_offset())
+
+    def _call(self, func: Any, args: tuple, kwargs: dict[str, Any], random: bool) -> Call:
+        state = generator_of(kwargs).get_state() if random else None
+        return Call(func, tree_map(self._ref, args), tree_map(self._ref, kwargs), state)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not any(is_meta(leaf) or leaf == META for leaf in tree_leaves((args, kwargs))):
+            return func(*args, **kwargs)  # real tensors only (an advance's scratch work): nothing to record
+        random = torch.Tag.nondeterministic_seeded in func.tags
+        call = self._call(func, args, kwargs, random)
+        out = func(*args, **kwargs)
+        if written := written_arguments(func):
+            self._record_write(call, args, kwargs, written)
+        elif not func.is_view:
+            outputs = out if isinstance(out, (tuple, list)) else (out,)
+            for index, tensor in enumerate(outputs):
+                if is_meta(tensor) and storage_key(tensor) not in self.histories:
+                    output = index if isinstance(out, (tuple, list)) else None
+                    self.histories[storage_key(tensor)] = History(Call(func, call.args, call.kwargs, call.rng_state, output))
+                    self._alive.append(tensor)
+        if random:
+            self._advance(call, args[0] if written_arguments(func) else None)
+        return out
+
+    def _record_write(self, call: Call, args: tuple, kwargs: dict[str, Any], written: list[int]) -> None:
+        schema = call.func._schema.arguments
+        targets = [args[i] if i < len(args) else kwargs.get(schema[i].name) for i in written]
+        histories = [self.histories.get(storage_key(t)) for t in targets if is_meta(t)]
+        if written != [0] or UNKNOWN in tree_leaves((call.args, call.kwargs)):
+            for history in filter(None, histories):
+                history.unreplayable = f"{call.func}: it writes more than one tensor, or reads one made before the build"
+        elif histories and histories[0] is not None:
+            histories[0].writes.append((self._ref(targets[0]), call))
+
+    def _advance(self, call: Call, target: torch.Tensor | None) -> None:
+        """Draw what the eager build draws here, on real tensors, and throw the result away: an in-place draw into a
+        scratch tensor of the target's layout (the layout decides how CPU kernels draw), any other for real."""
+        try:
+            if target is None:
+                self.run(call)
+            else:
+                self.run(call, target=torch.empty_strided(target.size(), target.stride(), dtype=target.dtype, device=CPU))
+        except Unreplayable as err:
+            # Every later draw would start from the wrong state: nothing recorded from here on is the eager value.
+            self.broken = self.broken or f"{call.func} draws from a tensor that cannot be replayed ({err})"
+
+    def init_function(self, function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """One of torch.nn.init's functions that skip meta tensors, recorded as a write of the whole function."""
+
+        def recorded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            history = self.histories.get(storage_key(tensor)) if is_meta(tensor) else None
+            if history is None:
+                return function(tensor, *args, **kwargs)
+            call = self._call(function, (tensor, *args), kwargs, random=True)
+            history.writes.append((self._ref(tensor), call))
+            self._advance(call, tensor)
+            return tensor
+
+        return recorded
+
+    # Replaying ------------------------------------------------------------------------------------------------------
+
+    def run(self, call: Call, target: torch.Tensor | None = None) -> Any:
+        """Execute a recorded call on real CPU tensors (`target`: the tensor an in-place call writes into)."""
+        args = tree_map(self._value, call.args)
+        kwargs = tree_map(self._value, call.kwargs)
+        if target is not None:
+            args = (target, *args[1:])
+        if call.rng_state is not None:
+            generator_of(kwargs).set_state(call.rng_state)
+        out = call.func(*args, **kwargs)
+        return out[call.output] if call.output is not None else out
+
+    def _value(self, value: Any) -> Any:
+        if value is UNKNOWN:
+            raise Unreplayable("an argument made before the build")
+        if isinstance(value, torch.device) and value == META:
+            return CPU
+        if not isinstance(value, Ref):
+            return value
+        return self.storage(value.key, value.version).as_strided(value.size, value.stride, value.offset)
+
+    def storage(self, key: int, version: int | None = None) -> torch.Tensor:
+        """The real tensor a recorded storage held after `version` writes (all, by default)."""
+        history = self.histories[key]
+        if history.unreplayable:
+            raise Unreplayable(history.unreplayable)
+        base = self.run(history.source)
+        for ref, call in history.writes[:version]:
+            self.run(call, target=base.as_strided(ref.size, ref.stride, ref.offset))
+        return base
+
+    def value(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a tensor of the recorded build holds in the eager build: a real CPU tensor (a meta one replayed)."""
+        if not is_meta(tensor):
+            return tensor.detach().clone()
+        if storage_key(tensor) not in self.histories:
+            raise Unreplayable("a tensor made before the build")
+        with torch.no_grad(), keep_generator_state():
+            full = self.storage(storage_key(tensor))
+            view = full.as_strided(tensor.size(), tensor.stride(), tensor.storage_offset())
+            # A view of part of a larger storage is copied, so that the rest can be freed.
+            return view if view.numel() == full.numel() else view.clone()
+
+    def unreplayable(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
+        """(name, why) of the first tensor whose history cannot be replayed on its own, else None."""
+        for name, tensor in tensors:
+            if self.broken:
+                return name, self.broken
+            if not is_meta(tensor):
+                continue
+            if storage_key(tensor) not in self.histories:
+                return name, "made before the build"
+            if reason := self._why_not(storage_key(tensor), set()):
+                return name, reason
+        return None
+
+    def _why_not(self, key: int, seen: set[int]) -> str | None:
+        """Why the storage `key`, or one it is computed from, cannot be replayed; None if it can."""
+        seen.add(key)
+        history = self.histories[key]
+        if history.unreplayable:
+            return history.unreplayable
+        if str(history.source.func) in EMPTY and not history.writes:
+            return (
+                "it is never written after torch.empty on the meta device: an init that skips meta tensors (e.g. "
+                f"torch.nn.init.{', '.join(SKIPPING_META)} imported by name before the build)"
+            )
+        calls = [history.source, *(call for _, call in history.writes)]
+        for arg in tree_leaves([(call.args, call.kwargs) for call in calls]):
+            if arg is UNKNOWN:
+                return "it reads a tensor made before the build"
+            if isinstance(arg, Ref) and arg.key not in seen and (reason := self._why_not(arg.key, seen)):
+                return reason
+        return None
+
+
+class TensorsFromData(TorchFunctionMode):
+    """`torch.tensor(data)` on the meta device would drop the data and leave no operation to record: such tensors
+    (BatchNorm's `num_batches_tracked`, torchmetrics' states, class weights) are small, so they are made for real,
+    on the CPU."""
+
+    FROM_DATA = (torch.tensor, torch.as_tensor, torch.asarray)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.FROM_DATA and kwargs.get("device") in (None, META):
+            kwargs = {**kwargs, "device": CPU}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def keep_generator_state() -> Iterator[None]:
+    """Replays set the default generator to recorded states; put back the one the process had."""
+    state = torch.default_generator.get_state()
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(state)
+
+
+@contextlib.contextmanager
+def recorded_init_functions(recording: MetaInit) -> Iterator[None]:
+    originals = {name: getattr(nn.init, name) for name in SKIPPING_META}
+    for name, function in originals.items():
+        setattr(nn.init, name, recording.init_function(function))
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(nn.init, name, function)
+
+
+def build_on_meta(build: Callable[[], nn.Module]) -> tuple[nn.Module, MetaInit]:
+    """`build()` on the meta device, recorded."""
+    recording = MetaInit()
+    with torch.device(META), TensorsFromData(), recording, recorded_init_functions(recording):
+        model = build()
+    return model, recording
+
+
+def tensors_of(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def materialize_outside(model: nn.Module, networks: list[nn.Module], recording: MetaInit) -> None:
+    """Give every meta tensor of `model` outside `networks` its eager value, in full, now: the state of the modules
+    that are not sharded (metrics: torchmetrics moves its states and defaults in `_apply`, the hook behind `.to()`),
+    and the LightningModule's own tensors."""
+    inside = {id(net) for net in networks}
+
+    def replay(tensor: torch.Tensor) -> torch.Tensor:
+        return recording.value(tensor) if is_meta(tensor) else tensor
+
+    for child in model.children():
+        if id(child) not in inside:
+            child._apply(replay)
+    for name, value in [*vars(model).items(), *model.named_buffers(recurse=False)]:
+        if is_meta(value):
+            setattr(model, name, replay(value))
+
+
+def local_part(full: torch.Tensor, dtensor: Any) -> torch.Tensor:
+    """This rank's slice of `full` as `dtensor` lays it out (Shard: torch.chunk along the dim, per mesh dim)."""
+    local, coordinate = full, dtensor.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(dtensor.placements):
+        if placement.is_shard():
+            chunks = torch.chunk(local, dtensor.device_mesh.size(mesh_dim), dim=placement.dim)
+            index = coordinate[mesh_dim]
+            local = chunks[index] if index < len(chunks) else local.narrow(placement.dim, 0, 0)
+    return local
+
+
+def materialize_shards(net: nn.Module, values: dict[str, Callable[[], torch.Tensor]], device: torch.device) -> None:
+    """After sharding: allocate `net`'s shards on `device` and fill each with its slice of the eager value.
+
+    `values`: parameter and buffer name -> the eager value, called one tensor at a time so that only one full
+    tensor is in memory at once.
+    """
+    from torch.distributed.tensor import DTensor
+
+    net.to_empty(device=device)
+    with torch.no_grad():
+        for name, tensor in tensors_of(net):
+            full = values[name]().to(tensor.dtype)
+            if isinstance(tensor, DTensor):
+                local = local_part(full, tensor)
+                assert local.shape == tensor.to_local().shape, (name, local.shape, tensor.to_local().shape)
+                tensor.to_local().copy_(local)
+            else:
+                tensor.copy_(full)

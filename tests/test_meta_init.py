@@ -59,7 +59,9 @@ BUILDS = {
     "DigitsCNN with BatchNorm, float64": lambda: classifier(
         {"_target_": "myproject.models.nets.DigitsCNN", "num_classes": 10, "norm": "batch"}
     ).double(),
-    "ResNet-18": lambda: classifier({"_target_": "myproject.models.nets.resnet", "name": "resnet18", "num_classes": 10}),
+    "ResNet-18": lambda: classifier(
+        {"_target_": "myproject.models.nets.resnet", "name": "resnet18", "num_classes": 10}
+    ),
     "char transformer": lambda: CharTransformer(vocab_size=40, block_size=16),
 }
 
@@ -112,4 +114,4 @@ def test_an_init_that_cannot_be_replayed_is_built_whole_and_says_which_tensor(ca
     for name, tensor in tensors_of(eager):
         assert torch.equal(dict(tensors_of(model))[name], tensor), name
     (warning,) = [r.getMessage() for r in caplog.records if "meta_init" in r.getMessage()]
-    assert warning.startswith("strategy.meta_init: net.values cannot be made shard by shard (aten.sort.values: it writes")
+    assert warning.startswith("strategy.meta_init: net.values cannot be made shard by shard (aten.sort.values: it")

@@ -58,6 +58,7 @@ def build_data_and_model(
         log.info(f"model.{', model.'.join(unknown)} unknown until the data is there: the dry run builds the net with 2")
         model_cfg = copy.deepcopy(model_cfg)
         apply_model_settings(model_cfg, dict.fromkeys(unknown, 2))
+
     # A dry run builds the model on the meta device: shapes and parameter groups, no memory and no time, so a
     # 7B model plans on a laptop.
     def build() -> L.LightningModule:

@@ -116,7 +116,8 @@ class MetaInit(TorchDispatchMode):
         history = self.histories.get(storage_key(value))
         if history is None:  # made before recording began: nothing to replay
             return UNKNOWN
-        return Ref(storage_key(value), len(history.writes), tuple(value.size()), tuple(value.stride()), value.storage_offset())
+        size, stride = tuple(value.size()), tuple(value.stride())
+        return Ref(storage_key(value), len(history.writes), size, stride, value.storage_offset())
 
     def _call(self, func: Any, args: tuple, kwargs: dict[str, Any], random: bool) -> Call:
         state = generator_of(kwargs).get_state() if random else None
@@ -136,7 +137,8 @@ class MetaInit(TorchDispatchMode):
             for index, tensor in enumerate(outputs):
                 if is_meta(tensor) and storage_key(tensor) not in self.histories:
                     output = index if isinstance(out, (tuple, list)) else None
-                    self.histories[storage_key(tensor)] = History(Call(func, call.args, call.kwargs, call.rng_state, output))
+                    source = Call(func, call.args, call.kwargs, call.rng_state, output)
+                    self.histories[storage_key(tensor)] = History(source)
                     self._alive.append(tensor)
         if random:
             self._advance(call, args[0] if written_arguments(func) else None)
@@ -148,7 +150,7 @@ class MetaInit(TorchDispatchMode):
         histories = [self.histories.get(storage_key(t)) for t in targets if is_meta(t)]
         if written != [0] or UNKNOWN in tree_leaves((call.args, call.kwargs)):
             for history in filter(None, histories):
-                history.unreplayable = f"{call.func}: it writes more than one tensor, or reads one made before the build"
+                history.unreplayable = f"{call.func}: it writes two tensors, or reads one made before the build"
         elif histories and histories[0] is not None:
             histories[0].writes.append((self._ref(targets[0]), call))
 
@@ -159,7 +161,8 @@ class MetaInit(TorchDispatchMode):
             if target is None:
                 self.run(call)
             else:
-                self.run(call, target=torch.empty_strided(target.size(), target.stride(), dtype=target.dtype, device=CPU))
+                scratch = torch.empty_strided(target.size(), target.stride(), dtype=target.dtype, device=CPU)
+                self.run(call, target=scratch)
         except Unreplayable as err:
             # Every later draw would start from the wrong state: nothing recorded from here on is the eager value.
             self.broken = self.broken or f"{call.func} draws from a tensor that cannot be replayed ({err})"

@@ -42,7 +42,7 @@ def plan_run(
         launcher=launch.launcher,
     )
     if launch.name == "fsdp":
-        sharding = describe_sharding(model, config["strategy"], launch.strategy.mesh_shape, plan.accumulate_grad_batches)
-        plan = replace(plan, sharding=sharding)
+        mesh = launch.strategy.mesh_shape
+        plan = replace(plan, sharding=describe_sharding(model, config["strategy"], mesh, plan.accumulate_grad_batches))
     check_config(config, plan)
     return plan

@@ -35,8 +35,10 @@ class RankProbe(L.Callback):
         self.record: dict = {"epochs": {}, "micro_batches": []}
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # Before DDP wraps the model (and broadcasts rank 0's weights): what this rank built by itself.
-        self.record["initial_checksum"] = parameter_checksum(pl_module.net)
+        # Before DDP wraps the model (and broadcasts rank 0's weights): what this rank built by itself. (A model
+        # built on the meta device for strategy=fsdp has no values before the strategy shards it.)
+        if not any(p.is_meta for p in pl_module.net.parameters()):
+            self.record["initial_checksum"] = parameter_checksum(pl_module.net)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.record["rank"] = trainer.global_rank

@@ -101,6 +101,12 @@ CASES = [
         "strategy.cpu_offload=true moves the shards off the GPU",
     ),
     (
+        "hybrid sharding on one node",
+        "train",
+        ["strategy=fsdp", "strategy.sharding=hybrid", "trainer.devices=2", "dry_run=true"],
+        "strategy.sharding=hybrid shards within a node and replicates across nodes, and this run has one node",
+    ),
+    (
         "fsdp units match nothing",
         "train",
         ["strategy=fsdp", "strategy.shard_modules=[torch.nn.LSTM]", "trainer.devices=2", "dry_run=true"],

@@ -1,21 +1,26 @@
 """strategy=fsdp (FSDP2) on 2 CPU processes (gloo), in float64: the same weights as DDP on 1, sharded checkpoints
 that resume on another device count and evaluate and export on one CPU, atomic under kill -9.
 
-Two multi-process runs in all. The EXACT recipe on 2 FSDP processes (micro-batches of 32, the cap does not bite)
-is compared with the shared 1-process baseline (conftest `baseline("one")`, accumulation 2), and its sharded
-checkpoint at step 13 resumes on 1 process. The WIDE recipe on 2 FSDP processes (micro-batches of 16: accumulation
-6) resumes from the 1-process WIDE reference's own checkpoint at step 3 (conftest `wide_reference`): accumulation
-and a 1 -> 2 resume in one run.
+Three multi-process training runs in all. The EXACT recipe on 2 FSDP processes (micro-batches of 32, the cap does not
+bite), its model built on the meta device, is compared with the shared 1-process baseline (conftest
+`baseline("one")`, accumulation 2), and its sharded checkpoint at step 13 resumes on 1 process. The WIDE recipe
+(micro-batches of 16) resumes the 1-process WIDE reference's ordinary checkpoint at step 3 (conftest
+`wide_reference`) on 2 torchrun nodes x 2 processes with hybrid sharding; its sharded checkpoint at step 4 resumes on
+2 FSDP processes accumulating 6 micro-batches (one gradient reduction per step). All end with the references'
+weights.
 """
 
+import json
 import math
 import re
 import shutil
+import sys
 
 import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from test_launchers import assert_one_clean_run, free_port
 
 from conftest import (
     EXACT,
@@ -28,9 +33,11 @@ from conftest import (
     check,
     in_process,
     kill_writer_at_random,
+    merged,
     read_json,
     run,
     save_every,
+    start,
 )
 from myproject.models import ImageClassifier
 from scaleup.checkpoints.io import load_checkpoint, remove_interrupted_writes
@@ -86,7 +93,9 @@ def test_every_rank_writes_its_shards_into_one_directory(fsdp_run):
     assert not list((fsdp_run / "checkpoints").glob(".*"))
     plan = read_json(fsdp_run / "plan.json")
     assert plan["strategy"] == "fsdp" and plan["sharding"].startswith("7 unit(s) (net.0, net.1, net.3")
+    assert "built on the meta device, each rank fills its shards with the ordinary build's values" in plan["sharding"]
     log = (fsdp_run / "train.log").read_text()
+    assert "cannot be made shard by shard" not in log  # no tensor fell back to the ordinary build
     assert "parameters 0.36 MiB per rank of 0.72 MiB" in log
     # Measured on every rank's tensors after the first step: half the parameters, gradients alike, AdamW's two
     # moments twice that.
@@ -124,28 +133,73 @@ def test_sharded_checkpoint_evaluates_and_exports_on_one_cpu(fsdp_run, tmp_path)
     assert_same_weights(exported, trained_net, rtol=0, atol=0)
 
 
-def test_fsdp_with_accumulation_resumes_a_one_process_checkpoint(wide_reference, tmp_path):
-    """1 -> 2: the 1-process WIDE run's ordinary checkpoint at step 3 (mid-epoch 1, accumulation 12), resumed by 2
-    FSDP processes accumulating 6 micro-batches of 16 per step: the reference's final weights."""
-    shutil.copy(wide_reference / "steps/at-3.ckpt", tmp_path / "at-3.ckpt")
-    check(
-        run(
-            [
-                *WIDE,
-                "trainer.devices=2",
-                "strategy=fsdp",
-                f"ckpt_path={tmp_path / 'at-3.ckpt'}",
-                f"hydra.run.dir={tmp_path}",
-            ]
-        )
+@pytest.fixture(scope="module")
+def hybrid_run(wide_reference, tmp_path_factory):
+    """The WIDE recipe on 2 nodes x 2 processes, one torchrun per node on 127.0.0.1, with hybrid sharding (each node
+    one copy of the model, sharded over its 2 processes), resumed from the 1-process reference's ordinary checkpoint
+    at step 3 (mid-epoch 1); a sharded checkpoint at step 4."""
+    run_dir, port = tmp_path_factory.mktemp("hybrid") / "run", free_port()
+    args = [
+        *WIDE,
+        "strategy=fsdp",
+        "strategy.sharding=hybrid",
+        "trainer.devices=2",
+        "trainer.num_nodes=2",
+        f"ckpt_path={wide_reference / 'steps/at-3.ckpt'}",
+        *save_every("at4", 4),
+        "+callbacks.probe._target_=probes.RankProbe",
+        f"+callbacks.probe.out_dir={run_dir / 'probe'}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2"]
+    torchrun += ["--master_addr=127.0.0.1", f"--master_port={port}"]
+    nodes = [start([*torchrun, f"--node_rank={node}", "train.py", *merged(args)]) for node in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    return run_dir
+
+
+def test_hybrid_sharding_on_two_torchrun_nodes_equals_one_process(wide_reference, hybrid_run):
+    """One run directory, ranks 0-3 on the right nodes, the (nodes, processes) mesh in the plan, and the float64
+    weights of 1 process (dropout and augmentation on, micro-batches of 16 on both)."""
+    ranks = assert_one_clean_run(hybrid_run, world_size=4, test_samples=EXACT_TEST)
+    assert [(r["rank"], r["local_rank"], r["node_rank"]) for r in ranks] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
+    plan = read_json(hybrid_run / "plan.json")
+    assert (plan["num_nodes"], plan["per_device_batch_size"], plan["accumulate_grad_batches"]) == (2, 16, 3)
+    assert "mesh 2 node(s) x 2: sharded within a node, replicated across nodes" in plan["sharding"]
+    assert "world_size 1 -> 4" in (hybrid_run / "train.log").read_text()
+    worst = assert_same_weights(state(wide_reference), state(hybrid_run), rtol=0, atol=TOLERANCE)
+    print(f"1 process, resumed on 2 nodes x 2 processes with hybrid sharding: largest weight difference {worst:.1e}")
+
+
+def test_a_hybrid_checkpoint_resumes_on_one_node_and_evaluates_on_one_device(wide_reference, hybrid_run, tmp_path):
+    """2 nodes x 2 -> 1 node x 2: the step-4 shards, resumed by 2 FSDP processes accumulating 6 micro-batches of 16
+    per step, gradients reduced once per step, end with the reference's weights; the final hybrid checkpoint
+    evaluates on one CPU with the reference's test numbers."""
+    args = [*WIDE, "trainer.devices=2", "strategy=fsdp", f"ckpt_path={hybrid_run / 'steps/at-4.ckpt'}"]
+    check(run([*args, f"hydra.run.dir={tmp_path / 'resumed'}"]))
+    plan = read_json(tmp_path / "resumed/plan.json")
+    assert (plan["accumulate_grad_batches"], plan["world_size"]) == (6, 2)
+    assert "gradients reduced once per optimizer step" in plan["sharding"]
+    assert "world_size 4 -> 2" in (tmp_path / "resumed/train.log").read_text()
+    worst = assert_same_weights(state(wide_reference), state(tmp_path / "resumed"), rtol=0, atol=TOLERANCE)
+    hybrid, reference = (
+        in_process([f"ckpt_path={run_dir / 'checkpoints/last.ckpt'}", f"hydra.run.dir={tmp_path / name}"], job="eval")
+        for name, run_dir in (("hybrid", hybrid_run), ("reference", wide_reference))
     )
-    assert (
-        read_json(tmp_path / "plan.json")["accumulate_grad_batches"],
-        read_json(tmp_path / "plan.json")["world_size"],
-    ) == (6, 2)
-    assert "world_size 1 -> 2" in (tmp_path / "train.log").read_text()
-    worst = assert_same_weights(state(wide_reference), state(tmp_path), rtol=0, atol=TOLERANCE)
-    print(f"1 process, resumed on 2 FSDP processes with accumulation 6: largest weight difference {worst:.1e}")
+    assert (hybrid["test/samples"], hybrid["test/acc"]) == (EXACT_TEST, reference["test/acc"])
+    print(f"hybrid shards resumed on 1 node x 2 processes: largest weight difference {worst:.1e}")
+
+
+def test_a_model_larger_than_a_ranks_memory_limit_is_built_sharded_with_the_ordinary_weights(tmp_path):
+    """tests/fsdp_meta.py: 2 processes under a hard data-memory limit of 0.75x the model's parameters, which refuses
+    the ordinary build, build it on the meta device and shard it; every shard equals its slice of the ordinary
+    build, and a training step runs."""
+    result = check(run([str(tmp_path)], script="tests/fsdp_meta.py"))
+    ranks = json.loads((tmp_path / "meta.json").read_text())
+    assert [(r["recorded"], r["eager_refused"], r["worst"]) for r in ranks] == [(True, True, 0.0)] * 2
+    assert ranks[0]["limit_mib"] < ranks[0]["parameters_mib"] and math.isfinite(ranks[0]["loss"])
+    print(result.stdout.strip()[-300:])
 
 
 def test_clipping_takes_the_norm_over_all_shards_and_recomputation_keeps_the_gradients(tmp_path):
@@ -196,12 +250,14 @@ def test_default_units_are_the_blocks_of_every_network_and_classes_select_others
 
 
 def test_a_dry_run_plans_the_shards_anywhere(tmp_path):
-    """ResNet-50 on 8 GPUs, planned on a laptop: the units, and 1/8 of the parameters per rank."""
-    args = ["strategy=fsdp", "model=resnet50", "data=synthetic", "trainer.devices=8", "dry_run=true"]
-    plan = in_process([*args, f"hydra.run.dir={tmp_path}"])
+    """ResNet-50 on 4 nodes of 8 GPUs with hybrid sharding, planned on a laptop: the units, the (4, 8) mesh, and 1/8
+    of the parameters per rank."""
+    args = ["strategy=fsdp", "model=resnet50", "data=synthetic", "trainer.devices=8", "trainer.num_nodes=4"]
+    plan = in_process([*args, "strategy.sharding=hybrid", "dry_run=true", f"hydra.run.dir={tmp_path}"])
     assert plan["strategy"] == read_json(tmp_path / "plan.json")["strategy"] == "fsdp"
     assert plan["sharding"].startswith("19 unit(s) (net.conv1, net.bn1, net.layer1.0, net.layer1.1")
     assert "parameters 11.23 MiB per rank of 89.75 MiB" in plan["sharding"]
+    assert "mesh 4 node(s) x 8: sharded within a node, replicated across nodes" in plan["sharding"]
     assert plan["sync_batchnorm_reason"] == "strategy=fsdp: BatchNorm statistics stay per device"
 
 

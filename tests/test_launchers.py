@@ -13,9 +13,6 @@ from conftest import (
     EXACT_TEST,
     QUICK,
     ROOT,
-    TOLERANCE,
-    WIDE,
-    assert_same_weights,
     check,
     clean_env,
     in_process,
@@ -23,7 +20,6 @@ from conftest import (
     read_json,
     run,
     start,
-    weights,
 )
 from scaleup.errors import UserError
 
@@ -76,47 +72,6 @@ def test_lightning_launcher_one_run_dir(baseline):
     """`python train.py trainer.devices=2`: the shared 2-process baseline, which named its own run directory."""
     ranks = assert_one_clean_run(baseline("two"), test_samples=EXACT_TEST)
     assert [r["local_rank"] for r in ranks] == [0, 1]
-
-
-def test_torchrun_two_nodes_on_loopback(wide_reference, tmp_path):
-    """2 nodes x 2 processes, one torchrun per node on 127.0.0.1: one run directory, ranks 0-3 on the right nodes,
-    and the float64 weights of 1 process (dropout and augmentation on, micro-batches of 16 on both)."""
-    run_dir, port = tmp_path / "shared-run", free_port()
-    args = [
-        *WIDE,
-        "trainer.devices=2",
-        "trainer.num_nodes=2",
-        f"hydra.run.dir={run_dir}",
-        "+callbacks.probe._target_=probes.RankProbe",
-        f"+callbacks.probe.out_dir={run_dir / 'probe'}",
-    ]
-    nodes = [
-        start(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                f"--node_rank={node}",
-                "--nproc_per_node=2",
-                "--master_addr=127.0.0.1",
-                f"--master_port={port}",
-                "train.py",
-                *merged(args),
-            ]
-        )
-        for node in (0, 1)
-    ]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs
-    ranks = assert_one_clean_run(run_dir, world_size=4, test_samples=EXACT_TEST)
-    assert [(r["rank"], r["local_rank"], r["node_rank"]) for r in ranks] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
-    plan = read_json(run_dir / "plan.json")
-    assert (plan["num_nodes"], plan["per_device_batch_size"], plan["accumulate_grad_batches"]) == (2, 16, 3)
-    worst = assert_same_weights(
-        weights(wide_reference / "checkpoints/last.ckpt"), weights(run_dir / "checkpoints/last.ckpt"), 0, TOLERANCE
-    )
-    print(f"2 nodes x 2 processes vs 1 process: largest weight difference {worst:.1e}")
 
 
 def test_multi_node_torchrun_without_shared_run_dir_is_one_clear_message(tmp_path, monkeypatch):

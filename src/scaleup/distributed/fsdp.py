@@ -257,19 +257,14 @@ def reshard_after_evaluation(model: nn.Module) -> None:
 
 
 def mesh_shape(sharding: str, world_size: int, num_nodes: int) -> tuple[int, ...]:
-    """`full`: one dimension of every rank; `hybrid`: (nodes, processes per node). Refused where hybrid cannot
-    shard within a node and replicate across nodes."""
+    """`full`: one dimension of every rank; `hybrid`: (nodes, processes per node), which the topology always divides
+    (trainer.devices per node). Hybrid on one node would be full sharding under another name: refused."""
     if sharding == "full":
         return (world_size,)
     if num_nodes < 2:
         raise UserError(
-            "strategy.sharding=hybrid replicates across nodes, and this run has one node: use strategy.sharding=full "
-            "(or trainer.num_nodes=N on N nodes)"
-        )
-    if world_size % num_nodes:
-        raise UserError(
-            f"strategy.sharding=hybrid needs the same number of processes on every node: world size {world_size} "
-            f"does not divide into {num_nodes} nodes"
+            "strategy.sharding=hybrid shards within a node and replicates across nodes, and this run has one node: "
+            "use strategy.sharding=full (or trainer.num_nodes=N on N nodes)"
         )
     return (num_nodes, world_size // num_nodes)
 
@@ -298,6 +293,23 @@ def eager_values(model: nn.Module, recording: MetaInit) -> dict[str, dict[str, C
             copy = None if tensor.device == META else tensor.detach().clone()
             values[root][name] = (lambda c=copy: c) if copy is not None else functools.partial(recording.value, tensor)
     return values
+
+
+def shard_built(
+    model: nn.Module,
+    mesh: Any,
+    shard_modules: Iterable[str] | None,
+    recording: MetaInit | None,
+    device: torch.device,
+    options: dict[str, Any],
+) -> None:
+    """Shard a model built eagerly, or one built on the meta device (`recording`), whose shards are then allocated
+    on `device` and filled with the eager build's values, one tensor at a time."""
+    eager = eager_values(model, recording) if recording else None
+    shard(model, mesh, shard_modules, **options)
+    if eager is not None:
+        for name, net in networks(model):
+            materialize_shards(net, eager[name], device)
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -352,12 +364,8 @@ class FSDPStrategy(ModelParallelStrategy):
         model = self.lightning_module
         self._total_parameter_bytes = bytes_per_rank(model, 1)[0]
         if not is_sharded(model):
-            eager = eager_values(model, self.recording) if self.recording else None
-            shard(model, self.sharding_mesh(), self.shard_modules, **self.options)
-            if eager is not None:
-                for name, net in networks(model):
-                    materialize_shards(net, eager[name], self.root_device)
-                self.recording = None  # the history holds constants: free them
+            shard_built(model, self.sharding_mesh(), self.shard_modules, self.recording, self.root_device, self.options)
+            self.recording = None  # the history holds constants: free them
         with configure_model_counts_as_overridden(model):
             super().setup(trainer)
 

@@ -202,8 +202,14 @@ def test_a_model_larger_than_a_ranks_memory_limit_is_built_sharded_with_the_ordi
     print(result.stdout.strip()[-300:])
 
 
-def test_clipping_takes_the_norm_over_all_shards_and_recomputation_keeps_the_gradients(tmp_path):
-    result = check(run([str(tmp_path)], script="tests/fsdp_clip.py"))
+def test_clipping_recomputation_and_accumulation_keep_the_gradients_of_the_whole_model(tmp_path):
+    """tests/fsdp_gradients.py; with accumulation over 3 micro-batches, the gradients leave the rank once: a third
+    of the reduce-scatters (sync_gradients=step), or of the all-reduces across nodes (hybrid, micro_batch)."""
+    result = check(run([str(tmp_path)], script="tests/fsdp_gradients.py"))
+    sync = json.loads((tmp_path / "sync.json").read_text())
+    for name in ("step", "micro_batch"):
+        every, once = sync[name]["collectives"]
+        assert every == 3 * once > 0 and sync[name]["worst"] < 1e-12, (name, sync[name])
     print(result.stdout.strip())
 
 

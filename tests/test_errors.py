@@ -107,6 +107,12 @@ CASES = [
         "strategy.sharding=hybrid shards within a node and replicates across nodes, and this run has one node",
     ),
     (
+        "compile with fsdp",
+        "train",
+        ["strategy=fsdp", "model.compile=true", "trainer.devices=2", "dry_run=true"],
+        "model.compile=true with strategy=fsdp: torch.compile stops at the hooks FSDP puts on every unit",
+    ),
+    (
         "fsdp units match nothing",
         "train",
         ["strategy=fsdp", "strategy.shard_modules=[torch.nn.LSTM]", "trainer.devices=2", "dry_run=true"],

@@ -33,6 +33,13 @@ def check_config(cfg: dict[str, Any], plan: Plan) -> None:
     """Mistakes that would crash later or silently change results: refuse them now."""
     if plan.strategy == "fsdp":
         check_fsdp_options(cfg["strategy"], plan)
+        if cfg["model"].get("compile"):
+            # Measured (torch 2.14): dynamo meets FSDP2's hooks, which it skips (`torch._dynamo.disable`), at every
+            # unit, and breaks the graph there; a network compiled as a whole before sharding compiled no graph.
+            raise UserError(
+                "model.compile=true with strategy=fsdp: torch.compile stops at the hooks FSDP puts on every unit, so "
+                "the network would run uncompiled. Train it compiled with strategy=ddp, or without compile under fsdp"
+            )
     if plan.accelerator == "cpu" and plan.precision.startswith("16"):
         raise UserError(
             f"trainer.precision={plan.precision} needs a GPU; on CPU use trainer.precision=bf16-mixed or 32-true"

@@ -11,11 +11,22 @@ own pair of processes: DDP (torch's DistributedDataParallel, what strategy=ddp r
   CPUs have no allocator statistics; large blocks mapped and unmapped, so freed memory leaves the RSS), which adds
   activations and communication buffers.
 
-Results go to benchmarks/results/fsdp_memory_cpu.json. Takes about 3 minutes on 2 cores.
+Two more parts, each set-up in its own processes:
+- `setup`: the peak resident memory per rank while the model is built and sharded (above what the process held
+  before), built eagerly (every rank builds the whole model, then shards it) against strategy.meta_init (built on the
+  meta device, each rank replaying its shards: fsdp.shard_built), on 2 and on 4 processes.
+- `sync`: accumulation of 4 micro-batches of 32 samples, gradients reduce-scattered at every micro-batch against
+  once per optimizer step (strategy.sync_gradients=step: fsdp.gradient_sync_paused), on 2 processes: seconds and
+  reduce-scatters (torch's CommDebugMode) per optimizer step, and the peak above start.
+
+Results go to benchmarks/results/fsdp_memory_cpu.json (`--part training|setup|sync`, repeatable, runs only those
+and keeps the others' results). Takes about 6 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import sys
@@ -28,9 +39,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from scaleup.distributed.fsdp import model_state_bytes, shard
+from scaleup.components import build_recorded
+from scaleup.distributed.fsdp import gradient_sync_paused, local_bytes, model_state_bytes, shard, shard_built
 
 WIDTH, BLOCKS, SAMPLES, STEPS = 1024, 12, 512, 2
+MICRO_BATCHES, MICRO_SAMPLES, SYNC_STEPS = 4, 32, 3  # the sync part: 3 optimizer steps, the first not timed
 RESULTS = Path(__file__).parent / "results" / "fsdp_memory_cpu.json"
 SETUPS = {
     "ddp": {"fsdp": False, "activation_checkpointing": False},
@@ -80,8 +93,7 @@ def worker(rank: int, setup: dict[str, bool], port: int, out: str) -> None:
     from torch.distributed._composable import checkpoint
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.manual_seed(0)
-    model = nn.ModuleDict({"net": nn.Sequential(*(Block(WIDTH) for _ in range(BLOCKS)))})
+    model = build()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if setup["fsdp"]:
         shard(model, init_device_mesh("cpu", (2,)), None, activation_checkpointing=setup["activation_checkpointing"])
@@ -110,15 +122,122 @@ def worker(rank: int, setup: dict[str, bool], port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def build() -> nn.ModuleDict:
+    torch.manual_seed(0)
+    return nn.ModuleDict({"net": nn.Sequential(*(Block(WIDTH) for _ in range(BLOCKS)))})
+
+
+def start(world_size: int, rank: int, port: int) -> object:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world_size,))
+
+
+def finish(result: dict, rank: int, world_size: int, out: str) -> None:
+    ranks: list[dict] = [{}] * world_size
+    dist.all_gather_object(ranks, result)
+    if rank == 0:
+        Path(out).write_text(json.dumps(ranks))
+    dist.destroy_process_group()
+
+
+def setup_worker(rank: int, world_size: int, meta: bool, port: int, out: str) -> None:
+    """Build and shard the model, eagerly or on the meta device: the peak above start, and the shards kept."""
+    mesh = start(world_size, rank, port)
+    before = rss()
+    with PeakRSS() as peak:
+        model, recording = build_recorded(build) if meta else (build(), None)
+        shard_built(model, mesh, None, recording, torch.device("cpu"), {})
+    finish({"peak_above_start": peak.peak - before, "shards": local_bytes(model.parameters())}, rank, world_size, out)
+
+
+def sync_worker(rank: int, once: bool, port: int, out: str) -> None:
+    """Accumulate 4 micro-batches per step, reducing gradients at each or once per step."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = start(2, rank, port)
+    model = build()
+    shard(model, mesh, None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(MICRO_SAMPLES, WIDTH, generator=torch.Generator().manual_seed(rank))
+    seconds, before = [], rss()
+    with PeakRSS() as peak, CommDebugMode() as comm:
+        for _ in range(SYNC_STEPS):
+            dist.barrier()
+            start_time = time.perf_counter()
+            for micro_batch in range(MICRO_BATCHES):
+                paused = once and micro_batch < MICRO_BATCHES - 1
+                with gradient_sync_paused([model["net"]], whole=True) if paused else contextlib.nullcontext():
+                    model["net"](x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            seconds.append(time.perf_counter() - start_time)
+    counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+    reduce_scatters = sum(n for op, n in counts.items() if "reduce_scatter" in op) / SYNC_STEPS
+    result = {"s_per_step": seconds[1:], "reduce_scatters_per_step": reduce_scatters, "peak": peak.peak - before}
+    finish(result, rank, 2, out)
+
+
+def spawn(worker: object, world_size: int, args: tuple, name: str) -> list[dict]:
+    out = RESULTS.parent / f".{name}.json"
+    mp.start_processes(worker, args=(*args, str(out)), nprocs=world_size, start_method="spawn")
+    ranks = json.loads(out.read_text())
+    out.unlink()
+    return ranks
+
+
+def setup_part() -> dict:
+    rows = {}
+    for port, (world_size, meta) in enumerate([(n, meta) for n in (2, 4) for meta in (False, True)], start=29640):
+        ranks = spawn(setup_worker, world_size, (world_size, meta, port), f"setup{port}")
+        rows[f"{'meta' if meta else 'eager'}, {world_size} processes"] = {
+            "peak_above_start_mib_per_rank": [mib(r["peak_above_start"]) for r in ranks],
+            "shards_mib_per_rank": [mib(r["shards"]) for r in ranks],
+        }
+    ratios = {
+        n: max(rows[f"meta, {n} processes"]["peak_above_start_mib_per_rank"])
+        / max(rows[f"eager, {n} processes"]["peak_above_start_mib_per_rank"])
+        for n in (2, 4)
+    }
+    print(f"{'set-up':22} {'peak above start / rank (MiB)':>40} {'shards / rank (MiB)':>30}")
+    for name, row in rows.items():
+        print(f"{name:22} {row['peak_above_start_mib_per_rank']!s:>40} {row['shards_mib_per_rank']!s:>30}")
+    print(f"meta / eager set-up peak: {ratios[2]:.2f}x on 2 processes, {ratios[4]:.2f}x on 4")
+    return {"rows": rows, "meta_over_eager_peak": {str(n): round(r, 3) for n, r in ratios.items()}}
+
+
+def sync_part() -> dict:
+    rows = {}
+    for port, once in enumerate((False, True), start=29650):
+        ranks = spawn(sync_worker, 2, (once, port), f"sync{port}")
+        rows["once per step" if once else "every micro-batch"] = {
+            "s_per_step": round(max(sum(r["s_per_step"]) / len(r["s_per_step"]) for r in ranks), 3),
+            "reduce_scatters_per_step": ranks[0]["reduce_scatters_per_step"],
+            "peak_above_start_mib_per_rank": [mib(r["peak"]) for r in ranks],
+        }
+    every, once = rows["every micro-batch"], rows["once per step"]
+    print(f"{'gradients reduced':20} {'s / step':>10} {'reduce-scatters / step':>24} {'peak / rank (MiB)':>22}")
+    for name, row in rows.items():
+        print(
+            f"{name:20} {row['s_per_step']:>10} {row['reduce_scatters_per_step']:>24} "
+            f"{row['peak_above_start_mib_per_rank']!s:>22}"
+        )
+    ratio = once["s_per_step"] / every["s_per_step"]
+    print(f"once / every micro-batch: {ratio:.2f}x the time per step ({MICRO_BATCHES} micro-batches)")
+    return {"rows": rows, "once_over_every_s_per_step": round(ratio, 3), "micro_batches": MICRO_BATCHES}
+
+
 def mib(count: float) -> float:
     return round(count / 2**20, 1)
 
 
-def main() -> int:
+def training_part() -> dict:
     # glibc keeps freed heap blocks (up to 32 MB each, once it has raised its mmap threshold) in the process, so the
     # RSS of FSDP's gather-and-free of every unit would count memory that is free. With a fixed threshold, blocks
     # from 128 KiB up are mapped and unmapped: the RSS follows the live memory. The workers inherit it.
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     results = {}
     for index, (name, setup) in enumerate(SETUPS.items()):
         out = RESULTS.parent / f".{index}.json"
@@ -144,7 +263,6 @@ def main() -> int:
         "samples_per_rank": SAMPLES,
         "dtype": "float32",
     }
-    RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"{'set-up':34} {'model state / rank (MiB)':>26} {'peak above start / rank (MiB)':>31}")
     for name, row in results.items():
         print(f"{name:34} {row['model_state_mib_per_rank']!s:>26} {row['peak_above_start_mib_per_rank']!s:>31}")
@@ -152,7 +270,28 @@ def main() -> int:
         f"FSDP / DDP: model state {ratio:.2f}x, peak {peak_ratio:.2f}x; activation checkpointing / FSDP peak "
         f"{summary['activation_checkpointing_over_fsdp_peak']:.2f}x ({results['ddp']['parameters_m']}M parameters)"
     )
-    return 0 if ratio <= 0.6 else 1
+    return summary
+
+
+PARTS = {"training": training_part, "setup": setup_part, "sync": sync_part}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", action="append", choices=PARTS, help="run only this part (repeatable)")
+    chosen = parser.parse_args().part or list(PARTS)
+    # glibc keeps freed heap blocks (up to 32 MB each, once it has raised its mmap threshold) in the process, so the
+    # RSS of FSDP's gather-and-free of every unit would count memory that is free. With a fixed threshold, blocks
+    # from 128 KiB up are mapped and unmapped: the RSS follows the live memory. The workers inherit it.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    for name in chosen:
+        results[name] = PARTS[name]()
+        RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    training, setup = results.get("training", {}), results.get("setup", {})
+    state_ok = training.get("fsdp_over_ddp_model_state", 0) <= 0.6
+    setup_ok = setup.get("meta_over_eager_peak", {}).get("2", 0) <= 0.6
+    return 0 if state_ok and setup_ok else 1
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -181,6 +182,12 @@ def sync_worker(rank: int, once: bool, port: int, out: str) -> None:
     finish(result, rank, 2, out)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def spawn(worker: object, world_size: int, args: tuple, name: str) -> list[dict]:
     out = RESULTS.parent / f".{name}.json"
     mp.start_processes(worker, args=(*args, str(out)), nprocs=world_size, start_method="spawn")
@@ -191,8 +198,8 @@ def spawn(worker: object, world_size: int, args: tuple, name: str) -> list[dict]
 
 def setup_part() -> dict:
     rows = {}
-    for port, (world_size, meta) in enumerate([(n, meta) for n in (2, 4) for meta in (False, True)], start=29640):
-        ranks = spawn(setup_worker, world_size, (world_size, meta, port), f"setup{port}")
+    for world_size, meta in [(n, meta) for n in (2, 4) for meta in (False, True)]:
+        ranks = spawn(setup_worker, world_size, (world_size, meta, free_port()), f"setup{world_size}{meta}")
         rows[f"{'meta' if meta else 'eager'}, {world_size} processes"] = {
             "peak_above_start_mib_per_rank": [mib(r["peak_above_start"]) for r in ranks],
             "shards_mib_per_rank": [mib(r["shards"]) for r in ranks],
@@ -211,8 +218,8 @@ def setup_part() -> dict:
 
 def sync_part() -> dict:
     rows = {}
-    for port, once in enumerate((False, True), start=29650):
-        ranks = spawn(sync_worker, 2, (once, port), f"sync{port}")
+    for once in (False, True):
+        ranks = spawn(sync_worker, 2, (once, free_port()), f"sync{once}")
         rows["once per step" if once else "every micro-batch"] = {
             "s_per_step": round(max(sum(r["s_per_step"]) / len(r["s_per_step"]) for r in ranks), 3),
             "reduce_scatters_per_step": ranks[0]["reduce_scatters_per_step"],
@@ -241,7 +248,7 @@ def training_part() -> dict:
     results = {}
     for index, (name, setup) in enumerate(SETUPS.items()):
         out = RESULTS.parent / f".{index}.json"
-        mp.start_processes(worker, args=(setup, 29630 + index, str(out)), nprocs=2, start_method="spawn")
+        mp.start_processes(worker, args=(setup, free_port(), str(out)), nprocs=2, start_method="spawn")
         ranks = json.loads(out.read_text())
         out.unlink()
         results[name] = {

@@ -290,8 +290,8 @@ def eager_values(model: nn.Module, recording: MetaInit) -> dict[str, dict[str, C
     for root, net in networks(model):
         values[root] = {}
         for name, tensor in tensors_of(net):
-            copy = None if tensor.device == META else tensor.detach().clone()
-            values[root][name] = (lambda c=copy: c) if copy is not None else functools.partial(recording.value, tensor)
+            real = None if tensor.device == META else tensor.detach().clone()
+            values[root][name] = functools.partial(recording.value, tensor if real is None else real)
     return values
 
 
@@ -309,7 +309,8 @@ def shard_built(
     shard(model, mesh, shard_modules, **options)
     if eager is not None:
         for name, net in networks(model):
-            materialize_shards(net, eager[name], device)
+            # Offloaded shards live in host memory (FSDP2 moves them to the device for each unit's compute).
+            materialize_shards(net, eager[name], torch.device("cpu") if options.get("cpu_offload") else device)
 
 
 class FSDPStrategy(ModelParallelStrategy):

@@ -1,5 +1,6 @@
 """Every launcher gives one run directory, one log file, one metrics.json, and correct ranks (CPU, gloo, loopback)."""
 
+import random
 import socket
 import subprocess
 import sys
@@ -29,9 +30,23 @@ ONE_EPOCH = [*QUICK, "trainer.max_epochs=1", "+callbacks.probe._target_=probes.R
 
 
 def free_port() -> int:
+    """A free port below the kernel's ephemeral range (32768-60999 on Linux), the next one free too (a restarted
+    torchrun's workers meet at MASTER_PORT + 1: launch.fresh_store_after_torchrun_restart). The kernel hands ports
+    of that range to every outgoing connection, and gloo opens many: a port from it can be taken by the time the
+    launcher binds it."""
+    for port in random.Random().sample(range(20000, 32000), 200):
+        if all(bindable(p) for p in (port, port + 1)):
+            return port
+    raise RuntimeError("no free pair of ports in 20000-32000")
+
+
+def bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def torchrun(
@@ -196,7 +211,7 @@ def test_a_failing_rank_stops_every_process_quickly(tmp_path):
 
 
 def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path):
-    """torchrun --standalone with a restart: rank 1 fails once at step 25 (epoch 1), torchrun stops rank 0 and
+    """torchrun on one node with a restart: rank 1 fails once at step 25 (epoch 1), torchrun stops rank 0 and
     restarts both workers, they find the same run directory and resume from its last.ckpt (step 19); in the end
     one clean run, one log."""
     args = [
@@ -211,7 +226,10 @@ def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path):
         "+callbacks.fail.step=25",
         "+callbacks.fail.first_attempt_only=true",
     ]
-    result = check(torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=1", args=args))
+    # One node, its rendezvous at a port chosen here (--standalone would take an ephemeral one, and its restart the
+    # port after it, which another process's connection may hold by then).
+    node = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    result = check(torchrun(*node, "--nproc_per_node=2", "--max-restarts=1", args=args))
     run_dir = only_run_dir(tmp_path)  # the restarted workers found the same run directory
     log = (run_dir / "train.log").read_text()
     assert "resuming from" in log and "last.ckpt" in log

@@ -11,14 +11,19 @@ for `trainer.num_nodes=auto`, and the cluster environment Lightning does not det
   environment for it (`KubeflowEnvironment`: local rank 0, node rank = RANK) but stopped detecting it in 2.0.7
   (Lightning #18137: the same variables are set under torchrun); here it is chosen when no launcher variables
   other than those are set.
+- A Ray Train worker (`python -m scaleup.distributed.ray_train`): Ray's TorchTrainer starts one process per worker,
+  sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and NODE_RANK, and initialises the process group itself
+  before the job runs. Lightning detects none of it; Ray's own `RayLightningEnvironment` reads the ranks from
+  `ray.train.get_context()`, and Lightning leaves the group Ray made as it is.
 - Otherwise Lightning's own launcher (`trainer.devices=N` on one node), or one process.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-from lightning.fabric.plugins.environments import KubeflowEnvironment
+from lightning.fabric.plugins.environments import ClusterEnvironment, KubeflowEnvironment
 
 from scaleup.errors import UserError
 
@@ -32,6 +37,20 @@ def is_torchrun() -> bool:
 def is_slurm() -> bool:
     """Lightning's own test: SLURM_NTASKS set, and not an interactive allocation (`salloc bash`)."""
     return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+
+
+def is_ray_train() -> bool:
+    """A process Ray Train started for its training function: Ray is imported here (only a Ray process imports it
+    before the job runs) and its train context answers."""
+    if "ray" not in sys.modules:
+        return False
+    import ray.train
+
+    try:
+        ray.train.get_context()
+    except RuntimeError:  # the driver, or any other Ray process
+        return False
+    return True
 
 
 def is_one_process_per_pod() -> bool:
@@ -55,6 +74,8 @@ def launcher_name(world_size: int) -> str:
         return f"SLURM srun, job {os.environ.get('SLURM_JOB_ID', '?')}: ranks from SLURM_PROCID, SLURM_LOCALID"
     if is_one_process_per_pod():
         return "Kubeflow PyTorchJob, one process per pod: ranks from WORLD_SIZE, RANK (the pod's index)"
+    if is_ray_train():
+        return f"Ray Train, {world_size} workers: ranks from ray.train.get_context()"
     return "Lightning's launcher, one process per device" if world_size > 1 else "one process"
 
 
@@ -66,6 +87,8 @@ def launched_world_size() -> tuple[str, int] | None:
         return "SLURM", int(os.environ["SLURM_NTASKS"])
     if is_one_process_per_pod():
         return "the PyTorchJob", int(os.environ["WORLD_SIZE"])
+    if is_ray_train():
+        return "Ray Train", int(os.environ["WORLD_SIZE"])
     return None
 
 
@@ -92,6 +115,14 @@ def check_one_process_per_pod(devices: int) -> None:
         )
 
 
-def cluster_plugins() -> list[KubeflowEnvironment]:
+def cluster_plugins() -> list[ClusterEnvironment]:
     """The cluster environment to pass to the Trainer where Lightning would not find the ranks by itself."""
-    return [KubeflowEnvironment()] if is_one_process_per_pod() else []
+    if is_one_process_per_pod():
+        return [KubeflowEnvironment()]
+    if is_ray_train():
+        # Ray's own environment, not its strategies: RayDDPStrategy (and prepare_trainer, which insists on it)
+        # would replace the template's strategy; the environment works with any.
+        from ray.train.lightning import RayLightningEnvironment
+
+        return [RayLightningEnvironment()]
+    return []

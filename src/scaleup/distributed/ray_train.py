@@ -1,0 +1,194 @@
+"""Train on a Ray cluster with Ray Train: `python -m scaleup.distributed.ray_train`.
+
+    python -m scaleup.distributed.ray_train num_workers=N [use_gpu=true] [max_failures=K] [address=ADDR] [overrides]
+
+num_workers: Ray Train workers, one process and one device each (default 1); the world size. use_gpu: one GPU per
+worker (default false: one CPU each). max_failures: how many times Ray restarts the worker group after a worker
+dies (default 0); each restart resumes from the run's last.ckpt. address: the Ray cluster to join (default: the
+one `ray.init()` finds, RAY_ADDRESS or a cluster started on this machine, else a new local one). Everything else
+is a `python train.py` override; `trainer.accelerator`, `trainer.devices` and `trainer.num_nodes` are Ray's to set.
+
+This process, the driver, composes the config once (the run directory is stamped here) and ships it to the
+workers as plain containers; each worker runs the template's own train job (`ray_worker.py`). Why not Lightning's
+Ray integration (`RayDDPStrategy`, `prepare_trainer`): prepare_trainer refuses any strategy but Ray's, and the
+template builds its own (distributed/launch.py). It keeps Ray's `RayLightningEnvironment` (the ranks from
+`ray.train.get_context()`, clusters.py) and Ray's process group, which Lightning finds initialised and leaves
+alone. `dry_run=true` plans the job for num_workers devices here, without Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from scaleup.checkpoints.io import exists
+from scaleup.distributed.ray_worker import last_checkpoint, train_worker
+from scaleup.distributed.run_dir import register_resolvers
+from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error, composition_error
+
+OPTIONS = {"num_workers": "1", "use_gpu": "false", "max_failures": "0", "address": None}
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+SET_BY_RAY = ("trainer.accelerator", "trainer.devices", "trainer.num_nodes")
+
+
+def parse(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """(Ray's options, the train overrides) from `key=value` arguments."""
+    given = dict(OPTIONS)
+    overrides = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key in given:
+            given[key] = value
+        elif key.lstrip("+~") in SET_BY_RAY:
+            raise UserError(f"{arg}: Ray Train sets it (one device per worker); pass num_workers=N use_gpu=true|false")
+        else:
+            overrides.append(arg)
+    if given["use_gpu"] not in ("true", "false"):
+        raise UserError(f"use_gpu={given['use_gpu']} must be true or false")
+    options = {"use_gpu": given["use_gpu"] == "true", "address": given["address"] or None}
+    for key, least in (("num_workers", 1), ("max_failures", -1)):
+        value = given[key]
+        if not value.lstrip("-").isdigit() or int(value) < least:
+            raise UserError(f"{key}={value} must be an integer >= {least}" + (" (-1: no limit)" if least < 0 else ""))
+        options[key] = int(value)
+    return options, overrides
+
+
+def compose_train(overrides: list[str]) -> DictConfig:
+    """configs/train.yaml with the overrides and Hydra's own config, as `python train.py` composes it."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3", job_name="train"):
+        return compose("train", overrides=overrides, return_hydra_config=True)
+
+
+def compose(overrides: list[str], accelerator: str, num_workers: int) -> DictConfig:
+    """The job's config, composed once; the run directory stamped and created, Hydra's runtime set as `@hydra.main`
+    sets it. Planned for one node of num_workers devices (the workers replace it by where Ray put them)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    register_resolvers()
+    topology = [f"trainer.accelerator={accelerator}", f"trainer.devices={num_workers}", "trainer.num_nodes=1"]
+    try:
+        cfg = compose_train([*overrides, *topology])
+    except Exception as err:  # a misspelled key or group option: one line naming the closest
+        user_error = composition_error(err, compose_train, overrides, extra=OPTIONS)
+        if user_error is None:
+            raise
+        raise user_error from err
+    with open_dict(cfg):
+        cfg.hydra.runtime.cwd = os.getcwd()
+        cfg.hydra.mode = RunMode.RUN
+    HydraConfig.instance().set_config(cfg)  # for the ${hydra:...} interpolations in hydra.run.dir
+    run_dir = Path(cfg.hydra.run.dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with read_write(cfg.hydra):
+        cfg.hydra.run.dir = cfg.hydra.runtime.output_dir = str(run_dir)  # stamped once, here
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+def job_for_workers(cfg: DictConfig, accelerator: str) -> dict[str, Any]:
+    """What the workers get: the job's config resolved here (the driver's run directory, paths and time, the same
+    on every node) and Hydra's own, whose logging each rank resolves for itself (only rank 0 writes the log)."""
+    from scaleup.config.plain import to_plain
+    from scaleup.config.schema import validate_config
+
+    hydra = OmegaConf.to_container(cfg.hydra, resolve=False)  # its run directory and runtime are set: compose()
+    job = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+    validate_config(job, "train")  # here, once: a mistake in a worker would cost a start of Ray and its retries
+    return {"config": to_plain(job), "hydra": hydra, "accelerator": accelerator}
+
+
+def dry_run(cfg: DictConfig) -> None:
+    """Plan the Ray job here, as `python train.py dry_run=true` plans one (printed and in its log): nothing starts."""
+    from hydra.core.utils import configure_log
+
+    from scaleup.train import train
+
+    configure_log(cfg.hydra.job_logging, cfg.hydra.verbose)
+    with read_write(cfg), open_dict(cfg):
+        del cfg["hydra"]
+    train(cfg)
+
+
+def check_resources(num_workers: int, use_gpu: bool) -> None:
+    """Ray would wait for ever for workers that the cluster cannot place: refuse them here."""
+    import ray
+
+    resource = "GPU" if use_gpu else "CPU"
+    available = int(ray.cluster_resources().get(resource, 0))
+    if num_workers > available:
+        raise UserError(
+            f"num_workers={num_workers} needs {num_workers} {resource}(s) but the Ray cluster has {available}; "
+            f"pass num_workers={available}" + ("" if use_gpu else " (or use_gpu=true on a GPU cluster)")
+        )
+
+
+def start(job: dict[str, Any], options: dict[str, Any], run_dir: Path) -> None:
+    """Start Ray's TorchTrainer on the job and wait for it; a worker's user mistake becomes a UserError."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
+    from ray.train.torch import TorchTrainer
+
+    ray.init(address=options["address"])
+    check_resources(options["num_workers"], options["use_gpu"])
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config=job,
+        scaling_config=ScalingConfig(num_workers=options["num_workers"], use_gpu=options["use_gpu"]),
+        # Ray's own records of the run (its state, not checkpoints: those are the template's) in the run directory.
+        run_config=RunConfig(
+            name="ray", storage_path=str(run_dir), failure_config=FailureConfig(max_failures=options["max_failures"])
+        ),
+    )
+    try:
+        trainer.fit()
+    except WorkerGroupError as err:
+        for failure in err.worker_failures.values():
+            if (user_error := as_user_error(failure)) is not None:
+                raise user_error from err
+        raise
+
+
+def main(argv: list[str]) -> int:
+    """0: trained (or planned), 2: a mistake in the arguments or the config, one line on stderr."""
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
+    try:
+        options, overrides = parse(argv)
+        accelerator = "gpu" if options["use_gpu"] else "cpu"
+        cfg = compose(overrides, accelerator, options["num_workers"])
+        run_dir = Path(cfg.hydra.runtime.output_dir)
+        if cfg.dry_run:
+            dry_run(cfg)
+            return 0
+        try:
+            import ray  # noqa: F401
+        except ImportError as err:
+            raise UserError('Ray is not installed: python -m pip install -e ".[ray]"') from err
+        job = job_for_workers(cfg, accelerator)
+        last = last_checkpoint(job["config"])
+        if job["config"]["ckpt_path"] != "last" and exists(last):
+            raise UserError(
+                f"{run_dir} holds a run ({last}): resume it with ckpt_path=last, or pass another hydra.run.dir"
+            )
+        start(job, options, run_dir)
+    except Exception as err:
+        user_error = as_user_error(err)
+        if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {user_error}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    print(f"Ray Train: done, {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -67,8 +67,7 @@ def compose_train(overrides: list[str]) -> DictConfig:
 
 
 def compose(overrides: list[str], accelerator: str, num_workers: int) -> DictConfig:
-    """The job's config, composed once; the run directory stamped and created, Hydra's runtime set as `@hydra.main`
-    sets it. Planned for one node of num_workers devices (the workers replace it by where Ray put them)."""
+    """The job's config, composed once; the run directory stamped, Hydra's runtime set as `@hydra.main` sets it. Planned for one node of num_workers devices (the workers replace it by where Ray put them)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -86,7 +85,6 @@ def compose(overrides: list[str], accelerator: str, num_workers: int) -> DictCon
         cfg.hydra.mode = RunMode.RUN
     HydraConfig.instance().set_config(cfg)  # for the ${hydra:...} interpolations in hydra.run.dir
     run_dir = Path(cfg.hydra.run.dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
     with read_write(cfg.hydra):
         cfg.hydra.run.dir = cfg.hydra.runtime.output_dir = str(run_dir)  # stamped once, here
     HydraConfig.instance().set_config(cfg)
@@ -98,11 +96,22 @@ def job_for_workers(cfg: DictConfig, accelerator: str) -> dict[str, Any]:
     on every node) and Hydra's own, whose logging each rank resolves for itself (only rank 0 writes the log)."""
     from scaleup.config.plain import to_plain
     from scaleup.config.schema import validate_config
+    from scaleup.plan.batch import resolve_batch
 
     hydra = OmegaConf.to_container(cfg.hydra, resolve=False)  # its run directory and runtime are set: compose()
     job = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
-    validate_config(job, "train")  # here, once: a mistake in a worker would cost a start of Ray and its retries
-    return {"config": to_plain(job), "hydra": hydra, "accelerator": accelerator}
+    # Checked here, once: a mistake found in the workers would cost a start of Ray and its retries.
+    validate_config(job, "train")
+    config = to_plain(job)
+    data, cap = config["data"], config["data"].get("max_per_device_batch_size")
+    resolve_batch(
+        data.get("global_batch_size"),
+        data.get("per_device_batch_size"),
+        world_size=config["trainer"]["devices"],
+        accumulation=config["trainer"].get("accumulate_grad_batches"),
+        max_per_device=cap if isinstance(cap, int) else None,  # `auto` is measured on the workers' devices
+    )
+    return {"config": config, "hydra": hydra, "accelerator": accelerator}
 
 
 def dry_run(cfg: DictConfig) -> None:
@@ -138,6 +147,7 @@ def start(job: dict[str, Any], options: dict[str, Any], run_dir: Path) -> None:
 
     ray.init(address=options["address"])
     check_resources(options["num_workers"], options["use_gpu"])
+    run_dir.mkdir(parents=True, exist_ok=True)
     trainer = TorchTrainer(
         train_worker,
         train_loop_config=job,
@@ -167,12 +177,13 @@ def main(argv: list[str]) -> int:
         cfg = compose(overrides, accelerator, options["num_workers"])
         run_dir = Path(cfg.hydra.runtime.output_dir)
         if cfg.dry_run:
+            run_dir.mkdir(parents=True, exist_ok=True)
             dry_run(cfg)
             return 0
         try:
             import ray  # noqa: F401
         except ImportError as err:
-            raise UserError('Ray is not installed: python -m pip install -e ".[ray]"') from err
+            raise UserError('Ray is not installed: python -m pip install -e ".[ray]" (a dry run needs no Ray)') from err
         job = job_for_workers(cfg, accelerator)
         last = last_checkpoint(job["config"])
         if job["config"]["ckpt_path"] != "last" and exists(last):

@@ -8,6 +8,7 @@ RayJob manifest validates against KubeRay's CRD schema.
 import importlib.util
 import logging
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -31,7 +32,9 @@ from conftest import (
     read_json,
     weights,
 )
+from kubeflow_operators import load, validation_errors
 
+DEPLOY = ROOT / "deploy" / "kubernetes"
 RAY_TRAIN = [sys.executable, "-m", "scaleup.distributed.ray_train"]
 # The test cluster listens on this machine only: no token (Ray would keep one under ~/.ray for its clients).
 RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
@@ -193,3 +196,34 @@ def test_two_workers_killed_mid_run_restart_and_end_with_the_one_process_weights
         weights(baseline("one") / "checkpoints/last.ckpt"), weights(run_dir / "checkpoints/last.ckpt"), 0, TOLERANCE
     )
     print(f"2 Ray workers, one killed and the group restarted, vs 1 process: largest weight difference {worst:.1e}")
+
+
+def test_the_rayjob_validates_against_kuberays_crd_and_runs_the_entry_point():
+    """deploy/kubernetes/rayjob.yaml, strictly against KubeRay's RayJob schema (tests/schemas/, unknown fields
+    refused); its entry point parses, plans one GPU per worker pod, resumes the shared run directory, and its Ray is
+    the tested one."""
+    from scaleup.distributed.ray_train import parse
+
+    job = load(DEPLOY / "rayjob.yaml")
+    assert validation_errors(job) == []
+    program = shlex.split(job["spec"]["entrypoint"])
+    assert program[:3] == ["python", "-m", "scaleup.distributed.ray_train"]
+    options, overrides = parse(program[3:])
+    args = dict(arg.split("=", 1) for arg in overrides)
+    assert args["hydra.run.dir"].startswith("/shared/runs/") and args["ckpt_path"] == "last"
+    cluster = job["spec"]["rayClusterSpec"]
+    (workers,) = cluster["workerGroupSpecs"]
+    (container,) = workers["template"]["spec"]["containers"]
+    gpus = workers["replicas"] * int(container["resources"]["limits"]["nvidia.com/gpu"])
+    assert (options["num_workers"], options["use_gpu"]) == (gpus, True) and options["max_failures"] >= 1
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # the head runs the driver only
+    pinned = re.search(r"^ray==(\S+)$", (ROOT / "constraints.txt").read_text(), re.M)[1]
+    assert cluster["rayVersion"] == pinned
+    text = (DEPLOY / "rayjob.yaml").read_text()
+    assert text.count("mountPath: /shared") == 2 and text.count("claimName: scaleup-shared") == 2
+
+    workers["replicas"] = "two"
+    job["spec"]["shutdownAfterJobFinish"] = True
+    errors = validation_errors(job)
+    assert "spec.rayClusterSpec.workerGroupSpecs.0.replicas: 'two' is not of type 'integer'" in errors
+    assert any(e.startswith("spec: Additional properties") and "shutdownAfterJobFinish'" in e for e in errors)

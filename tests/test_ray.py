@@ -115,6 +115,7 @@ def test_dry_run_plans_for_rays_world_size_without_ray(entry_point, monkeypatch,
         (["use_gpu=yes"], "use_gpu=yes must be true or false"),
         (["trainer.devices=2"], "trainer.devices=2: Ray Train sets it (one device per worker); pass num_workers=N"),
         (["num_worker=2"], "num_worker: there is no such key; did you mean num_workers?"),
+        (["strategy=fsdp"], "strategy=fsdp does not run under Ray Train here: use strategy=ddp, or for FSDP start"),
         (["data.global_batch_size=100", "num_workers=3"], "data.global_batch_size=100 does not divide into 3 device"),
     ],
 )

@@ -67,7 +67,8 @@ def compose_train(overrides: list[str]) -> DictConfig:
 
 
 def compose(overrides: list[str], accelerator: str, num_workers: int) -> DictConfig:
-    """The job's config, composed once; the run directory stamped, Hydra's runtime set as `@hydra.main` sets it. Planned for one node of num_workers devices (the workers replace it by where Ray put them)."""
+    """The job's config, composed once; the run directory stamped, Hydra's runtime set as `@hydra.main` sets it.
+    Planned for one node of num_workers devices (each worker replaces it by where Ray put the workers)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -96,13 +97,26 @@ def job_for_workers(cfg: DictConfig, accelerator: str) -> dict[str, Any]:
     on every node) and Hydra's own, whose logging each rank resolves for itself (only rank 0 writes the log)."""
     from scaleup.config.plain import to_plain
     from scaleup.config.schema import validate_config
-    from scaleup.plan.batch import resolve_batch
 
     hydra = OmegaConf.to_container(cfg.hydra, resolve=False)  # its run directory and runtime are set: compose()
     job = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
-    # Checked here, once: a mistake found in the workers would cost a start of Ray and its retries.
     validate_config(job, "train")
     config = to_plain(job)
+    check_job(config)
+    return {"config": config, "hydra": hydra, "accelerator": accelerator}
+
+
+def check_job(config: dict[str, Any]) -> None:
+    """What the workers would refuse, refused here, once: in a worker it would cost a start of Ray and its retries.
+    (What needs the data, e.g. a batch larger than the training set, is still found by the workers.)"""
+    from scaleup.plan.batch import resolve_batch
+
+    if config["strategy"]["name"] != "ddp":
+        # FSDP under Ray Train is not proven to give DDP's weights here; ddp_spawn would start processes in a worker.
+        raise UserError(
+            f"strategy={config['strategy']['name']} does not run under Ray Train here: use strategy=ddp, or for FSDP "
+            "start torchrun on the Ray nodes (docs/clusters.md)"
+        )
     data, cap = config["data"], config["data"].get("max_per_device_batch_size")
     resolve_batch(
         data.get("global_batch_size"),
@@ -111,7 +125,6 @@ def job_for_workers(cfg: DictConfig, accelerator: str) -> dict[str, Any]:
         accumulation=config["trainer"].get("accumulate_grad_batches"),
         max_per_device=cap if isinstance(cap, int) else None,  # `auto` is measured on the workers' devices
     )
-    return {"config": config, "hydra": hydra, "accelerator": accelerator}
 
 
 def dry_run(cfg: DictConfig) -> None:

@@ -45,18 +45,17 @@ def worker_topology(accelerator: str) -> dict[str, Any]:
 def worker_config(job: dict[str, Any]) -> DictConfig:
     """The job's config for this worker; installs Hydra's runtime and the job's logging as `@hydra.main` does."""
     register_resolvers()
-    config = job["config"]
-    config["trainer"].update(worker_topology(job["accelerator"]))
+    cfg = OmegaConf.merge(job["config"], {"trainer": worker_topology(job["accelerator"])})
     # The first attempt starts where the user said; a restarted worker group resumes this job's last checkpoint.
-    if exists(last_checkpoint(config)):
-        config["ckpt_path"] = "last"
+    if exists(last_checkpoint(job["config"])):
+        cfg.ckpt_path = "last"
     schema = OmegaConf.structured(HydraConf)
     OmegaConf.set_struct(schema, False)  # Hydra's composed config has keys beyond its schema (`env`)
     hydra = OmegaConf.create({"hydra": OmegaConf.merge(schema, job["hydra"])})
     HydraConfig.instance().set_config(hydra)
     # The logging config is resolved here, per rank: only rank 0 writes the run's log file (rank_zero_or).
     configure_log(hydra.hydra.job_logging, hydra.hydra.verbose)
-    return OmegaConf.create(config)
+    return cfg
 
 
 def train_worker(job: dict[str, Any]) -> None:

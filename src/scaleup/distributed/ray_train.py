@@ -1,9 +1,11 @@
 """Train on a Ray cluster with Ray Train: `python -m scaleup.distributed.ray_train`.
 
-    python -m scaleup.distributed.ray_train num_workers=N [use_gpu=true] [max_failures=K] [address=ADDR] [overrides]
+    python -m scaleup.distributed.ray_train num_workers=N [use_gpu=true] [cpus_per_worker=C] [max_failures=K]
+        [address=ADDR] [overrides]
 
 num_workers: Ray Train workers, one process and one device each (default 1); the world size. use_gpu: one GPU per
-worker (default false: one CPU each). max_failures: how many times Ray restarts the worker group after a worker
+worker (default false: CPUs only). cpus_per_worker: CPUs Ray reserves for each worker (default 1; the loader's
+`data.num_workers` processes run on them). max_failures: how many times Ray restarts the worker group after a worker
 dies (default 0); each restart resumes from the run's last.ckpt. address: the Ray cluster to join (default: the
 one `ray.init()` finds, RAY_ADDRESS or a cluster started on this machine, else a new local one). Everything else
 is a `python train.py` override; `trainer.accelerator`, `trainer.devices` and `trainer.num_nodes` are Ray's to set.
@@ -13,7 +15,8 @@ workers as plain containers; each worker runs the template's own train job (`ray
 Ray integration (`RayDDPStrategy`, `prepare_trainer`): prepare_trainer refuses any strategy but Ray's, and the
 template builds its own (distributed/launch.py). It keeps Ray's `RayLightningEnvironment` (the ranks from
 `ray.train.get_context()`, clusters.py) and Ray's process group, which Lightning finds initialised and leaves
-alone. `dry_run=true` plans the job for num_workers devices here, without Ray.
+alone (Lightning's `_init_dist_connection` returns when the group exists). `dry_run=true` plans the job for
+num_workers devices here, without Ray.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from scaleup.distributed.ray_worker import last_checkpoint, train_worker
 from scaleup.distributed.run_dir import register_resolvers
 from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error, composition_error
 
-OPTIONS = {"num_workers": "1", "use_gpu": "false", "max_failures": "0", "address": None}
+OPTIONS = {"num_workers": "1", "use_gpu": "false", "cpus_per_worker": "1", "max_failures": "0", "address": None}
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 SET_BY_RAY = ("trainer.accelerator", "trainer.devices", "trainer.num_nodes")
 
@@ -50,7 +53,7 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     if given["use_gpu"] not in ("true", "false"):
         raise UserError(f"use_gpu={given['use_gpu']} must be true or false")
     options = {"use_gpu": given["use_gpu"] == "true", "address": given["address"] or None}
-    for key, least in (("num_workers", 1), ("max_failures", -1)):
+    for key, least in (("num_workers", 1), ("cpus_per_worker", 1), ("max_failures", -1)):
         value = given[key]
         if not value.lstrip("-").isdigit() or int(value) < least:
             raise UserError(f"{key}={value} must be an integer >= {least}" + (" (-1: no limit)" if least < 0 else ""))
@@ -139,17 +142,25 @@ def dry_run(cfg: DictConfig) -> None:
     train(cfg)
 
 
-def check_resources(num_workers: int, use_gpu: bool) -> None:
+def worker_resources(options: dict[str, Any]) -> dict[str, int]:
+    """What Ray reserves for each worker: its CPUs (the loader's workers run on them too, and Ray sets
+    OMP_NUM_THREADS to their number) and, with use_gpu, one GPU."""
+    return {"CPU": options["cpus_per_worker"], **({"GPU": 1} if options["use_gpu"] else {})}
+
+
+def check_resources(options: dict[str, Any]) -> None:
     """Ray would wait for ever for workers that the cluster cannot place: refuse them here."""
     import ray
 
-    resource = "GPU" if use_gpu else "CPU"
-    available = int(ray.cluster_resources().get(resource, 0))
-    if num_workers > available:
-        raise UserError(
-            f"num_workers={num_workers} needs {num_workers} {resource}(s) but the Ray cluster has {available}; "
-            f"pass num_workers={available}" + ("" if use_gpu else " (or use_gpu=true on a GPU cluster)")
-        )
+    workers, cluster = options["num_workers"], ray.cluster_resources()
+    for resource, each in worker_resources(options).items():
+        available = int(cluster.get(resource, 0))
+        if workers * each > available:
+            fits = available // each
+            raise UserError(
+                f"num_workers={workers} needs {workers * each} {resource}(s) but the Ray cluster has {available}; "
+                f"pass num_workers={fits}" + (" (or use_gpu=true on a GPU cluster)" if resource == "CPU" else "")
+            )
 
 
 def start(job: dict[str, Any], options: dict[str, Any], run_dir: Path) -> None:
@@ -159,12 +170,16 @@ def start(job: dict[str, Any], options: dict[str, Any], run_dir: Path) -> None:
     from ray.train.torch import TorchTrainer
 
     ray.init(address=options["address"])
-    check_resources(options["num_workers"], options["use_gpu"])
+    check_resources(options)
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = TorchTrainer(
         train_worker,
         train_loop_config=job,
-        scaling_config=ScalingConfig(num_workers=options["num_workers"], use_gpu=options["use_gpu"]),
+        scaling_config=ScalingConfig(
+            num_workers=options["num_workers"],
+            use_gpu=options["use_gpu"],
+            resources_per_worker=worker_resources(options),
+        ),
         # Ray's own records of the run (its state, not checkpoints: those are the template's) in the run directory.
         run_config=RunConfig(
             name="ray", storage_path=str(run_dir), failure_config=FailureConfig(max_failures=options["max_failures"])

@@ -126,6 +126,18 @@ def test_a_bad_option_is_one_line_and_exit_2(entry_point, args, message, tmp_pat
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_directory_with_a_checkpoint_is_resumed_only_when_asked(entry_point, tmp_path):
+    """A restarted worker group resumes from the run directory's last.ckpt: an earlier run's would be taken for it."""
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    last.write_bytes(b"")
+    code, lines = entry_point(["num_workers=2"])
+    assert (code, lines) == (
+        2,
+        [f"error: {last} is an earlier run's: resume it with ckpt_path=last, or pass another hydra.run.dir"],
+    )
+
+
 def test_without_ray_installed_a_job_is_one_line_and_exit_2(entry_point, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails, as where Ray is not installed
     code, lines = entry_point(["num_workers=2"])

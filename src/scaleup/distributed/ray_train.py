@@ -114,6 +114,10 @@ def check_job(config: dict[str, Any]) -> None:
     (What needs the data, e.g. a batch larger than the training set, is still found by the workers.)"""
     from scaleup.plan.batch import resolve_batch
 
+    # A restarted worker group resumes from the run's last.ckpt (ray_worker.py): it must be this job's.
+    last = last_checkpoint(config)
+    if config["ckpt_path"] != "last" and exists(last):
+        raise UserError(f"{last} is an earlier run's: resume it with ckpt_path=last, or pass another hydra.run.dir")
     if config["strategy"]["name"] != "ddp":
         # FSDP under Ray Train is not proven to give DDP's weights here; ddp_spawn would start processes in a worker.
         raise UserError(
@@ -208,16 +212,11 @@ def main(argv: list[str]) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             dry_run(cfg)
             return 0
+        job = job_for_workers(cfg, accelerator)
         try:
             import ray  # noqa: F401
         except ImportError as err:
             raise UserError('Ray is not installed: python -m pip install -e ".[ray]" (a dry run needs no Ray)') from err
-        job = job_for_workers(cfg, accelerator)
-        last = last_checkpoint(job["config"])
-        if job["config"]["ckpt_path"] != "last" and exists(last):
-            raise UserError(
-                f"{run_dir} holds a run ({last}): resume it with ckpt_path=last, or pass another hydra.run.dir"
-            )
         start(job, options, run_dir)
     except Exception as err:
         user_error = as_user_error(err)

@@ -66,6 +66,8 @@ def is_one_process_per_pod() -> bool:
 
 def launcher_name(world_size: int) -> str:
     """What started the processes, for the plan."""
+    if is_ray_train():  # first: Ray's workers may inherit the variables of the allocation Ray itself runs in
+        return f"Ray Train, {world_size} workers: ranks from ray.train.get_context()"
     if is_torchrun():
         kubeflow = " in a Kubeflow pod (PET_* variables from the operator)" if "PET_NNODES" in os.environ else ""
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -74,21 +76,19 @@ def launcher_name(world_size: int) -> str:
         return f"SLURM srun, job {os.environ.get('SLURM_JOB_ID', '?')}: ranks from SLURM_PROCID, SLURM_LOCALID"
     if is_one_process_per_pod():
         return "Kubeflow PyTorchJob, one process per pod: ranks from WORLD_SIZE, RANK (the pod's index)"
-    if is_ray_train():
-        return f"Ray Train, {world_size} workers: ranks from ray.train.get_context()"
     return "Lightning's launcher, one process per device" if world_size > 1 else "one process"
 
 
 def launched_world_size() -> tuple[str, int] | None:
     """(launcher, world size) where the processes were started outside Lightning, else None."""
+    if is_ray_train():  # first, as in launcher_name
+        return "Ray Train", int(os.environ["WORLD_SIZE"])
     if is_torchrun():
         return "torchrun", int(os.environ["WORLD_SIZE"])
     if is_slurm():
         return "SLURM", int(os.environ["SLURM_NTASKS"])
     if is_one_process_per_pod():
         return "the PyTorchJob", int(os.environ["WORLD_SIZE"])
-    if is_ray_train():
-        return "Ray Train", int(os.environ["WORLD_SIZE"])
     return None
 
 

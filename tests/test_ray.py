@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +76,7 @@ def ray_cluster() -> Iterator[str]:
     yield address
     head.send_signal(signal.SIGTERM)  # --block: stops every process of the cluster
     head.wait(timeout=60)
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture

@@ -109,6 +109,7 @@ LONGEST_FILES = (
     "test_preemption.py",
     "test_any_device_count.py",
     "test_resume.py",
+    "test_ray.py",
     "test_second_task.py",
     "test_train_e2e.py",
     "test_plain_logging.py",

@@ -11,14 +11,19 @@ for `trainer.num_nodes=auto`, and the cluster environment Lightning does not det
   environment for it (`KubeflowEnvironment`: local rank 0, node rank = RANK) but stopped detecting it in 2.0.7
   (Lightning #18137: the same variables are set under torchrun); here it is chosen when no launcher variables
   other than those are set.
+- A Ray Train worker (`python -m scaleup.distributed.ray_train`): Ray's TorchTrainer starts one process per worker,
+  sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and NODE_RANK, and initialises the process group itself
+  before the job runs. Lightning detects none of it; Ray's own `RayLightningEnvironment` reads the ranks from
+  `ray.train.get_context()`, and Lightning leaves the group Ray made as it is.
 - Otherwise Lightning's own launcher (`trainer.devices=N` on one node), or one process.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-from lightning.fabric.plugins.environments import KubeflowEnvironment
+from lightning.fabric.plugins.environments import ClusterEnvironment, KubeflowEnvironment
 
 from scaleup.errors import UserError
 
@@ -34,6 +39,20 @@ def is_slurm() -> bool:
     return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
 
 
+def is_ray_train() -> bool:
+    """A process Ray Train started for its training function: Ray is imported here (only a Ray process imports it
+    before the job runs) and its train context answers."""
+    if "ray" not in sys.modules:
+        return False
+    import ray.train
+
+    try:
+        ray.train.get_context()
+    except RuntimeError:  # the driver, or any other Ray process
+        return False
+    return True
+
+
 def is_one_process_per_pod() -> bool:
     """The ranks of a PyTorchJob without torchrun: the operator's four variables, and no launcher's of its own
     (torchrun and Lightning's launcher set LOCAL_RANK for each process they start)."""
@@ -47,6 +66,8 @@ def is_one_process_per_pod() -> bool:
 
 def launcher_name(world_size: int) -> str:
     """What started the processes, for the plan."""
+    if is_ray_train():  # first: Ray's workers may inherit the variables of the allocation Ray itself runs in
+        return f"Ray Train, {world_size} workers: ranks from ray.train.get_context()"
     if is_torchrun():
         kubeflow = " in a Kubeflow pod (PET_* variables from the operator)" if "PET_NNODES" in os.environ else ""
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -60,6 +81,8 @@ def launcher_name(world_size: int) -> str:
 
 def launched_world_size() -> tuple[str, int] | None:
     """(launcher, world size) where the processes were started outside Lightning, else None."""
+    if is_ray_train():  # first, as in launcher_name
+        return "Ray Train", int(os.environ["WORLD_SIZE"])
     if is_torchrun():
         return "torchrun", int(os.environ["WORLD_SIZE"])
     if is_slurm():
@@ -92,6 +115,14 @@ def check_one_process_per_pod(devices: int) -> None:
         )
 
 
-def cluster_plugins() -> list[KubeflowEnvironment]:
+def cluster_plugins() -> list[ClusterEnvironment]:
     """The cluster environment to pass to the Trainer where Lightning would not find the ranks by itself."""
-    return [KubeflowEnvironment()] if is_one_process_per_pod() else []
+    if is_one_process_per_pod():
+        return [KubeflowEnvironment()]
+    if is_ray_train():
+        # Ray's own environment, not its strategies: RayDDPStrategy (and prepare_trainer, which insists on it)
+        # would replace the template's strategy; the environment works with any.
+        from ray.train.lightning import RayLightningEnvironment
+
+        return [RayLightningEnvironment()]
+    return []

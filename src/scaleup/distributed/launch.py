@@ -9,6 +9,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 
+from scaleup.checkpoints.background import resolve_async_save
 from scaleup.compat.workarounds import SpawnDDPStrategy
 from scaleup.distributed.clusters import check_one_process_per_pod, launched_world_size, launcher_name
 from scaleup.errors import UserError, config_errors
@@ -47,14 +48,16 @@ class Launch:
     launcher: str
 
 
-def prepare_launch(strategy_cfg: dict[str, Any], topology: Topology, *, multirun: bool, dry_run: bool) -> Launch:
+def prepare_launch(
+    strategy_cfg: dict[str, Any], topology: Topology, *, multirun: bool, dry_run: bool, async_save: bool | str = "auto"
+) -> Launch:
     """Check the launcher against the topology, get a restarted torchrun ready, build the strategy: a dry run only
-    builds it (nothing is launched)."""
+    builds it (nothing is launched). `async_save`: `checkpoint.async_save`."""
     if not dry_run:
         check_launcher(topology)
         fresh_store_after_torchrun_restart()
     with config_errors("strategy"):
-        strategy, name = build_strategy(strategy_cfg, topology.world_size, multirun)
+        strategy, name = build_strategy(strategy_cfg, topology.world_size, multirun, async_save)
     if dry_run:
         launcher = "planned only (dry run)"
     elif name == "ddp_spawn" and launched_world_size() is None:
@@ -64,7 +67,9 @@ def prepare_launch(strategy_cfg: dict[str, Any], topology: Topology, *, multirun
     return Launch(strategy, name, launcher)
 
 
-def build_strategy(strategy_cfg: dict[str, Any], world_size: int, multirun: bool) -> tuple[Any, str]:
+def build_strategy(
+    strategy_cfg: dict[str, Any], world_size: int, multirun: bool, async_save: bool | str = "auto"
+) -> tuple[Any, str]:
     """The Trainer's `strategy` argument and a name for the plan, from the `strategy` config group.
 
     One process runs without a strategy. Under a Hydra multirun sweep Lightning's default subprocess launcher
@@ -74,13 +79,14 @@ def build_strategy(strategy_cfg: dict[str, Any], world_size: int, multirun: bool
     options = dict(strategy_cfg)
     name = str(options.pop("name"))
     timeout = timedelta(minutes=float(options.pop("timeout_minutes", 30)))
+    in_background = resolve_async_save(async_save, sharded=name == "fsdp" and world_size > 1)
     if name == "fsdp":
         from scaleup.distributed.fsdp import FSDPStrategy
 
         # One process has nothing to shard: it trains as DDP's single process does, and writes one file.
         if world_size == 1:
             return "auto", "auto"
-        return FSDPStrategy(world_size=world_size, timeout=timeout, **options), name
+        return FSDPStrategy(world_size=world_size, timeout=timeout, async_save=in_background, **options), name
     if name not in ("ddp", "ddp_spawn"):
         raise UserError(f"strategy.name={name} is not one of ddp, ddp_spawn, fsdp")
     if world_size == 1:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,18 +31,6 @@ from scaleup.checkpoints.sharded import METADATA, PARTIAL, beside, complete, pre
 from scaleup.errors import UserError
 
 log = logging.getLogger("scaleup")
-
-
-class LowPriorityWriter(dcp.FileSystemWriter):
-    """torch's file writer (which also stages: a blocking copy to CPU memory), writing from a thread at the lowest
-    CPU priority. Where training keeps every core busy (CPU training), the write then takes only the time training
-    leaves idle instead of slowing its steps."""
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        # DCP's own thread of this save, which ends with it: never training's. On Linux the nice value is per thread.
-        if hasattr(os, "setpriority"):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        return super().write_data(plan, planner)
 
 
 def resolve_async_save(setting: bool | str, sharded: bool) -> bool:
@@ -98,7 +84,7 @@ class BackgroundSaver:
         if is_global_zero:
             captured = io.BytesIO()
             torch.save(meta, captured)  # now: the callbacks' state is live (e.g. ModelCheckpoint's best_k_models)
-        written = dcp.async_save(shards, storage_writer=LowPriorityWriter(beside(path, PARTIAL)), process_group=group)
+        written = dcp.async_save(shards, checkpoint_id=beside(path, PARTIAL), process_group=group)
         paused = time.perf_counter() - start
         meta_bytes = captured.getvalue() if captured else None
         self._pending = self._thread.submit(self._finish, written, group, path, meta_bytes, start, paused)

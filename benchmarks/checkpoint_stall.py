@@ -11,7 +11,7 @@ the end. Training time lost per save = the mode's wall time - `none`'s in the sa
 copy, what the writing thread takes from training's CPU, and any wait at the end for a write the steps after it did
 not cover. Also reported: the time the training loop spent inside the save call.
 
-Results go to benchmarks/results/checkpoint_stall_cpu.json. Takes about 4 minutes on 2 cores.
+Results go to benchmarks/results/checkpoint_stall_cpu.json. Takes about 3 minutes on 2 cores.
 """
 
 from __future__ import annotations

@@ -113,6 +113,13 @@ CASES = [
         "model.compile=true with strategy=fsdp: torch.compile stops at the hooks FSDP puts on every unit",
     ),
     (
+        "async save of one-file checkpoints",
+        "train",
+        ["checkpoint.async_save=true", "trainer.devices=1", "dry_run=true"],
+        "checkpoint.async_save=true writes sharded checkpoints (strategy=fsdp on 2 or more processes) in the "
+        "background; this run writes one-file checkpoints, which are saved at once: use auto or false",
+    ),
+    (
         "fsdp units match nothing",
         "train",
         ["strategy=fsdp", "strategy.shard_modules=[torch.nn.LSTM]", "trainer.devices=2", "dry_run=true"],
@@ -314,6 +321,11 @@ WRONG_VALUES = {
         "train.py",
         ["loader.pin_memory=sometimes"],
         "loader.pin_memory=sometimes must be true, false or auto",
+    ),
+    "async save sometimes": (
+        "train.py",
+        ["checkpoint.async_save=sometimes"],
+        "checkpoint.async_save=sometimes must be true, false or auto",
     ),
     "prefetch 0": (
         "train.py",

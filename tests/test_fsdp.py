@@ -15,6 +15,7 @@ import math
 import re
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,7 @@ from myproject.models import ImageClassifier
 from scaleup.checkpoints.io import load_checkpoint, remove_interrupted_writes
 from scaleup.checkpoints.sharded import save_sharded
 from scaleup.distributed.fsdp import bytes_per_rank, unit_names
+from scaleup.distributed.launch import build_strategy
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +57,9 @@ def state(run_dir, name="checkpoints/last.ckpt"):
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    """The EXACT recipe, `strategy=fsdp trainer.devices=2`, with a sharded checkpoint at step 13 (mid-epoch 1)."""
+    """The EXACT recipe, `strategy=fsdp trainer.devices=2`, with a sharded checkpoint at step 13 (mid-epoch 1). Its
+    checkpoints are written in the background (`checkpoint.async_save=auto`): the tests that compare, resume and
+    evaluate them prove that each holds the state of its step."""
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"
     check(run([*EXACT, "trainer.devices=2", "strategy=fsdp", *save_every("at13", 13), f"hydra.run.dir={run_dir}"]))
     return run_dir
@@ -102,6 +106,9 @@ def test_every_rank_writes_its_shards_into_one_directory(fsdp_run):
     measured = re.search(r"parameters ([\d.]+) MiB, gradients ([\d.]+) MiB, optimizer state ([\d.]+) MiB", log)
     params, grads, moments = map(float, measured.groups())
     assert params == grads == 0.36 and moments == pytest.approx(0.72, abs=0.01)
+    saved = [Path(p) for p in re.findall(r"saved (\S+) in the background: training waited", log)]
+    assert saved.count(fsdp_run / "steps/at-13.ckpt") == 1
+    assert saved.count(fsdp_run / "checkpoints/last.ckpt") == EXACT_EPOCHS
 
 
 def test_sharded_checkpoint_resumes_on_one_device_with_ckpt_path_last(baseline, fsdp_run, tmp_path):
@@ -232,15 +239,47 @@ def write_forever(path, saved_once):
         saved_once.set()
 
 
-def test_kill_9_during_sharded_saves_leaves_a_whole_checkpoint(tmp_path):
+def write_forever_in_background(path, saved_once):
+    """The same saves written in the background (checkpoint.async_save), on a one-process group: each one's weights
+    are overwritten as soon as it returns, as training goes on while a checkpoint is written."""
+    import torch.distributed as dist
+
+    from scaleup.checkpoints.background import BackgroundSaver
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    saver, weights = BackgroundSaver(), torch.zeros(64, 64)
+    for version in range(10**6):
+        weights.fill_(version)
+        saver.save({"state_dict": {"w": weights}}, {"version": version}, path, is_global_zero=True)
+        weights.fill_(-1.0)
+        if version == 0:
+            saver.wait()
+            saved_once.set()
+
+
+@pytest.mark.parametrize("writer", [write_forever, write_forever_in_background], ids=["sync", "async"])
+def test_kill_9_during_sharded_saves_leaves_a_whole_checkpoint(tmp_path, writer):
     """A writer that does nothing but save sharded checkpoints, killed (SIGKILL) at random moments, 10 times: the
-    shards being written, or the swap of the directories: the old or the new checkpoint is there, whole."""
+    shards being written (in the background, for async), or the swap of the directories: the old or the new
+    checkpoint is there, whole, and holds the weights of the step it was taken at."""
     path = tmp_path / "last.ckpt"
-    for trial in kill_writer_at_random(write_forever, path, max_delay=0.1):
+    for trial in kill_writer_at_random(writer, path, max_delay=0.1):
         checkpoint = load_checkpoint(path)
         assert bool((checkpoint["state_dict"]["w"] == checkpoint["version"]).all()), trial
     remove_interrupted_writes(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "devices", "setting", "in_background"),
+    [("fsdp", 2, "auto", True), ("fsdp", 2, False, False), ("fsdp", 1, "auto", False), ("ddp", 2, "auto", False)],
+)
+def test_async_save_is_on_where_checkpoints_are_sharded(strategy, devices, setting, in_background):
+    """`checkpoint.async_save=auto`: sharded checkpoints (strategy=fsdp on 2+ processes) are written in the
+    background; one process, and DDP, keep ModelCheckpoint's one-file save."""
+    built, _ = build_strategy({"name": strategy}, world_size=devices, multirun=False, async_save=setting)
+    assert getattr(built, "async_save", False) is in_background
 
 
 def test_default_units_are_the_blocks_of_every_network_and_classes_select_others():

@@ -40,7 +40,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     topology = resolve_topology(cfg.trainer, dry_run=cfg.dry_run)
     config = to_plain(cfg)
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
-    launch = prepare_launch(config["strategy"], topology, multirun=multirun, dry_run=cfg.dry_run)
+    launch = prepare_launch(
+        config["strategy"],
+        topology,
+        multirun=multirun,
+        dry_run=cfg.dry_run,
+        async_save=config["checkpoint"]["async_save"],
+    )
     # Same seed on every rank before the data and the model are built: the same splits (also where a data module
     # splits with the global random state) and identical initial weights everywhere.
     L.seed_everything(cfg.seed, workers=True, verbose=False)

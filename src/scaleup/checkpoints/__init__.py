@@ -1,1 +1,2 @@
-"""Checkpoints: safe, atomic, prefix-free IO (io.py), sharded directories (sharded.py), and resuming (resume.py)."""
+"""Checkpoints: safe, atomic, prefix-free IO (io.py), sharded directories (sharded.py) written at once or in the
+background (background.py), and resuming (resume.py)."""

@@ -7,7 +7,8 @@ On disk a sharded checkpoint is a directory named like a checkpoint file (`last.
 Atomic: every rank writes into `.<name>.partial/` beside the target; once all have finished, rank 0 moves the old
 checkpoint aside to `.<name>.old/`, renames the new one into place and deletes the old one. A kill -9 while the
 shards are written leaves the old checkpoint untouched (and a `.partial` directory, deleted at the next start);
-one between the two renames leaves the old checkpoint under `.<name>.old`, which `recover` moves back.
+one between the two renames leaves the old checkpoint under `.<name>.old`, which `recover` moves back. Saves
+written in the background (background.py) go through the same `.partial` directory and `complete`.
 """
 
 from __future__ import annotations
@@ -53,19 +54,30 @@ def save_sharded(
     path: Path, write: Callable[[Path], None], *, is_global_zero: bool, barrier: Callable[[], None]
 ) -> None:
     """Call `write(tmp)` on every rank (each writes its shards into `tmp`), then put `tmp` in place of `path`."""
-    tmp = beside(path, PARTIAL)
     if is_global_zero:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _remove(tmp)  # a save killed before this one
+        prepare(path)
     barrier()
-    write(tmp)  # torch.distributed.checkpoint fsyncs every shard it writes
+    write(beside(path, PARTIAL))  # torch.distributed.checkpoint fsyncs every shard it writes
     barrier()  # every rank's shards are on disk
     if is_global_zero:
-        with open(tmp / METADATA, "rb+") as f:  # Lightning's torch.save of meta.pt is not fsynced
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        put_in_place(tmp, path)
+        complete(path)
     barrier()
+
+
+def prepare(path: Path) -> None:
+    """Rank 0 before a save to `path`: its directory exists, and no `.partial` of a killed save is in the way."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove(beside(path, PARTIAL))
+
+
+def complete(path: Path) -> None:
+    """Rank 0 once every rank's files are in `.<name>.partial`: make meta.pt and the directory durable, then put
+    the directory in place of `path`."""
+    tmp = beside(path, PARTIAL)
+    with open(tmp / METADATA, "rb+") as f:  # Lightning's torch.save of meta.pt is not fsynced
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    put_in_place(tmp, path)
 
 
 def put_in_place(new: Path, path: Path) -> None:

@@ -102,6 +102,7 @@ class Monitor(ClosedSection):
 class Checkpointing(ClosedSection):
     dirpath: str
     every_n_train_steps: PositiveInt | None
+    async_save: bool | Literal["auto"] = "auto"
 
 
 class Performance(ClosedSection):

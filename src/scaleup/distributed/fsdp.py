@@ -332,6 +332,7 @@ class FSDPStrategy(ModelParallelStrategy):
         cpu_offload: bool = False,
         activation_checkpointing: bool = False,
         timeout: timedelta,
+        async_save: bool = False,
     ) -> None:
         super().__init__(data_parallel_size=world_size, tensor_parallel_size=1, timeout=timeout)
         self.shard_modules = shard_modules
@@ -347,6 +348,7 @@ class FSDPStrategy(ModelParallelStrategy):
         self.recording: MetaInit | None = None
         self._measured = False
         self._total_parameter_bytes = 0
+        self.async_save = async_save
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """The optimizer step; after the run's first, every rank measures what it holds (gradients still there)."""
@@ -415,11 +417,41 @@ class FSDPStrategy(ModelParallelStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Every rank writes its shards into a temporary directory beside `filepath`; rank 0 then swaps it in."""
+        """Every rank writes its shards into a temporary directory beside `filepath`; rank 0 then swaps it in. With
+        `async_save`, the state is copied now and written in the background (checkpoints/background.py)."""
+        from scaleup.checkpoints.background import split
+
         path = Path(self.broadcast(str(filepath)))
+        if self.async_save:
+            self.background_saver().save(*split(checkpoint), path, is_global_zero=self.is_global_zero)
+            return
         save_sharded(
             path,
             lambda tmp: super(FSDPStrategy, self).save_checkpoint(checkpoint, tmp, storage_options),
             is_global_zero=self.is_global_zero,
             barrier=self.barrier,
         )
+
+    def background_saver(self) -> Any:
+        """The saves of `async_save` (a BackgroundSaver), one in flight at a time, over a process group of their
+        own; made at the first save."""
+        from scaleup.checkpoints.background import BackgroundSaver
+
+        if getattr(self, "_background_saver", None) is None:
+            self._background_saver = BackgroundSaver(timeout=self._timeout)
+        return self._background_saver
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """With `async_save`, a checkpoint replaced by a newer one (ModelCheckpoint's previous best) goes once the
+        newer one is in place: a crash in between leaves one of them."""
+        if not self.async_save:
+            super().remove_checkpoint(filepath)
+        elif self.is_global_zero:
+            self.background_saver().then(lambda: super(FSDPStrategy, self).remove_checkpoint(filepath))
+
+    def teardown(self) -> None:
+        """The save in flight is in place before the stage ends, also one that an exception or SIGTERM stopped
+        (which saves last.ckpt on its way out): `test` and the next run read whole checkpoints."""
+        if self.async_save:
+            self.background_saver().wait()
+        super().teardown()

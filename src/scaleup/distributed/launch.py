@@ -9,6 +9,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 
+from scaleup.checkpoints.background import resolve_async_save
 from scaleup.compat.workarounds import SpawnDDPStrategy
 from scaleup.distributed.clusters import check_one_process_per_pod, launched_world_size, launcher_name
 from scaleup.errors import UserError, config_errors
@@ -47,14 +48,18 @@ class Launch:
     launcher: str
 
 
-def prepare_launch(strategy_cfg: dict[str, Any], topology: Topology, *, multirun: bool, dry_run: bool) -> Launch:
+def prepare_launch(
+    strategy_cfg: dict[str, Any], topology: Topology, *, multirun: bool, dry_run: bool, async_save: bool | str = "auto"
+) -> Launch:
     """Check the launcher against the topology, get a restarted torchrun ready, build the strategy: a dry run only
-    builds it (nothing is launched)."""
+    builds it (nothing is launched). `async_save`: `checkpoint.async_save`."""
     if not dry_run:
         check_launcher(topology)
         fresh_store_after_torchrun_restart()
     with config_errors("strategy"):
-        strategy, name = build_strategy(strategy_cfg, topology.world_size, multirun, num_nodes=topology.num_nodes)
+        strategy, name = build_strategy(
+            strategy_cfg, topology.world_size, multirun, async_save, num_nodes=topology.num_nodes
+        )
     if dry_run:
         launcher = "planned only (dry run)"
     elif name == "ddp_spawn" and launched_world_size() is None:
@@ -65,7 +70,11 @@ def prepare_launch(strategy_cfg: dict[str, Any], topology: Topology, *, multirun
 
 
 def build_strategy(
-    strategy_cfg: dict[str, Any], world_size: int, multirun: bool, num_nodes: int = 1
+    strategy_cfg: dict[str, Any],
+    world_size: int,
+    multirun: bool,
+    async_save: bool | str = "auto",
+    num_nodes: int = 1,
 ) -> tuple[Any, str]:
     """The Trainer's `strategy` argument and a name for the plan, from the `strategy` config group.
 
@@ -76,6 +85,7 @@ def build_strategy(
     options = dict(strategy_cfg)
     name = str(options.pop("name"))
     timeout = timedelta(minutes=float(options.pop("timeout_minutes", 30)))
+    in_background = resolve_async_save(async_save, sharded=name == "fsdp" and world_size > 1)
     if name == "fsdp":
         from scaleup.distributed.fsdp import FSDPStrategy
 
@@ -83,7 +93,12 @@ def build_strategy(
         if world_size == 1:
             return "auto", "auto"
         options.pop("meta_init")  # how the job builds the model (components.py), not an option of the strategy
-        return FSDPStrategy(world_size=world_size, num_nodes=num_nodes, timeout=timeout, **options), name
+        return (
+            FSDPStrategy(
+                world_size=world_size, num_nodes=num_nodes, timeout=timeout, async_save=in_background, **options
+            ),
+            name,
+        )
     if name not in ("ddp", "ddp_spawn"):
         raise UserError(f"strategy.name={name} is not one of ddp, ddp_spawn, fsdp")
     if world_size == 1:

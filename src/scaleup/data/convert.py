@@ -27,6 +27,7 @@ from typing import Any
 
 from torch.utils.data import Dataset, Subset
 
+from scaleup.config.arguments import split_arguments
 from scaleup.data.shards.format import IMAGE_TYPES, encode_field, end_of_archive, member_spans, sample_bytes
 from scaleup.data.shards.index import INDEX, index_document
 from scaleup.errors import UserError, composition_error
@@ -202,14 +203,7 @@ def main(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
         print(__doc__)
         return 0
-    options = dict(OPTIONS)
-    overrides = []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key in options:
-            options[key] = value
-        else:
-            overrides.append(arg)
+    options, overrides = split_arguments(argv, OPTIONS)
     try:
         out = local_out(options["out"])
         per_shard, workers = positive_int(options, "samples_per_shard"), positive_int(options, "workers")

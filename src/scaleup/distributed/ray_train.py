@@ -29,6 +29,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from scaleup.checkpoints.io import exists
+from scaleup.config.arguments import split_arguments
 from scaleup.distributed.ray_worker import last_checkpoint, train_worker
 from scaleup.distributed.run_dir import register_resolvers
 from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error, composition_error
@@ -40,16 +41,10 @@ SET_BY_RAY = ("trainer.accelerator", "trainer.devices", "trainer.num_nodes")
 
 def parse(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     """(Ray's options, the train overrides) from `key=value` arguments."""
-    given = dict(OPTIONS)
-    overrides = []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key in given:
-            given[key] = value
-        elif key.lstrip("+~") in SET_BY_RAY:
+    given, overrides = split_arguments(argv, OPTIONS)
+    for arg in overrides:
+        if arg.partition("=")[0].lstrip("+~") in SET_BY_RAY:
             raise UserError(f"{arg}: Ray Train sets it (one device per worker); pass num_workers=N use_gpu=true|false")
-        else:
-            overrides.append(arg)
     if given["use_gpu"] not in ("true", "false"):
         raise UserError(f"use_gpu={given['use_gpu']} must be true or false")
     options = {"use_gpu": given["use_gpu"] == "true", "address": given["address"] or None}

@@ -27,6 +27,7 @@ from hydra.utils import get_class
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from scaleup.checkpoints.background import BackgroundSaver, split
 from scaleup.checkpoints.sharded import save_sharded
 from scaleup.compat.workarounds import (
     configure_model_counts_as_overridden,
@@ -346,6 +347,7 @@ class FSDPStrategy(ModelParallelStrategy):
         # The recorded build of a model made on the meta device (the job sets it): each rank fills its shards with
         # the values the eager build gives.
         self.recording: MetaInit | None = None
+        self._background_saver: BackgroundSaver | None = None
         self._measured = False
         self._total_parameter_bytes = 0
         self.async_save = async_save
@@ -419,8 +421,6 @@ class FSDPStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Every rank writes its shards into a temporary directory beside `filepath`; rank 0 then swaps it in. With
         `async_save`, the state is copied now and written in the background (checkpoints/background.py)."""
-        from scaleup.checkpoints.background import split
-
         path = Path(self.broadcast(str(filepath)))
         if self.async_save:
             self.background_saver().save(*split(checkpoint), path, is_global_zero=self.is_global_zero)
@@ -432,12 +432,10 @@ class FSDPStrategy(ModelParallelStrategy):
             barrier=self.barrier,
         )
 
-    def background_saver(self) -> Any:
-        """The saves of `async_save` (a BackgroundSaver), one in flight at a time, over a process group of their
-        own; made at the first save."""
-        from scaleup.checkpoints.background import BackgroundSaver
-
-        if getattr(self, "_background_saver", None) is None:
+    def background_saver(self) -> BackgroundSaver:
+        """The saves of `async_save`, one in flight at a time, over a process group of their own; made at the first
+        save."""
+        if self._background_saver is None:
             self._background_saver = BackgroundSaver(timeout=self._timeout)
         return self._background_saver
 

@@ -59,13 +59,12 @@ def build_data_and_model(
         model_cfg = copy.deepcopy(model_cfg)
         apply_model_settings(model_cfg, dict.fromkeys(unknown, 2))
 
-    # A dry run builds the model on the meta device: shapes and parameter groups, no memory and no time, so a
-    # 7B model plans on a laptop.
     def build() -> L.LightningModule:
         with config_errors("model"):
             return build_model(model_cfg, precision=config["trainer"]["precision"])
 
     if dry_run:
+        # Shapes and parameter groups, no memory and no time: a 7B model plans on a laptop.
         with torch.device("meta"):
             return datamodule, build(), dataset_sizes, None
     model, recording = build_recorded(build) if on_meta else (build(), None)

@@ -303,6 +303,7 @@ def test_a_dry_run_plans_the_shards_anywhere(tmp_path):
     assert plan["sharding"].startswith("19 unit(s) (net.conv1, net.bn1, net.layer1.0, net.layer1.1")
     assert "parameters 11.23 MiB per rank of 89.75 MiB" in plan["sharding"]
     assert "mesh 4 node(s) x 8: sharded within a node, replicated across nodes" in plan["sharding"]
+    assert "built on the meta device, each rank fills its shards with the ordinary build's values" in plan["sharding"]
     assert plan["sync_batchnorm_reason"] == "strategy=fsdp: BatchNorm statistics stay per device"
 
 

@@ -55,7 +55,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     datamodule, model, dataset_sizes, recording = build_data_and_model(config, run_dir, cfg.dry_run, on_meta)
     if sharded:
         launch.strategy.recording = recording
-        if on_meta and recording is None:  # built the ordinary way after all (components.build_recorded warned)
+        if on_meta and recording is None and not cfg.dry_run:  # built the ordinary way after all: it warned
             config["strategy"]["meta_init"] = False
     plan = plan_run(config, topology, launch, model, dataset_sizes)
     datamodule.channels_last = plan.channels_last  # batches laid out as PerformanceSettings lays out the weights

@@ -71,6 +71,13 @@ def shards(tmp_path_factory) -> Path:
             ["out={tmp}", "sample_per_shard=8"],
             "error: sample_per_shard: there is no such key; did you mean samples_per_shard?",
         ),
+        (["out=/dev/null/conv"], "error: out=/dev/null/conv: /dev/null is not a directory; choose another out=DIR"),
+        (["out=/proc/conv"], "error: out=/proc/conv cannot be created ("),
+        (
+            ["out={tmp}", "data.augment=true"],
+            "error: data.augment=true would store one random draw of each training sample in the shards, the same "
+            "every epoch: convert with data.augment=false",
+        ),
     ],
 )
 def test_converter_refuses_a_wrong_argument_in_one_line(args, message, tmp_path, capsys, monkeypatch):
@@ -79,6 +86,55 @@ def test_converter_refuses_a_wrong_argument_in_one_line(args, message, tmp_path,
     err = capsys.readouterr().err
     assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []  # nothing written, not even ./s3:
+
+
+def test_converting_again_replaces_the_earlier_conversion_whole(shards, tmp_path, capsys):
+    """9 training shards of 64, converted again with 2000 a shard and no test split: one shard per split, no test/,
+    the indexer counting the training split once; a folder holding anything else is refused, nothing removed."""
+    out = shutil.copytree(shards, tmp_path / "out")
+    (out / "train/.partial-shard-000003.tar").write_bytes(b"")  # a crashed conversion's leftover
+    assert convert([*SOURCE, f"out={out}", "samples_per_shard=2000", "data.test_size=0", "workers=1"]) == 0
+    assert f"{out}: the earlier conversion removed" in capsys.readouterr().out
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        "train",
+        "train/index.json",
+        "train/shard-000000.tar",
+        "val",
+        "val/index.json",
+        "val/shard-000000.tar",
+    ]
+    assert index_main([str(out)]) == 0
+    assert len(ShardIndex.load(f"{out}/train")) == 1797 - EXACT_VAL  # the digits without the validation split
+    (out / "notes.txt").write_text("mine")
+    assert convert([*SOURCE, f"out={out}", "workers=1"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: out={out} holds {out / 'notes.txt'}, which the converter does not write: convert into a new or "
+        "empty directory (an earlier conversion there is replaced whole)\n"
+    )
+    assert (out / "train/shard-000000.tar").is_file()
+
+
+def test_indexer_refuses_samples_twice_a_field_it_cannot_read_and_no_target(shards, tmp_path, capsys):
+    """The converter's validation tars with a stale copy of a shard beside them (the same keys twice), then
+    chosen fields that are unknown or leave no label: each one line, exit 2; the tars alone index."""
+    split = shutil.copytree(shards / "val", tmp_path / "val")
+    (split / "index.json").unlink()
+    shutil.copy(split / "shard-000000.tar", split / "shard-000009.tar")
+    errors = {
+        (): f"sample '000000000000' is in both shard-000000.tar and shard-000009.tar of {split}: a split holds each "
+        "sample once; remove the tars left there by another conversion or copy, then index again",
+        ("fields=0.npy",): f"fields=0.npy gives the samples of {split / 'shard-000000.tar'} no target: training "
+        "needs an input and its target (the label); e.g. fields=0.npy,1.cls",
+        ("fields=0.json",): f"field '0.json' of {split / 'shard-000000.tar'} has a type the reader does not decode "
+        "(cls, gif, jpeg, jpg, npy, png, txt, webp): choose the fields to train on, e.g. fields=jpg,cls",
+    }
+    capsys.readouterr()
+    for args, message in errors.items():
+        assert index_main([str(split), *args]) == 2
+        assert capsys.readouterr().err == f"error: {message}\n"
+    assert not (split / "index.json").exists()
+    (split / "shard-000009.tar").unlink()
+    assert index_main([str(split)]) == 0 and len(ShardIndex.load(str(split))) == EXACT_VAL
 
 
 def module(url, global_batch_size: int = 64, **kwargs) -> ShardedDataModule:

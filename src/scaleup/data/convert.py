@@ -2,14 +2,16 @@
 
     python -m scaleup.data.convert data=digits out=DIR [samples_per_shard=1024] [workers=N] [data.KEY=VALUE ...]
 
-workers defaults to min(8, the CPU count). DIR is a local directory: copy it to object storage afterwards.
+workers defaults to min(8, the CPU count). DIR is a local directory: copy it to object storage afterwards. DIR
+must be new, empty or an earlier conversion, which is replaced whole (its indexes removed first, so no reader
+finds shards of two conversions); a directory holding anything else is refused.
 
 Writes `DIR/<split>/shard-000000.tar ...` and `DIR/<split>/index.json` for each split the data module builds,
 then `data=sharded data.url=DIR` trains on them. Shard k of a split holds its samples [k x samples_per_shard,
 (k + 1) x samples_per_shard): the same bytes on every run whatever `workers` is, written in parallel, one shard
 per task. Images are stored encoded: ImageFolder's files as they are (no re-encoding), other PIL images as PNG;
-tensors as .npy, integers as .cls. Convert without augmentation (e.g. data.augment=false): the sharded data
-module applies its own `train_transform` when it loads a sample.
+tensors as .npy, integers as .cls. Convert without augmentation (data.augment=true is refused): the sharded data
+module applies its own `train_transform` when it loads a sample, drawn per (seed, epoch, sample).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import io
 import json
 import multiprocessing
 import os
+import re
+import shutil
 import signal
 import sys
 import zlib
@@ -28,10 +32,12 @@ from typing import Any
 from torch.utils.data import Dataset, Subset
 
 from scaleup.config.arguments import split_arguments
+from scaleup.data.index import SPLITS
 from scaleup.data.shards.format import IMAGE_TYPES, encode_field, end_of_archive, member_spans, sample_bytes
 from scaleup.data.shards.index import INDEX, index_document
 from scaleup.errors import UserError, composition_error
 
+CONVERTED = re.compile(r"(\.partial-)?shard-\d{6}\.tar|" + re.escape(INDEX))  # what `convert` writes in a split
 OPTIONS = {"out": None, "samples_per_shard": "1024", "workers": str(min(8, os.cpu_count() or 1))}
 _SPLITS: dict[str, Dataset] = {}  # inherited by the forked workers: the data set is built once
 
@@ -165,6 +171,12 @@ def build_source(overrides: list[str]) -> tuple[dict[str, Dataset], dict[str, An
         if user_error is None:
             raise
         raise user_error from err
+    if cfg.data.get("augment"):
+        raise UserError(
+            "data.augment=true would store one random draw of each training sample in the shards, the same every "
+            "epoch: convert with data.augment=false, and augment while training (drawn per seed, epoch and sample): "
+            "data=sharded data.train_transform={_target_:...}"
+        )
     config = {
         "data": OmegaConf.to_container(cfg.data, resolve=True),
         "loader": OmegaConf.to_container(cfg.loader, resolve=True),
@@ -198,6 +210,40 @@ def local_out(out: str | None) -> Path:
     return Path(out)
 
 
+def earlier_conversion(out: Path) -> list[Path]:
+    """The split folders of an earlier conversion in `out` (none when `out` is new or empty); a UserError when `out`
+    is not a directory, or holds anything the converter does not write."""
+    existing = next(path for path in (out, *out.parents) if path.exists())
+    if not existing.is_dir():
+        raise UserError(f"out={out}: {existing} is not a directory; choose another out=DIR")
+    if existing != out:
+        return []
+    splits = [path for path in out.iterdir() if path.name in SPLITS and path.is_dir()]
+    foreign = [path for path in out.iterdir() if path not in splits]
+    foreign += [path for split in splits for path in split.iterdir() if not CONVERTED.fullmatch(path.name)]
+    if foreign:
+        raise UserError(
+            f"out={out} holds {foreign[0]}, which the converter does not write: convert into a new or empty "
+            "directory (an earlier conversion there is replaced whole)"
+        )
+    return splits
+
+
+def replace(out: Path, earlier: list[Path]) -> None:
+    """Remove the earlier conversion in `out`, its indexes first (a reader finds no split rather than shards of
+    two conversions), and create `out`."""
+    for split in earlier:
+        (split / INDEX).unlink(missing_ok=True)
+    for split in earlier:
+        shutil.rmtree(split)
+    if earlier:
+        print(f"{out}: the earlier conversion removed", flush=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"out={out} cannot be created ({err.strerror}): choose a directory you can write") from None
+
+
 def main(argv: list[str]) -> int:
     """0: converted, 2: a mistake in the arguments (one line on stderr)."""
     if {"-h", "--help"} & set(argv):
@@ -207,7 +253,9 @@ def main(argv: list[str]) -> int:
     try:
         out = local_out(options["out"])
         per_shard, workers = positive_int(options, "samples_per_shard"), positive_int(options, "workers")
+        earlier = earlier_conversion(out)
         splits, settings = build_source(overrides)
+        replace(out, earlier)
         checksums = convert(splits, out, per_shard, workers, settings)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -75,26 +75,49 @@ def input_settings(path: Path, key: str, members: dict[str, tuple[int, int]], fi
     return {"net.in_channels": int(value.shape[0])} if value.ndim == 3 else {}
 
 
+def check_fields(path: Path, fields: list[str], first: dict[str, Any]) -> None:
+    """A UserError unless `fields` are an input and a target (the label) of types the reader decodes."""
+    unknown = [f for f in fields if f.rsplit(".", 1)[-1].lower() not in STORED]
+    if unknown:
+        known = [f for f in fields if f not in unknown]
+        raise UserError(
+            f"field {unknown[0]!r} of {path} has a type the reader does not decode ({', '.join(sorted(STORED))}): "
+            f"choose the fields to train on, e.g. fields={','.join(known) if len(known) > 1 else 'jpg,cls'}"
+        )
+    if len(fields) < 2:
+        others = [f for f in default_fields(first) if f not in fields]
+        fix = (
+            f"e.g. fields={fields[0]},{'cls' if 'cls' in others else others[0]}"
+            if others
+            else "its samples hold nothing else: store each one's label beside it (<key>.cls)"
+        )
+        raise UserError(
+            f"fields={fields[0]} gives the samples of {path} no target: training needs an input and its target "
+            f"(the label); {fix}"
+        )
+
+
 def index_split(directory: Path, chosen: list[str] | None) -> dict[str, Any]:
     """Write `directory/index.json` for its tars; the index document."""
     tars = sorted(directory.glob("*.tar"))
     if not tars:
         raise UserError(f"{directory} holds no .tar files")
     shardlist, fields, settings, classes = [], chosen, {}, -1
-    for path in tars:
+    seen: dict[str, int] = {}  # each sample key, and the tar holding it
+    for number, path in enumerate(tars):
         samples = read_tar(path)
         if not samples:
             raise UserError(f"{path} holds no samples")
         fields = fields or default_fields(samples[0][1])
-        unknown = [f for f in fields if f.rsplit(".", 1)[-1].lower() not in STORED]
-        if unknown:
-            raise UserError(
-                f"field {unknown[0]!r} of {path} has a type the reader does not decode ({', '.join(sorted(STORED))}): "
-                f"choose the fields to train on, e.g. fields={','.join(f for f in fields if f not in unknown)}"
-            )
+        check_fields(path, fields, samples[0][1])
         data = path.read_bytes()
         spans, crc32 = [], []
         for key, members in samples:
+            if seen.setdefault(key, number) != number:
+                raise UserError(
+                    f"sample {key!r} is in both {tars[seen[key]].name} and {path.name} of {directory}: a split holds "
+                    "each sample once; remove the tars left there by another conversion or copy, then index again"
+                )
             if not set(fields) <= set(members) or (chosen is None and len(members) != len(fields)):
                 raise UserError(
                     f"sample {key!r} of {path} has the fields {sorted(members)}, not {fields}: every sample needs "

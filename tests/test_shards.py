@@ -630,6 +630,65 @@ def test_a_dead_s3_endpoint_is_one_line_naming_the_url_after_bounded_retries(mon
     assert re.findall(retry, caplog.text) == [("2", "0.1"), ("3", "0.2")]
 
 
+def test_remote_data_that_cannot_be_used_is_one_line_naming_why(shards, s3, monkeypatch, capsys, tmp_path):
+    """No credentials at all, a bucket that does not exist, a URL without splits, an unreachable ftp:// host and a
+    cache directory that cannot be created (remote shards read by 2 loader workers): each one line, exit 2."""
+    import s3fs
+
+    fsspec.filesystem("memory").put(str(shards), "/cached-digits", recursive=True)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        ftp = f"ftp://127.0.0.1:{closed.getsockname()[1]}/digits"
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("SCALEUP_READ_TRIES", "2")
+    monkeypatch.setenv("SCALEUP_READ_BACKOFF_S", "0.01")
+    nowhere = str(tmp_path / "nowhere")
+    no_credentials = {"AWS_SHARED_CREDENTIALS_FILE": nowhere, "AWS_CONFIG_FILE": nowhere}
+    no_credentials |= {"AWS_EC2_METADATA_DISABLED": "true", "AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None}
+    copy = "convert a data set locally (python -m scaleup.data.convert data=<source> out=DIR), then copy DIR to"
+    cases = [
+        (
+            no_credentials,
+            ["data.url=s3://bucket/digits"],
+            "error: s3://bucket/digits/train/index.json: no credentials found (Unable to locate credentials); give "
+            "them as the storage's client expects (s3://: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
+        ),
+        (
+            {},
+            ["data.url=s3://nobucket/digits"],
+            "error: data.url=s3://nobucket/digits: the bucket nobucket does not exist (or these credentials cannot "
+            f"see it); check the URL, or create the bucket and {copy} s3://nobucket/digits",
+        ),
+        (
+            {},
+            ["data.url=s3://bucket/nothing"],
+            f"error: no train/, val/, test/ split with an index.json under data.url=s3://bucket/nothing; {copy} "
+            "s3://bucket/nothing",
+        ),
+        ({}, [f"data.url={ftp}"], f"error: {ftp} could not be read after 2 tries (ConnectionRefusedError"),
+        (
+            {},
+            ["data.url=memory://cached-digits", "data.reads=shards", f"data.cache_dir={tmp_path}/file/cache"],
+            f"error: data.cache_dir={tmp_path}/file/cache cannot be created (Not a directory): set it to a directory "
+            "on local disk that you can write",
+        ),
+    ]
+    try:
+        for env, args, message in cases:
+            with monkeypatch.context() as patch:
+                for key, value in env.items():
+                    if value is None:
+                        patch.delenv(key)
+                    else:
+                        patch.setenv(key, value)
+                s3fs.S3FileSystem.clear_instance_cache()  # a client made with other credentials would be reused
+                line = entry_point([*args, "data.num_workers=2", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+            assert line.startswith(message), line
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        fsspec.filesystem("memory").rm("/cached-digits", recursive=True)
+
+
 @pytest.mark.slow
 def test_a_flipped_byte_on_s3_or_in_the_cache_is_one_error_naming_the_sample(shards, s3_shards, s3, tmp_path):
     """One flipped payload byte, read by sample from the endpoint, and in a shard already in the cache."""

@@ -20,11 +20,12 @@ from scaleup.data.shards.dataset import ShardSplit
 from scaleup.data.shards.index import INDEX, ShardIndex
 from scaleup.data.shards.order import ShardWindowSampler
 from scaleup.data.shards.prefetch import Prefetcher, unit_steps
-from scaleup.data.shards.remote import MissingFile, filesystem, is_local
+from scaleup.data.shards.remote import MissingFile, filesystem, is_local, with_retries
 from scaleup.errors import UserError
 from scaleup.plan.batch import resolve_batch
 
 SPLITS = ("train", "val", "test")
+BUCKETS = ("s3", "s3a", "gs", "gcs")  # URL schemes whose first path component is a bucket
 log = logging.getLogger(__name__)
 
 
@@ -87,12 +88,28 @@ class ShardedDataModule(GlobalBatchDataModule):
                 except MissingFile:  # a split that was not converted (eval.py needs only test)
                     continue
             if not indexes:
-                raise NoShards(
-                    f"no {'/, '.join(SPLITS)}/ split with an {INDEX} under data.url={self.url}; convert a data set "
-                    "there first: python -m scaleup.data.convert data=<source> out=<data.url>"
-                )
+                raise NoShards(self._no_shards())
             self._indexes = indexes
         return self._indexes
+
+    def _no_shards(self) -> str:
+        """Why no split was found under `url`, and how to put one there: a URL is converted locally and copied."""
+        missing = f"no {'/, '.join(SPLITS)}/ split with an {INDEX} under data.url={self.url}"
+        convert = "python -m scaleup.data.convert data=<source> out="
+        if "://" not in self.url:
+            return f"{missing}; convert a data set there first: {convert}{self.url}"
+        copy = (
+            f"convert a data set locally ({convert}DIR), then copy DIR to {self.url} with your storage's tool "
+            f"(e.g. aws s3 cp --recursive DIR {self.url})"
+        )
+        scheme, _, path = self.url.partition("://")
+        bucket = path.split("/", 1)[0]
+        if scheme in BUCKETS and not with_retries(lambda: filesystem(self.url)[0].exists(bucket), self.url):
+            return (
+                f"data.url={self.url}: the bucket {bucket} does not exist (or these credentials cannot see it); "
+                f"check the URL, or create the bucket and {copy}"
+            )
+        return f"{missing}; {copy}"
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """With `mean` and `std`: the uint8 images normalised on the device, as ImageFolder's are."""
@@ -134,6 +151,7 @@ class ShardedDataModule(GlobalBatchDataModule):
         return "samples" if spans and not is_local(filesystem(index.url)[0]) else "shards"
 
     def build_splits(self) -> dict[str, Dataset]:
+        self._check_cache_dir()
         splits = {
             split: ShardSplit(
                 index,
@@ -160,6 +178,20 @@ class ShardedDataModule(GlobalBatchDataModule):
                 if why := train.cache.too_small():
                     log.warning(why)
         return splits
+
+    def _check_cache_dir(self) -> None:
+        """A remote's shards and prefetched samples go to `cache_dir`: create it here, before any loader worker
+        would meet a path it cannot write."""
+        if is_local(filesystem(self.url)[0]):
+            return
+        cache_dir = self.cache_dir or default_cache_dir()
+        try:
+            Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UserError(
+                f"data.cache_dir={cache_dir} cannot be created ({err.strerror}): set it to a directory on local "
+                "disk that you can write"
+            ) from None
 
     def _where_shards(self, split: ShardSplit) -> str:
         if split.cache.local:

@@ -3,6 +3,7 @@ retries: a dead remote is one clear error after a few seconds, not a hang or a t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -27,10 +28,11 @@ GIVE_UP_S = 60.0
 
 
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem of `url` and the path on it (a plain path is the local filesystem)."""
+    """The fsspec filesystem of `url` and the path on it (a plain path is the local filesystem). A client that
+    connects when it is made (ftp://, sftp://) is retried as a read is (`with_retries`)."""
     try:
-        fs, path = fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as err:  # e.g. s3:// without s3fs installed
+        fs, path = with_retries(lambda: fsspec.core.url_to_fs(url), url)
+    except (ImportError, ValueError) as err:  # e.g. s3:// without s3fs installed, an unknown protocol
         raise UserError(f"cannot read {url}: {err}") from None
     return fs, path.rstrip("/")
 
@@ -68,11 +70,27 @@ def transient_errors() -> tuple[type[BaseException], ...]:
     return (*errors, BotoConnectionError, HTTPClientError)
 
 
+@functools.cache
+def credential_errors() -> tuple[type[BaseException], ...]:
+    """What a client raises when it finds no credentials at all (botocore for s3fs, google.auth for gcsfs)."""
+    errors: list[type[BaseException]] = []
+    with contextlib.suppress(ImportError):
+        from botocore.exceptions import NoCredentialsError
+
+        errors.append(NoCredentialsError)
+    with contextlib.suppress(ImportError):
+        from google.auth.exceptions import DefaultCredentialsError
+
+        errors.append(DefaultCredentialsError)
+    return tuple(errors)
+
+
 def with_retries(read: Callable[[], T], url: str) -> T:
     """`read()`, tried up to `RETRIES` times with exponential backoff on transient errors (`transient_errors`),
     for at most about `GIVE_UP_S`; then one UserError naming `url`.
 
-    A missing file or a refused permission is final at once (another try gives the same answer).
+    A missing file, a refused permission or missing credentials are final at once (another try gives the same
+    answer).
     """
     retries = max(1, int(_setting("SCALEUP_READ_TRIES", RETRIES, int)))
     backoff = _setting("SCALEUP_READ_BACKOFF_S", BACKOFF_S, float)
@@ -84,6 +102,11 @@ def with_retries(read: Callable[[], T], url: str) -> T:
             raise MissingFile(f"{url} does not exist: check data.url (the directory holding index.json)") from None
         except PermissionError as err:
             raise UserError(f"{url}: permission denied ({err}); check the credentials for this URL") from None
+        except credential_errors() as err:
+            raise UserError(
+                f"{url}: no credentials found ({err}); give them as the storage's client expects (s3://: "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE; gs://: GOOGLE_APPLICATION_CREDENTIALS)"
+            ) from None
         except transient_errors() as err:
             wait = backoff * 2 ** (attempt - 1)
             if attempt == retries or time.monotonic() + wait > give_up:

@@ -4,6 +4,7 @@ a remote with a bounded cache, and float64 training on 1 and 2 processes with a 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from test_launchers import free_port
+from torch.utils.data import Subset
 
 from conftest import (
     EXACT,
@@ -37,6 +39,7 @@ from conftest import (
 )
 from myproject.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
 from scaleup.data.convert import main as convert
+from scaleup.data.convert import raw_sample
 from scaleup.data.image_batches import normalize
 from scaleup.data.index import main as index_main
 from scaleup.data.samplers import resumed_steps
@@ -112,6 +115,22 @@ def test_converting_again_replaces_the_earlier_conversion_whole(shards, tmp_path
         "empty directory (an earlier conversion there is replaced whole)\n"
     )
     assert (out / "train/shard-000000.tar").is_file()
+
+
+def test_converter_stores_samples_without_the_splits_transform():
+    """CIFAR-10's training split augments in its `transform` (a random crop and flip): the converter stores each
+    image as it is, the same on every conversion, and leaves the transform in place."""
+    from torchvision.transforms import v2
+
+    from myproject.data.cifar10 import UInt8Images
+
+    images = np.arange(2 * 4 * 5 * 3, dtype=np.uint8).reshape(2, 4, 5, 3)
+    flip = v2.RandomHorizontalFlip(p=1.0)
+    dataset = UInt8Images(images, [3, 5], flip)
+    (image, image_bytes), (label, label_bytes) = raw_sample(Subset(dataset, [1]), 0)
+    assert (image, label, label_bytes) == ("0.npy", "1.cls", b"5")
+    assert np.array_equal(np.load(io.BytesIO(image_bytes)), images[1].transpose(2, 0, 1))
+    assert dataset.transform is flip
 
 
 def test_indexer_refuses_samples_twice_a_field_it_cannot_read_and_no_target(shards, tmp_path, capsys):

@@ -45,7 +45,7 @@ _SPLITS: dict[str, Dataset] = {}  # inherited by the forked workers: the data se
 def raw_sample(dataset: Dataset, index: int) -> list[tuple[str, bytes]]:
     """Sample `index` as stored fields: image files and PIL images encoded, without the split's transform."""
     from PIL import Image
-    from torchvision.datasets import DatasetFolder, VisionDataset
+    from torchvision.datasets import DatasetFolder
 
     from scaleup.data.images import ImageFiles
 
@@ -59,8 +59,8 @@ def raw_sample(dataset: Dataset, index: int) -> list[tuple[str, bytes]]:
             with Image.open(path) as image:
                 kind, data = "png", png_bytes(image.convert("RGB"))
         return [encode_field(data, 0, kind), encode_field(int(target), 1)]
-    if isinstance(dataset, VisionDataset) and getattr(dataset, "transform", None) is not None:
-        transform, dataset.transform = dataset.transform, None  # the PIL image, not the training tensor
+    if getattr(dataset, "transform", None) is not None:  # torchvision's convention, also CIFAR-10's augmentation
+        transform, dataset.transform = dataset.transform, None  # the stored image, not the training tensor
         try:
             sample = dataset[index]
         finally:

@@ -166,18 +166,26 @@ def test_equivalence_check_catches_a_global_count_loss():
 
 
 def test_equivalence_check_passes_the_template_with_dropout_and_augmentation(capsys, monkeypatch):
-    """The template's own module and data, randomness on: 2 processes equal 1 accumulating 2 (the same
-    micro-batches draw the same masks), and the whole batch differs only as dropout explains."""
-    overrides = ["model.net.norm=group", "model.net.dropout=0.5", "data.augment=true"]
-    assert equivalence_check(monkeypatch, overrides) == 0
+    """The template's default model (BatchNorm), randomness on: 2 processes equal 1 accumulating 2 in weights and
+    optimizer state (the same micro-batches draw the same masks and normalise by the same statistics), BatchNorm's
+    running statistics differ by design, and the whole batch differs only as BatchNorm and dropout explain."""
+    assert equivalence_check(monkeypatch, ["model.net.dropout=0.5", "data.augment=true"]) == 0
     out = capsys.readouterr().out
-    assert "the whole batch differs from its micro-batches by design: dropout (model.net.dropout=0.5)" in out
+    assert "2 processes vs 1 accumulating 2: largest relative difference 0.00e+00" in out
+    assert "not compared, different by design: the running statistics of net.1, net.4, net.8 (BatchNorm)" in out
+    assert "the whole batch differs from its micro-batches by design: BatchNorm" in out
+    assert "; dropout (model.net.dropout=0.5)" in out
     assert out.rstrip().endswith("EQUIVALENT in float64: moving to more devices changes the speed, not the result")
     print(out)
 
 
-def runs(one, split, two):
-    return {"1": one, "1x2": split, "2": two}
+def runs(one, split, two, optimizers=({}, {}, {})):
+    """The three runs' checkpoints, from their state_dicts and optimizer states (`{param index: {name: tensor}}`)."""
+    states = (one, split, two)
+    return {
+        name: {"state_dict": state, "optimizer_states": [{"state": optimizer}]}
+        for name, state, optimizer in zip(("1", "1x2", "2"), states, optimizers, strict=True)
+    }
 
 
 def test_equivalence_verdict_in_float64_and_float32():
@@ -188,13 +196,36 @@ def test_equivalence_verdict_in_float64_and_float32():
     assert code == 0 and lines[-1].startswith("EQUIVALENT in float64")
     code, lines = verdict(runs(one, one, off), "64-true")
     assert code == 1 and lines[0] == (
-        "2 processes vs 1 accumulating 2: largest relative weight difference 1.00e-06 (w), tolerance 1e-10"
+        "2 processes vs 1 accumulating 2: largest relative difference 1.00e-06 (w), tolerance 1e-10"
     )
-    assert lines[-1].startswith("NOT EQUIVALENT in float64: the same micro-batches give other weights")
+    assert lines[-1].startswith("NOT EQUIVALENT in float64: the same micro-batches give other weights or optimizer")
     code, lines = verdict(runs(one, off, off), "64-true")
     assert code == 1 and lines[-1].startswith("NOT EQUIVALENT in float64: splitting the batch into micro-batches")
     code, lines = verdict(runs(one, off, one), "32-true")  # within float32's rounding allowance
     assert code == 0 and lines[-1].startswith("EQUIVALENT in float32")
+
+
+def test_equivalence_verdict_compares_optimizer_state_not_running_statistics():
+    """BatchNorm's running statistics differ by design (2 processes keep rank 0's, 1 accumulating 2 updates them by
+    every micro-batch): named, not compared. The optimizer state must agree: a gradient scaled by a constant shows
+    in Adam's moments even where Adam's update hides it from the weights."""
+    w = torch.ones(3, dtype=torch.float64)
+    bn = {"net.1.weight": w, "net.1.running_mean": w, "net.1.running_var": w, "net.1.num_batches_tracked": 8}
+    rank0 = {**bn, "net.1.running_mean": w / 2, "net.1.running_var": w * 3, "net.1.num_batches_tracked": 4}
+    bn, rank0 = ({k: torch.as_tensor(v) for k, v in state.items()} for state in (bn, rank0))
+    code, lines = verdict(runs(bn, bn, rank0), "64-true")
+    assert code == 0 and lines[0].endswith("difference 0.00e+00 (net.1.weight), tolerance 1e-10")
+    assert lines[2] == (
+        "not compared, different by design: the running statistics of net.1 (BatchNorm): 2 processes keep rank 0's, "
+        "updated by its micro-batches only, 1 process updates them by every micro-batch"
+    )
+    moments = {0: {"exp_avg": w, "step": torch.tensor(8.0)}}
+    halved = {0: {"exp_avg": w / 2, "step": torch.tensor(8.0)}}
+    code, lines = verdict(runs(bn, bn, bn, (moments, halved, halved)), "64-true")
+    assert code == 1 and lines[1] == (
+        "1 process: whole batch vs 2 x half: largest relative difference 5.00e-01 "
+        "(optimizer_states[0].state[0].exp_avg), tolerance 1e-10"
+    )
 
 
 def test_equivalence_verdict_names_what_the_plans_explain():

@@ -41,6 +41,9 @@ def paths(tmp_path_factory) -> dict[str, str]:
     (tmp / "truncated.ckpt").write_bytes(ckpt.read_bytes()[:1000])
     torch.save({"net.0.weight": torch.zeros(1)}, tmp / "state_dict.pt")
     (tmp / "exists.pt").write_bytes(b"")
+    # text torch's weights-only unpickler fails on with a KeyError (101: "e") and with an IndexError
+    (tmp / "notes.txt").write_text("hello world\n")
+    (tmp / "notes.yaml").write_text("epoch: 3\n")
     (tmp / "empty").mkdir()
     return {"tmp": str(tmp), "ckpt": str(ckpt)}
 
@@ -151,6 +154,14 @@ CASES = [
     ("eval without checkpoint", "eval", [], "ckpt_path has no value (it is ??? in the config): pass ckpt_path="),
     ("truncated checkpoint", "eval", ["ckpt_path={tmp}/truncated.ckpt"], "is not a readable checkpoint"),
     ("foreign checkpoint", "eval", ["ckpt_path={tmp}/state_dict.pt"], "was not written by this template's train.py"),
+    ("text as checkpoint", "eval", ["ckpt_path={tmp}/notes.txt"], "{tmp}/notes.txt is not a PyTorch checkpoint"),
+    (
+        "text to export",
+        "export",
+        ["ckpt_path={tmp}/notes.yaml", "output_path={tmp}/text.pt"],
+        "{tmp}/notes.yaml is not a PyTorch checkpoint",
+    ),
+    ("text to resume", "train", ["ckpt_path={tmp}/notes.txt"], "{tmp}/notes.txt is not a PyTorch checkpoint"),
     # output locations
     (
         "export into /proc",

@@ -45,6 +45,7 @@ from scaleup.checkpoints.io import load_checkpoint, remove_interrupted_writes
 from scaleup.checkpoints.sharded import save_sharded
 from scaleup.distributed.fsdp import bytes_per_rank, unit_names
 from scaleup.distributed.launch import build_strategy
+from scaleup.errors import as_user_error
 
 pytestmark = pytest.mark.slow
 
@@ -138,6 +139,34 @@ def test_sharded_checkpoint_evaluates_and_exports_on_one_cpu(fsdp_run, tmp_path)
         key.removeprefix("net."): value for key, value in state(fsdp_run, best.relative_to(fsdp_run)).items()
     }
     assert_same_weights(exported, trained_net, rtol=0, atol=0)
+
+
+def test_a_sharded_checkpoint_with_a_file_lost_or_cut_is_one_line(fsdp_run, tmp_path):
+    """Copies of the step-13 shards, one without rank 1's file, one with rank 0's cut short: eval, export and a resume
+    on 2 FSDP processes stop in one line naming the checkpoint and the file, before any process group (torch failed
+    inside the load, in a traceback on every rank)."""
+    missing, cut = tmp_path / "missing.ckpt", tmp_path / "cut.ckpt"
+    for copy in (missing, cut):
+        shutil.copytree(fsdp_run / "steps/at-13.ckpt", copy)
+    (missing / "__1_0.distcp").unlink()
+    size = (cut / "__0_0.distcp").stat().st_size
+    with open(cut / "__0_0.distcp", "r+b") as f:
+        f.truncate(size // 2)
+    expected = {
+        missing: f"sharded checkpoint {missing} is incomplete: __1_0.distcp is missing; copy the whole directory again",
+        cut: f"sharded checkpoint {cut} is incomplete: __0_0.distcp is truncated ({size // 2} of {size} bytes)",
+    }
+    jobs = {
+        "eval": [],
+        "export": [f"output_path={tmp_path / 'net.pt'}"],
+        "train": [*EXACT, "strategy=fsdp", "trainer.devices=2"],
+    }
+    for path, message in expected.items():
+        for job, args in jobs.items():
+            with pytest.raises(Exception) as raised:
+                in_process([*args, f"ckpt_path={path}", f"hydra.run.dir={tmp_path / job}"], job=job)
+            assert str(as_user_error(raised.value)).startswith(message), (job, raised.value)
+    assert not (tmp_path / "net.pt").exists() and not (tmp_path / "train/plan.json").exists()
 
 
 @pytest.fixture(scope="module")

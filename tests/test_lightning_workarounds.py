@@ -477,8 +477,9 @@ def test_model_parallel_strategy_refuses_64_true_as_a_flag():
 
 
 def test_private_empty_planner_reads_a_distributed_checkpoint_without_a_process_group(tmp_path):
-    """read_distributed_checkpoint, stored_tensor_shapes. The public `dcp.load` fills only the keys it is given;
-    torch's private empty planner rebuilds everything from the metadata, whose keys are `<entry>.<name>`."""
+    """read_distributed_checkpoint, stored_tensor_shapes, stored_file_sizes. The public `dcp.load` fills only the keys
+    it is given; torch's private empty planner rebuilds everything from the metadata, whose keys are
+    `<entry>.<name>`, and which says where each entry lies."""
     import torch.distributed.checkpoint as dcp
 
     saved = {
@@ -495,6 +496,8 @@ def test_private_empty_planner_reads_a_distributed_checkpoint_without_a_process_
     assert workarounds.stored_tensor_shapes(tmp_path, "state_dict") == {
         "net.weight": (torch.Size([2, 3]), torch.float32)
     }
+    # where the entries lie: each file ends with its last one
+    assert workarounds.stored_file_sizes(tmp_path) == {"__0_0.distcp": (tmp_path / "__0_0.distcp").stat().st_size}
 
 
 def test_model_parallel_rekeys_optimizer_state_by_module_order():

@@ -1,11 +1,13 @@
 """Does your module train the same on 1 and on 2 devices? `python -m scaleup.check_equivalence [--float32] [overrides]`.
 
 Runs `train.py` three times on CPU for a few steps, with the same seed and global batch, side by side, and
-compares the final weights:
+compares the final weights and optimizer state:
 - 2 processes (gloo) against 1 process accumulating 2 micro-batches: the same micro-batches, so the same
   dropout masks and augmentations (both drawn by position, never by rank: docs/randomness.md) and the same
-  BatchNorm statistics. Any difference is your code's: per-rank randomness (a generator of your own, seeded
-  once per process: the check names it), a manual all_reduce without dividing by the world size.
+  BatchNorm statistics in the forward pass. Any difference is your code's: per-rank randomness (a generator of
+  your own, seeded once per process: the check names it), a manual all_reduce without dividing by the world size.
+  BatchNorm's running statistics differ by design and are not compared: the 2-process checkpoint holds rank 0's,
+  updated by its micro-batches only, while 1 process updates them by every micro-batch.
 - 1 process with the whole batch against 1 process accumulating 2: differs by design where the model draws
   per micro-batch (dropout masks of 64 samples are not two masks of 32) or normalises over it (BatchNorm), and
   otherwise only if the loss depends on the micro-batch count: a loss normalised by a global count.
@@ -51,6 +53,8 @@ RUNS = {"1": (1, 1), "1x2": (1, 2), "2": (2, 1)}
 # The module's import path for the child processes, which cannot import `__main__` (its name under `python -m`).
 MODULE = "scaleup.check_equivalence"
 GENERATORS = "generators.json"  # in each run directory: the generators of the user's own drawn from in training
+# The buffers in which torch's norm layers (BatchNorm, InstanceNorm) keep their running statistics.
+RUNNING_STATISTICS = ("running_mean", "running_var")
 
 
 def relative_differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -59,6 +63,27 @@ def relative_differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         for key in a
         if a[key].is_floating_point()
     }
+
+
+def running_statistics(state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """The modules in `state_dict` with running statistics (BatchNorm layers)."""
+    return sorted({key.rpartition(".")[0] for key in state_dict if key.rpartition(".")[2] in RUNNING_STATISTICS})
+
+
+def compared_state(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """What must agree between the runs: the weights except running statistics, and the optimizer state (momentum,
+    Adam's moments: a gradient scaled by a constant shows there even where Adam's update hides it)."""
+    state = {
+        key: value
+        for key, value in checkpoint["state_dict"].items()
+        if key.rpartition(".")[2] not in RUNNING_STATISTICS
+    }
+    for i, optimizer in enumerate(checkpoint["optimizer_states"]):
+        for param, values in optimizer["state"].items():
+            state.update(
+                {f"optimizer_states[{i}].state[{param}].{k}": v for k, v in values.items() if torch.is_tensor(v)}
+            )
+    return state
 
 
 def _generators(obj: Any, name: str, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
@@ -142,13 +167,13 @@ def start_run(devices: int, accumulation: int, overrides: list[str], run_dir: Pa
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
 
 
-def finished_weights(proc: subprocess.Popen, name: str, run_dir: Path) -> dict[str, torch.Tensor] | None:
-    """The run's final weights, or None (with the end of its output shown) if it failed."""
+def finished_checkpoint(proc: subprocess.Popen, name: str, run_dir: Path) -> dict[str, Any] | None:
+    """The run's last checkpoint, or None (with the end of its output shown) if it failed."""
     if proc.wait() != 0:
         print(run_dir.with_suffix(".out").read_text()[-5000:], file=sys.stderr)
         print(f"error: the {describe(name)} run failed (above)", file=sys.stderr)
         return None
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
 
 
 def describe(name: str) -> str:
@@ -180,23 +205,30 @@ def comparison(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], precision
     tolerance = TOLERANCE.get(precision, TOLERANCE["32-true"])
     differences = relative_differences(a, b)
     worst = max(differences, key=differences.get)
-    line = f"{what}: largest relative weight difference {differences[worst]:.2e} ({worst}), tolerance {tolerance:g}"
+    line = f"{what}: largest relative difference {differences[worst]:.2e} ({worst}), tolerance {tolerance:g}"
     return differences[worst] <= tolerance, line
 
 
 def verdict(
-    weights: dict[str, dict[str, torch.Tensor]],
+    checkpoints: dict[str, dict[str, Any]],
     precision: str,
     reasons: list[str] | tuple[str, ...] = (),
     drawn: list[str] | tuple[str, ...] = (),
 ) -> tuple[int, list[str]]:
-    """(0 equivalent or 1 not, the lines to print) for the final weights of the three RUNS, what the plans say
+    """(0 equivalent or 1 not, the lines to print) for the last checkpoints of the three RUNS, what the plans say
     makes the whole batch and its micro-batches differ (`explanations`), and the user's own generators that
     training drew from (`DrawnGenerators`)."""
     name = NAMES.get(precision, precision)
-    split_same, split_line = comparison(weights["1x2"], weights["2"], precision, "2 processes vs 1 accumulating 2")
-    batch_same, batch_line = comparison(weights["1"], weights["1x2"], precision, "1 process: whole batch vs 2 x half")
+    state = {run: compared_state(checkpoint) for run, checkpoint in checkpoints.items()}
+    split_same, split_line = comparison(state["1x2"], state["2"], precision, "2 processes vs 1 accumulating 2")
+    batch_same, batch_line = comparison(state["1"], state["1x2"], precision, "1 process: whole batch vs 2 x half")
     lines = [split_line, batch_line]
+    if modules := running_statistics(checkpoints["2"]["state_dict"]):
+        named = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+        lines.append(
+            f"not compared, different by design: the running statistics of {named} (BatchNorm): 2 "
+            "processes keep rank 0's, updated by its micro-batches only, 1 process updates them by every micro-batch"
+        )
     if not split_same:
         if drawn:
             culprits = ", ".join(drawn)
@@ -207,8 +239,9 @@ def verdict(
             )
         else:
             because = (
-                "the same micro-batches give other weights on 2 processes: look for randomness of your own seeded "
-                "per process (docs/randomness.md) and for a hand-made all_reduce that does not divide by the world size"
+                "the same micro-batches give other weights or optimizer state on 2 processes: look for randomness of "
+                "your own seeded per process (docs/randomness.md) and for a hand-made all_reduce that does not divide "
+                "by the world size"
             )
         return 1, [*lines, f"NOT EQUIVALENT in {name}: {because}"]
     if not batch_same and not reasons:
@@ -248,8 +281,8 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         run_dirs = {name: Path(tmp) / name for name in RUNS}
         procs = {name: start_run(*RUNS[name], overrides, run_dirs[name]) for name in RUNS}  # side by side
-        weights = {name: finished_weights(procs[name], name, run_dirs[name]) for name in RUNS}
-        if any(w is None for w in weights.values()):
+        checkpoints = {name: finished_checkpoint(procs[name], name, run_dirs[name]) for name in RUNS}
+        if any(checkpoint is None for checkpoint in checkpoints.values()):
             return 2
         plans = {name: json.loads((run_dirs[name] / "plan.json").read_text()) for name in RUNS}
         ran = {name: (plans[name]["world_size"], plans[name]["accumulate_grad_batches"]) for name in RUNS}
@@ -258,7 +291,7 @@ def main(argv: list[str]) -> int:
             return 2
         model_cfg = OmegaConf.to_container(OmegaConf.load(run_dirs["1"] / "config.yaml"))["model"]
         drawn = json.loads((run_dirs["2"] / GENERATORS).read_text())
-    code, lines = verdict(weights, precision, explanations(plans, model_cfg), drawn)
+    code, lines = verdict(checkpoints, precision, explanations(plans, model_cfg), drawn)
     print("\n".join(lines))
     return code
 

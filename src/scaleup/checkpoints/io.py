@@ -87,10 +87,12 @@ def load_checkpoint(path: str | Path, weights: bool = True) -> dict[str, Any]:
         raise UserError(f"checkpoint {path} does not exist (checkpoints are in <run dir>/checkpoints/)")
     try:
         if not is_url(path) and sharded.is_sharded(path):
+            sharded.check_complete(Path(path))
             return sharded.read_sharded(path, weights=weights)
         with get_filesystem(path).open(str(path), "rb") if is_url(path) else open(path, "rb") as f:
             checkpoint = torch.load(f, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
+    # torch's weights-only unpickler fails on many text files with a KeyError or an IndexError instead
+    except (pickle.UnpicklingError, LookupError) as err:
         if "Unsupported global" in str(err):  # a class or function the file wants imported
             raise UserError(
                 f"refused to load {path}: it contains pickled Python objects, not just tensors and plain "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,10 @@ from typing import Any
 
 import torch
 
+from scaleup.errors import UserError
+
 METADATA = "meta.pt"  # Lightning's name (lightning.fabric.utilities.load._METADATA_FILENAME)
+SHARDS_METADATA = ".metadata"  # torch.distributed.checkpoint's: where each tensor lies in which file
 PARTIAL, OLD = ".partial", ".old"
 
 
@@ -115,6 +119,27 @@ def remove_interrupted(directory: Path) -> list[Path]:
     for path in stale:
         _remove(path)
     return stale
+
+
+def check_complete(path: Path) -> None:
+    """Every file the checkpoint's metadata refers to is there, whole. A copy that lost or cut one is refused in one
+    line before it is read: torch would fail inside the load, in a traceback on every rank."""
+    from scaleup.compat.workarounds import stored_file_sizes
+
+    fix = "copy the whole directory again, or pass another checkpoint"
+    try:
+        sizes = stored_file_sizes(path)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        raise UserError(f"sharded checkpoint {path} has no readable {SHARDS_METADATA}: {fix}") from None
+    for name, size in sorted(sizes.items()):
+        file = path / name
+        if not file.is_file():
+            raise UserError(f"sharded checkpoint {path} is incomplete: {name} is missing; {fix}")
+        if file.stat().st_size < size:
+            raise UserError(
+                f"sharded checkpoint {path} is incomplete: {name} is truncated ({file.stat().st_size} of {size} "
+                f"bytes); {fix}"
+            )
 
 
 def read_sharded(path: str | Path, weights: bool = True) -> dict[str, Any]:

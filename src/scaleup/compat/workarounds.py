@@ -489,6 +489,25 @@ def stored_tensor_shapes(path: Any, prefix: str) -> dict[str, tuple[torch.Size, 
     }
 
 
+def stored_file_sizes(path: Any) -> dict[str, int]:
+    """The files a torch.distributed.checkpoint directory's metadata refers to, each with its size: the end of the
+    last entry stored in it.
+
+    torch 2.14.1. Reason: where each entry lies (`Metadata.storage_data`, `_StorageInfo(relative_path, offset,
+    length)`) is FileSystemWriter's own format, not a documented one; where a torch stores it otherwise, no file is
+    listed (nothing checked before the load, which still fails on a missing file).
+    Canary: test_private_empty_planner_reads_a_distributed_checkpoint_without_a_process_group.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    sizes: dict[str, int] = {}
+    for stored in FileSystemReader(path).read_metadata().storage_data.values():
+        if not all(hasattr(stored, name) for name in ("relative_path", "offset", "length")):
+            return {}
+        sizes[stored.relative_path] = max(sizes.get(stored.relative_path, 0), stored.offset + stored.length)
+    return sizes
+
+
 # --- Exact evaluation metrics on N processes -------------------------------------------------------------------------
 
 # Lightning's reductions (it refuses any other `reduce_fx`) and the collective that combines each across ranks.

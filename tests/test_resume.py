@@ -96,9 +96,12 @@ def test_float64_resume_is_bitwise_exact(baseline, interrupted, tmp_path):
 
 
 def test_mid_epoch_resume_on_two_processes_equals_uninterrupted(baseline, tmp_path):
-    """From the 2-process baseline's checkpoint at step 13 (5 of epoch 1's 8 steps), on 2 processes again."""
+    """From the 2-process baseline's checkpoint at step 13 (5 of epoch 1's 8 steps), on 2 processes again. last.ckpt
+    is the end of training (step 24, though also written every 5 steps), and the finished run, requeued on 2
+    processes, trains nothing, writes nothing and exits 0."""
     ckpt = baseline("two") / "steps/at-13.ckpt"
-    check(run([*EXACT, "trainer.devices=2", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path}"]))
+    two = [*EXACT, EVERY_5, "trainer.devices=2", f"hydra.run.dir={tmp_path}"]
+    check(run([*two, f"ckpt_path={ckpt}"]))
     assert read_json(tmp_path / "plan.json")["world_size"] == 2
     assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == TOTAL_STEPS
     worst = assert_same_weights(last_weights(baseline("two")), last_weights(tmp_path), rtol=0, atol=TOLERANCE)
@@ -106,6 +109,11 @@ def test_mid_epoch_resume_on_two_processes_equals_uninterrupted(baseline, tmp_pa
     assert lr_curve(tmp_path) == pytest.approx(
         {step: lr for step, lr in lr_curve(baseline("two")).items() if step >= 13}, rel=1e-12
     )
+
+    before = files_written(tmp_path)
+    requeued = check(run([*two, "ckpt_path=last"]))
+    assert files_written(tmp_path) == before
+    assert "the run already finished" in requeued.stdout + requeued.stderr
 
 
 def test_resume_on_another_device_count_keeps_the_plan_and_the_result(baseline, tmp_path):

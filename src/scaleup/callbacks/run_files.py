@@ -8,12 +8,12 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
-TEST = "test/"  # the final test's metrics: their presence in metrics.json says that the test ran to its end
+TEST_PREFIX = "test/"  # the final test's metrics: their presence in metrics.json says that the test ran to its end
 
 
 def holds_test_results(path: Path) -> bool:
     """Whether `path` (a run's metrics.json) holds the final test's metrics."""
-    return path.is_file() and any(name.startswith(TEST) for name in json.loads(path.read_text()))
+    return path.is_file() and any(name.startswith(TEST_PREFIX) for name in json.loads(path.read_text()))
 
 
 class MetricsFile(L.Callback):
@@ -21,8 +21,9 @@ class MetricsFile(L.Callback):
 
     Merging through the file, not an in-memory dict, keeps fit and test metrics together when each stage
     runs in its own processes (ddp_spawn starts new ones for `trainer.test`). At the end of fit it drops the test
-    metrics of an earlier, shorter fit of the run (trained further with `ckpt_path=last`): they are not this fit's
-    weights', and until the test of these has written its own, metrics.json says that the test is still to run.
+    metrics that an earlier, shorter fit of the run left (a run trained further with `ckpt_path=last`): they belong
+    to other weights, and until this fit's test writes its own, their absence tells a requeue that the test is still
+    to run (checkpoints/resume.py).
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -33,7 +34,7 @@ class MetricsFile(L.Callback):
             return
         metrics = json.loads(self.path.read_text()) if self.path.is_file() else {}
         if drop_test:
-            metrics = {name: value for name, value in metrics.items() if not name.startswith(TEST)}
+            metrics = {name: value for name, value in metrics.items() if not name.startswith(TEST_PREFIX)}
         for name, value in trainer.callback_metrics.items():
             value = float(value)
             metrics[name] = value if math.isfinite(value) else str(value)

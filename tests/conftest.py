@@ -253,6 +253,16 @@ def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def files_written(run_dir: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under `run_dir` (sharded checkpoints' shards too) with its modification time and contents; not the
+    job's log or Hydra's record of the command line (`.hydra/`), which every start writes."""
+    return {
+        str(path.relative_to(run_dir)): (path.stat().st_mtime_ns, path.read_bytes())
+        for path in sorted(run_dir.rglob("*"))
+        if path.is_file() and path.suffix != ".log" and ".hydra" not in path.relative_to(run_dir).parts
+    }
+
+
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
     import torch
 

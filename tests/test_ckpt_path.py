@@ -1,10 +1,12 @@
 """What `ckpt_path` finds, and the resumes it refuses before anything is written."""
 
 import logging
+import shutil
 
 import pytest
 
 from conftest import QUICK, in_process, read_json
+from scaleup.checkpoints.io import load_checkpoint
 from scaleup.errors import UserError
 
 ONE_EPOCH = [*QUICK, "trainer.max_epochs=1", "logger=none", "callbacks=[]"]
@@ -55,3 +57,18 @@ def test_a_resume_with_another_global_batch_is_refused(one_epoch_run, tmp_path):
         "data.per_device_batch_size=null (any device count keeps it), or start a new run from these weights"
     )
     assert not (tmp_path / "plan.json").exists()
+
+
+@pytest.mark.slow
+def test_a_run_trained_further_and_stopped_before_its_test_runs_that_test_when_requeued(one_epoch_run, tmp_path):
+    """Trained on to 2 epochs: the first fit's test results are not those of these weights. Fit drops them, so after
+    a pre-emption between fit and the new test, the requeue runs that test instead of taking the run for finished."""
+    run_dir = shutil.copytree(one_epoch_run, tmp_path / "run")
+    further = [*ONE_EPOCH, "trainer.max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}"]
+    with pytest.raises(SystemExit) as stopped:
+        in_process([*further, "+callbacks={sigterm:{_target_:probes.SigtermAfterFit,rank:0}}"])  # beside callbacks=[]
+    assert stopped.value.code == 143
+    assert load_checkpoint(run_dir / "checkpoints/last.ckpt")["global_step"] == 38
+    assert not [name for name in read_json(run_dir / "metrics.json") if name.startswith("test/")]
+    assert in_process(further)["test/samples"] == 360
+    assert "last.ckpt finished training at step 38: running its test" in (run_dir / "train.log").read_text()

@@ -32,6 +32,7 @@ from conftest import (
     WIDE,
     assert_same_weights,
     check,
+    files_written,
     in_process,
     kill_writer_at_random,
     merged,
@@ -50,6 +51,8 @@ from scaleup.errors import as_user_error
 pytestmark = pytest.mark.slow
 
 STEPS = EXACT_EPOCHS * EXACT_STEPS_PER_EPOCH
+FSDP_RUN = [*EXACT, "trainer.devices=2", "strategy=fsdp", "checkpoint.every_n_train_steps=5"]
+LAST_SAVED_AT = (5, 8, 10, 15, 16, 20, 24)  # every 5th step and every epoch's end (8 steps each)
 
 
 def state(run_dir, name="checkpoints/last.ckpt"):
@@ -58,11 +61,11 @@ def state(run_dir, name="checkpoints/last.ckpt"):
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    """The EXACT recipe, `strategy=fsdp trainer.devices=2`, with a sharded checkpoint at step 13 (mid-epoch 1). Its
-    checkpoints are written in the background (`checkpoint.async_save=auto`): the tests that compare, resume and
-    evaluate them prove that each holds the state of its step."""
+    """The EXACT recipe, `strategy=fsdp trainer.devices=2`, with a sharded checkpoint at step 13 (mid-epoch 1), and
+    last.ckpt also every 5 steps. Its checkpoints are written in the background (`checkpoint.async_save=auto`): the
+    tests that compare, resume and evaluate them prove that each holds the state of its step."""
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    check(run([*EXACT, "trainer.devices=2", "strategy=fsdp", *save_every("at13", 13), f"hydra.run.dir={run_dir}"]))
+    check(run([*FSDP_RUN, *save_every("at13", 13), f"hydra.run.dir={run_dir}"]))
     return run_dir
 
 
@@ -109,7 +112,7 @@ def test_every_rank_writes_its_shards_into_one_directory(fsdp_run):
     assert params == grads == 0.36 and moments == pytest.approx(0.72, abs=0.01)
     saved = [Path(p) for p in re.findall(r"saved (\S+) in the background: training waited", log)]
     assert saved.count(fsdp_run / "steps/at-13.ckpt") == 1
-    assert saved.count(fsdp_run / "checkpoints/last.ckpt") == EXACT_EPOCHS
+    assert saved.count(fsdp_run / "checkpoints/last.ckpt") == len(LAST_SAVED_AT)
 
 
 def test_sharded_checkpoint_resumes_on_one_device_with_ckpt_path_last(baseline, fsdp_run, tmp_path):
@@ -121,6 +124,20 @@ def test_sharded_checkpoint_resumes_on_one_device_with_ckpt_path_last(baseline, 
     assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == STEPS
     worst = assert_same_weights(state(baseline("one")), state(tmp_path), rtol=0, atol=TOLERANCE)
     print(f"FSDP on 2 processes, resumed on 1: largest weight difference {worst:.1e}")
+
+
+def test_a_requeued_finished_run_trains_and_writes_nothing(fsdp_run, tmp_path):
+    """The 2-process run's sharded last.ckpt is the end of training (step 24, though also written every 5 steps);
+    requeued with ckpt_path=last (here on one process), the run says that it already finished, and no file changes."""
+    requeued = shutil.copytree(fsdp_run, tmp_path / "run")
+    before = files_written(requeued)
+    metrics = in_process([*FSDP_RUN, "trainer.devices=1", "ckpt_path=last", f"hydra.run.dir={requeued}"])
+    assert metrics == read_json(requeued / "metrics.json") and metrics["test/samples"] == EXACT_TEST
+    assert files_written(requeued) == before
+    assert (
+        f"the run already finished: {requeued}/checkpoints/last.ckpt is at its last step ({STEPS})"
+        in (requeued / "train.log").read_text()
+    )
 
 
 def test_sharded_checkpoint_evaluates_and_exports_on_one_cpu(fsdp_run, tmp_path):

@@ -24,6 +24,7 @@ from conftest import (
     TOLERANCE,
     assert_same_weights,
     check,
+    files_written,
     in_process,
     merged,
     read_json,
@@ -40,6 +41,8 @@ pytestmark = pytest.mark.slow
 
 TOTAL_STEPS = EXACT_EPOCHS * EXACT_STEPS_PER_EPOCH  # 24
 STOP_AFTER_2 = ["+callbacks.stop._target_=probes.StopAfterEpochs", "+callbacks.stop.epochs=2"]
+# last.ckpt also every 5 steps, which no epoch end (8, 16, 24) is a multiple of: still written at every epoch's end.
+EVERY_5 = "checkpoint.every_n_train_steps=5"
 
 
 def lr_curve(run_dir):
@@ -62,27 +65,43 @@ def copied_run(source, tmp_path):
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
     """The baseline's 1-process run, stopped cleanly after 2 of its 3 epochs: last.ckpt at step 16 (an epoch
-    end), and batch-end checkpoints at steps 8 (the last batch of epoch 0) and 13 (mid-epoch 1) under steps/."""
+    end, though last.ckpt is also written every 5 steps), and batch-end checkpoints at steps 8 (the last batch of
+    epoch 0) and 13 (mid-epoch 1) under steps/."""
     run_dir = tmp_path_factory.mktemp("interrupted") / "run"
-    in_process([*EXACT, *STOP_AFTER_2, *save_every("at8", 8), *save_every("at13", 13), f"hydra.run.dir={run_dir}"])
+    args = [*EXACT, EVERY_5, *STOP_AFTER_2, *save_every("at8", 8), *save_every("at13", 13)]
+    in_process([*args, f"hydra.run.dir={run_dir}"])
     assert load_checkpoint(run_dir / "checkpoints/last.ckpt")["global_step"] == 16
     return run_dir
 
 
 def test_float64_resume_is_bitwise_exact(baseline, interrupted, tmp_path):
     """Lightning loads the checkpoint into the module before its precision plugin casts it to float64; unless
-    the module is built in float64, every resumed weight is rounded to float32 (~1e-7 off at the end)."""
+    the module is built in float64, every resumed weight is rounded to float32 (~1e-7 off at the end). last.ckpt
+    is the end of training (step 24, though also written every 5 steps), and the finished run, requeued once more,
+    trains nothing and writes nothing."""
     resumed = copied_run(interrupted, tmp_path)
-    in_process([*EXACT, "ckpt_path=last", f"hydra.run.dir={resumed}"])
+    args = [*EXACT, EVERY_5, "ckpt_path=last", f"hydra.run.dir={resumed}"]
+    in_process(args)
     assert load_checkpoint(resumed / "checkpoints/last.ckpt")["global_step"] == TOTAL_STEPS
     assert_same_weights(last_weights(baseline("one")), last_weights(resumed), rtol=0, atol=0)
     assert lr_curve(resumed) == pytest.approx(lr_curve(baseline("one")), rel=1e-12)
 
+    before = files_written(resumed)
+    assert in_process(args) == read_json(resumed / "metrics.json")
+    assert files_written(resumed) == before
+    assert (
+        f"the run already finished: {resumed}/checkpoints/last.ckpt is at its last step ({TOTAL_STEPS}) and its test "
+        f"results are in {resumed}/metrics.json; nothing to do"
+    ) in (resumed / "train.log").read_text()
+
 
 def test_mid_epoch_resume_on_two_processes_equals_uninterrupted(baseline, tmp_path):
-    """From the 2-process baseline's checkpoint at step 13 (5 of epoch 1's 8 steps), on 2 processes again."""
+    """From the 2-process baseline's checkpoint at step 13 (5 of epoch 1's 8 steps), on 2 processes again. last.ckpt
+    is the end of training (step 24, though also written every 5 steps), and the finished run, requeued on 2
+    processes, trains nothing, writes nothing and exits 0."""
     ckpt = baseline("two") / "steps/at-13.ckpt"
-    check(run([*EXACT, "trainer.devices=2", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path}"]))
+    two = [*EXACT, EVERY_5, "trainer.devices=2", f"hydra.run.dir={tmp_path}"]
+    check(run([*two, f"ckpt_path={ckpt}"]))
     assert read_json(tmp_path / "plan.json")["world_size"] == 2
     assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == TOTAL_STEPS
     worst = assert_same_weights(last_weights(baseline("two")), last_weights(tmp_path), rtol=0, atol=TOLERANCE)
@@ -90,6 +109,11 @@ def test_mid_epoch_resume_on_two_processes_equals_uninterrupted(baseline, tmp_pa
     assert lr_curve(tmp_path) == pytest.approx(
         {step: lr for step, lr in lr_curve(baseline("two")).items() if step >= 13}, rel=1e-12
     )
+
+    before = files_written(tmp_path)
+    requeued = check(run([*two, "ckpt_path=last"]))
+    assert files_written(tmp_path) == before
+    assert "the run already finished" in requeued.stdout + requeued.stderr
 
 
 def test_resume_on_another_device_count_keeps_the_plan_and_the_result(baseline, tmp_path):

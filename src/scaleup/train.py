@@ -13,7 +13,7 @@ from hydra.types import RunMode
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
-from scaleup.checkpoints.resume import resume_point
+from scaleup.checkpoints.resume import ResumePoint, resume_point
 from scaleup.compat.workarounds import ignore_unresumable_loader_warning
 from scaleup.components import build_data_and_model
 from scaleup.config.plain import log_rows, to_plain, write_yaml
@@ -60,6 +60,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     plan = plan_run(config, topology, launch, model, dataset_sizes)
     datamodule.channels_last = plan.channels_last  # batches laid out as PerformanceSettings lays out the weights
     resume = resume_point(None if cfg.dry_run else cfg.ckpt_path, config, plan, model, datamodule, run_dir)
+    if resume.tested:
+        return already_finished(run_dir, resume, config["monitor"]["metric"])
     if rank_zero_only.rank == 0:
         announce(plan, config, run_dir, in_memory=getattr(datamodule, "in_memory", False), dry_run=cfg.dry_run)
     if cfg.dry_run:
@@ -96,6 +98,21 @@ def announce(plan: Plan, config: dict[str, Any], run_dir: Path, *, in_memory: bo
         log.warning(warning)
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
     write_yaml(config, run_dir / "config.yaml")
+
+
+def already_finished(run_dir: Path, resume: ResumePoint, monitor: str) -> dict[str, Any]:
+    """A requeue of a run that trained and tested to its end: say so and show its results; no process starts, no
+    file is written (every rank finds the same last.ckpt and metrics.json, and returns here)."""
+    shut_down_process_group()  # where the launcher started one before the job (Ray Train), as after a test
+    if rank_zero_only.rank != 0:
+        return {}
+    log.info(
+        f"the run already finished: {resume.path} is at its last step ({resume.step}) and its test results are in "
+        f"{run_dir / 'metrics.json'}; nothing to do"
+    )
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    summarise(run_dir, metrics, resume.best, monitor)
+    return metrics
 
 
 def report_early_stop(trainer: L.Trainer) -> None:

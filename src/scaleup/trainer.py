@@ -43,11 +43,14 @@ from scaleup.plan.topology import Topology
 
 
 def checkpoint_callbacks(config: dict[str, Any], checkpoint_dir: str) -> list[LeanModelCheckpoint]:
-    """The best epoch by `monitor.metric` (what train.py tests), and last.ckpt, rewritten after every epoch (and
-    every `checkpoint.every_n_train_steps`): what `ckpt_path=last` resumes.
+    """The best epoch by `monitor.metric` (what train.py tests), and last.ckpt: what `ckpt_path=last` resumes.
 
-    Two callbacks because ModelCheckpoint(save_last=True) refreshes last.ckpt only when a new best is saved
-    (Lightning 2.6): after the best epoch it would go stale.
+    last.ckpt is rewritten at every epoch's end, after its validation, and so at the end of training, which is an
+    epoch's end however it comes (max_epochs, max_steps, early stopping); and with `checkpoint.every_n_train_steps`
+    also every N optimizer steps in between. Separate callbacks because ModelCheckpoint(save_last=True) refreshes
+    last.ckpt only when a new best is saved (Lightning 2.6: after the best epoch it would go stale), and because one
+    ModelCheckpoint takes a step or an epoch trigger, not both: given `every_n_train_steps` it no longer saves at
+    epoch ends, and last.ckpt would miss the steps after the last multiple of N.
     """
     metric, mode = config["monitor"]["metric"], config["monitor"]["mode"]
     best = LeanModelCheckpoint(
@@ -58,14 +61,17 @@ def checkpoint_callbacks(config: dict[str, Any], checkpoint_dir: str) -> list[Le
         mode=mode,
         save_top_k=1,
     )
-    last = LeanModelCheckpoint(
-        dirpath=checkpoint_dir,
-        filename="last",
-        save_top_k=1,  # no monitor: keep only the newest
-        enable_version_counter=False,  # overwrite last.ckpt, never write last-v1.ckpt
-        every_n_train_steps=config["checkpoint"].get("every_n_train_steps"),
-    )
-    return [best, last]
+    last = {
+        "dirpath": checkpoint_dir,
+        "filename": "last",
+        "save_top_k": 1,  # no monitor: keep only the newest
+        "enable_version_counter": False,  # overwrite last.ckpt, never write last-v1.ckpt
+    }
+    # At the training epoch's end, not at a validation's end: also the epochs that check_val_every_n_epoch skips.
+    every_epoch = LeanModelCheckpoint(**last, save_on_train_epoch_end=True)
+    steps = config["checkpoint"].get("every_n_train_steps")
+    every_n_steps = [LeanModelCheckpoint(**last, every_n_train_steps=steps)] if steps else []
+    return [best, *every_n_steps, every_epoch]
 
 
 # What each of the template's callbacks needs to run before (Lightning calls callbacks in list order).

@@ -13,6 +13,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
+from scaleup.callbacks.run_files import holds_test_results
 from scaleup.checkpoints.io import exists, find_checkpoint, is_url, load_checkpoint, strip_wrapper_prefixes
 from scaleup.config.plain import flatten, retarget
 from scaleup.data.samplers import GlobalBatchSampler, resumed_steps
@@ -29,12 +30,13 @@ RUN_FILES = ("metrics.json",)
 @dataclass(frozen=True)
 class ResumePoint:
     """Where the run starts: from scratch (`path` None), from a checkpoint, or, for a run that trained to its end
-    but was stopped before its test finished (`finished`), at the test of its best checkpoint."""
+    (`finished`), at the test of its best checkpoint; or nowhere, for one whose test ran to its end too (`tested`)."""
 
     path: Path | str | None = None
     step: int = 0
     finished: bool = False
     best: str = ""  # the best checkpoint, to test when `finished`
+    tested: bool = False  # `finished`, and metrics.json holds its test's results: nothing is left to do
 
 
 def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str, run_dir: Path) -> Path | str | None:
@@ -86,8 +88,9 @@ def resume_point(
     check_same_order(path, checkpoint, step, datamodule, plan)
     stopped_early = early_stop_reason(checkpoint)
     if ckpt_path == "last" and (step == plan.total_steps or stopped_early):
-        # Trained to its end (a pre-emption came during the final test): what is left is the test.
-        return ResumePoint(path, step, finished=True, best=best_checkpoint(checkpoint, config, path))
+        # Trained to its end: what is left is the test, unless it ran to its end too (a requeue of a finished job).
+        tested = holds_test_results(run_dir / "metrics.json")
+        return ResumePoint(path, step, finished=True, best=best_checkpoint(checkpoint, config, path), tested=tested)
     if stopped_early:
         raise UserError(
             f"{path} is from a run that early stopping ended {stopped_early}; there is nothing to resume. To train "

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT, check, clean_env, in_process, read_json
 from scaleup.data.convert import main as convert
@@ -165,7 +166,7 @@ def test_copier_project_takes_the_next_version_and_keeps_old_checkpoints_and_sha
     assert re.search(r"\d+ passed", outputs["tests"])
     trained_metrics = read_json(trained / "metrics.json")
     assert read_json(tmp_path / "eval/metrics.json")["test/acc"] == trained_metrics["test/acc"]
-    assert sh(project, python, "-c", f"import torch; print(len(torch.load('{net}', weights_only=True)))", env=env)
+    assert torch.load(net, weights_only=True)  # a plain state_dict, not empty
     metrics = json.loads((resumed / "metrics.json").read_text())
     assert metrics["test/samples"] == trained_metrics["test/samples"] == 360
     assert "_target_: mynet.models.ImageClassifier" in (resumed / "config.yaml").read_text()

@@ -14,10 +14,12 @@ It runs only on a git work tree without uncommitted changes, so `git diff` shows
 so a renamed project can be renamed again. Checkpoints and shards written before a rename still load after it:
 nothing on disk is named after your package (docs/checkpoints.md).
 
-`--template DIR --author NAME` is how `copier copy` and `copier update` run it (copier.yml): on the files copier has
-just rendered from the template checkout DIR, with no git needed, moving them over what is already at src/NAME/
-(copier then merges your own changes back in). LICENSE gains a line for NAME's author; CHANGELOG.md stays the
-template's, which says what each update changes.
+`--template DIR --author NAME --operation copy|update` is how `copier copy` and `copier update` run it
+(copier.yml): on the files copier has just rendered from the template checkout DIR, with no git needed, moving them
+over what is already at src/NAME/ (copier then merges your own changes back in). LICENSE gains a line for NAME's
+author; CHANGELOG.md stays the template's, which says what each update changes. The name is checked when the
+project is made, not on an update: the template's next version may use the word, and an update never stops half-way
+for it. A relative template path in .copier-answers.yml is stored absolute, so that later updates find the template.
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 MACHINERY = "scaleup"  # src/scaleup/: never renamed, never edited
 TEMPLATE_NAME = "myproject"  # your package's name in the template itself
+ANSWERS = ".copier-answers.yml"  # copier's record of the template's path and version, and the answers
 KEEP_HISTORY = ("LICENSE", "CHANGELOG.md")  # edited by their own rules, never search-and-replaced
 # Where an example name is not the project: prose, and the rename's own examples and tests.
 NOT_CODE = (*KEEP_HISTORY, "scripts/rename.py", "tests/test_rename.py", "tests/test_copier.py")
@@ -171,14 +176,37 @@ def check_clean(root: Path) -> None:
         )
 
 
-def render(root: Path, new: str, template: Path, author: str) -> list[str]:
+def store_absolute_source(root: Path, template: Path) -> None:
+    """copier records the template's path as typed, and a later `copier update` looks a relative one up from where
+    it runs: record the absolute path instead. copier cloned a git template from that path, so the clone's origin
+    is the path made absolute."""
+    answers = root / ANSWERS
+    text = answers.read_text(encoding="utf-8") if answers.is_file() else ""
+    line = re.search(r"^_src_path: .*$", text, flags=re.MULTILINE)
+    if line is None:
+        return
+    source = str(yaml.safe_load(line[0])["_src_path"])
+    if ":" in source or source.startswith(("/", "~")):  # a URL, a shortcut (gh:owner/name) or an absolute path
+        return
+    origin = git(template, "config", "remote.origin.url")
+    path = Path(origin.stdout.strip()) if (template / ".git").is_dir() and origin.returncode == 0 else template
+    stored = yaml.safe_dump({"_src_path": str(path.resolve())}, width=2**16).strip()
+    answers.write_text(text[: line.start()] + stored + text[line.end() :], encoding="utf-8")
+
+
+def render(root: Path, new: str, template: Path, author: str, update: bool) -> list[str]:
     """Template mode (copier's task): rename what copier rendered from `template` into `root`."""
+    store_absolute_source(root, template)
     files = rendered_files(root, template)
     if new == TEMPLATE_NAME:
         return []
-    check_name(
-        new, TEMPLATE_NAME, template, [path for path in files if not (root / path).is_relative_to(root / "src" / new)]
-    )
+    if not update:  # checked when the project was made; the template's next version may use the word
+        check_name(
+            new,
+            TEMPLATE_NAME,
+            template,
+            [path for path in files if not (root / path).is_relative_to(root / "src" / new)],
+        )
     files = move_rendered(root, files, TEMPLATE_NAME, new)
     return rewrite_files(root, files, TEMPLATE_NAME, new, author)
 
@@ -297,16 +325,21 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     parser.add_argument("name", help="the new package name, e.g. my_project")
     parser.add_argument("--template", type=Path, help="copier's task: the template checkout the files came from")
     parser.add_argument("--author", default="", help="with --template: the copyright holder LICENSE names")
+    parser.add_argument("--operation", choices=("copy", "update"), default="copy", help="with --template: copier's")
     args = parser.parse_args(argv)
+    update = args.operation == "update"
     try:
         if args.template is not None:
-            changes = render(root, args.name, args.template, args.author or f"The {args.name} authors")
+            changes = render(root, args.name, args.template, args.author or f"The {args.name} authors", update)
             print(f"renamed {TEMPLATE_NAME} -> {args.name}: {len(changes)} file(s)")
             return 0
         old = current_name(root)
         changes = rename(root, args.name)
-    except RenameError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (RenameError, OSError) as error:
+        # In an update copier may have written the new version over the project already: say how to get the
+        # committed one back (copier updates only a tree with nothing uncommitted, so this loses nothing).
+        restore = "; the update stopped part-way: `git reset --hard && git clean -fd` restores the project"
+        print(f"error: {error}{restore if update else ''}", file=sys.stderr)
         return 2
     new = args.name
     print(f"renamed {old} -> {new}:", *(f"  {change}" for change in changes), sep="\n")
@@ -316,7 +349,7 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     print(
         "next steps:",
         *(uninstall if importlib.util.find_spec(old) else []),
-        '  python -m pip install -e ".[test]"',
+        '  python -m pip install -c constraints.txt -e ".[test]"',
         '  pytest -m "not slow"',
         "  ruff check --fix . && ruff format .   # import order and line wrapping may change with the name",
         f'  git add -A && git commit -m "Rename {old} to {new}"',

@@ -259,3 +259,9 @@ def test_every_config_key_in_prose_exists():
             elif dotted_key and not prefix and not any(has_key(tree, key) for tree in every_train_key()):
                 stale.append(f"{where}:{number}: `{key}` is not a config key")
     assert not stale, "\n".join(stale)
+
+
+def test_make_install_is_the_readmes_install_command():
+    """`make install` installs at the versions the README's command pins (constraints.txt)."""
+    recipe = re.search(r"^install:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)[1]
+    assert f"`{recipe.replace('$(PYTHON)', 'python')}`" in (ROOT / "README.md").read_text()

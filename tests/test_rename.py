@@ -95,7 +95,7 @@ def test_renames_package_imports_targets_and_every_spelling(tmp_path, capsys):
     assert "edited  src/new_pkg/models.py (3 replacement(s))" in out
     # Words that only contain the old name are left, and listed for a look by hand.
     assert "left as they are (check by hand):\n  src/new_pkg/models.py:11: class OldpkgnessCheck" in out
-    assert 'python -m pip install -e ".[test]"' in out
+    assert 'python -m pip install -c constraints.txt -e ".[test]"' in out
     assert 'git add -A && git commit -m "Rename oldpkg to new_pkg"' in out
 
 
@@ -116,7 +116,7 @@ def test_changelog_entry_joins_an_existing_changed_list_or_starts_the_section():
     ("name", "message"),
     [
         ("My-Net", "'My-Net' is not a valid package name: use lowercase letters, digits and underscores"),
-        ("MyNet", "'MyNet' is not a valid package name"),
+        ("OldPkg", "'OldPkg' is not a valid package name"),
         ("1net", "'1net' is not a valid package name"),
         ("class", "'class' is a Python keyword and cannot be imported"),
         ("oldpkg", "the project is already named 'oldpkg'"),
@@ -161,6 +161,18 @@ def test_refuses_a_tree_outside_git(tmp_path, capsys):
     assert rename.main(["new_pkg"], root=root) == 2
     assert capsys.readouterr().err.startswith(f"error: {root} is not a git work tree; run `git init && git add -A")
     assert (root / "src/oldpkg/models.py").read_text() == PROJECT["src/oldpkg/models.py"]
+
+
+def test_an_update_that_stops_part_way_says_how_to_restore_the_project(tmp_path, capsys):
+    """In `copier update` the task may run on the project after copier wrote the next version over it."""
+    package = f"src/{rename.TEMPLATE_NAME}/models.py"
+    template = write_project(tmp_path / "template", {package: "x = 1\n"})
+    root = write_project(tmp_path / "project", {package: "x = 1\n"}, commit=False)
+    (root / "src/new_pkg/models.py").mkdir(parents=True)  # in the way of the move
+    assert rename.main(["new_pkg", "--template", str(template), "--operation", "update"], root=root) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Is a directory" in err and err.count("\n") == 1, err
+    assert err.endswith("; the update stopped part-way: `git reset --hard && git clean -fd` restores the project\n")
 
 
 def test_every_spelling_of_the_name_in_this_project_is_one_the_rename_replaces():

@@ -117,8 +117,7 @@ def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
             user_error = as_user_error(err)
             if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            if RunDirCheck.created and str(RunDirCheck.created[0]) == HydraConfig.get().runtime.output_dir:
-                remove_refused_run(RunDirCheck.created)
+            remove_refused_hydra_run()
             print(f"error: {user_error}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
 
@@ -226,6 +225,15 @@ def remove_refused_run(created: list[Path]) -> None:
     for parent in created[1:]:
         with contextlib.suppress(OSError):  # not empty: another run made its own directory there meanwhile
             parent.rmdir()
+
+
+def remove_refused_hydra_run() -> None:
+    """After a user error in a Hydra job: `remove_refused_run` on what RunDirCheck saw this run make (a sweep's job
+    directories are not among them: `SweepCheck` refuses before any is made)."""
+    created, RunDirCheck.created = RunDirCheck.created, []
+    output_dir = OmegaConf.select(HydraConfig.get(), "runtime.output_dir") if HydraConfig.initialized() else None
+    if created and str(created[0]) == output_dir:
+        remove_refused_run(created)
 
 
 class RunDirCheck(Callback):

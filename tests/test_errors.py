@@ -247,8 +247,7 @@ ENTRY_POINTS = {
     "misspelled trainer key": (
         "train.py",
         ["trainer.max_epoch=1", "dry_run=true", "hydra.run.dir={tmp}/max_epoch"],
-        "error: trainer.max_epoch: there is no such key; did you mean trainer.max_epochs? (a key of your own: "
-        "+trainer.max_epoch=VALUE)",
+        "error: trainer.max_epoch is not a key of trainer; did you mean trainer.max_epochs?",
     ),
     "misspelled data option": (
         "train.py",
@@ -260,6 +259,18 @@ ENTRY_POINTS = {
         "eval.py",
         ["ckpt_pat=x.ckpt", "hydra.run.dir={tmp}/ckpt_pat"],
         "error: ckpt_pat: there is no such key; did you mean ckpt_path? (a key of your own: +ckpt_pat=VALUE)",
+    ),
+    # a refused run in a directory that holds an earlier one (a resume) leaves what is there
+    "refused in an existing run directory": (
+        "train.py",
+        ["seed=-5", "hydra.run.dir={tmp}/existing"],
+        "error: seed=-5 must be an integer in [0, 4294967295]",
+    ),
+    # a sweep checks every job before the first one starts
+    "sweep with a wrong value": (
+        "train.py",
+        ["-m", "seed=1,-5", "dry_run=true", "hydra.sweep.dir={tmp}/sweep"],
+        "error: sweep job 1 (seed=-5): seed=-5 must be an integer in [0, 4294967295]",
     ),
 }
 
@@ -273,6 +284,10 @@ PRECISIONS = (
     "bf16-mixed, 32-true, 64-true, bf16"
 )
 EPOCH_SHARE = "null, an integer >= 1 (batches) or a number in (0, 1] (of the epoch); 0 would train nothing"
+FSDP_KEY = (
+    "strategy.sharding is a key of strategy=fsdp, and this run has strategy.name=ddp, which would ignore it: pass "
+    "strategy=fsdp strategy.sharding=VALUE, or leave strategy.sharding out"
+)
 
 # A wrong type or range in every section: (script, overrides, the whole error line after "error: "). Each one must
 # stop before anything is written, downloaded or started. The eval and export cases name checkpoints that do not
@@ -457,10 +472,33 @@ WRONG_VALUES = {
         ["+trainer.max_epoch=1", "dry_run=true"],
         "trainer.max_epoch is not a key of trainer; did you mean trainer.max_epochs?",
     ),
+    # ... and do not offer `+KEY=VALUE` there: it would be refused
+    "misspelled devices": (
+        "train.py",
+        ["trainer.devics=2"],
+        "trainer.devics is not a key of trainer; did you mean trainer.devices?",
+    ),
+    "eval trainer key": (
+        "eval.py",
+        ["ckpt_path=nope.ckpt", "+trainer.max_epochs=2"],
+        "trainer.max_epochs is not a key of trainer",
+    ),
+    # a key of the other strategy, which this one would ignore, added or set
+    "fsdp key added to ddp": ("train.py", ["+strategy.sharding=hybrid"], FSDP_KEY),
+    "fsdp key set under ddp": ("train.py", ["strategy.sharding=hybrid"], FSDP_KEY),
+    "ddp key set under fsdp": (
+        "train.py",
+        ["strategy=fsdp", "+strategy.static_graph=true"],
+        "strategy.static_graph is a key of strategy=ddp, and this run has strategy.name=fsdp, which would ignore it: "
+        "pass strategy=ddp strategy.static_graph=VALUE, or leave strategy.static_graph out",
+    ),
+    "shard class that does not import": (
+        "train.py",
+        ["strategy=fsdp", "strategy.shard_modules=[nope.Nope]", "trainer.accelerator=cpu", "trainer.devices=2"],
+        "strategy.shard_modules: cannot import nope.Nope (No module named 'nope'); name its block classes (e.g. "
+        "torchvision.models.resnet.BasicBlock), or null for every block of every network",
+    ),
 }
-# What none of them may leave in the run directory: the plan, the resolved config, checkpoints, metrics, the data
-# (paths.data_dir points there), an export.
-NOT_WRITTEN = ("plan.json", "config.yaml", "checkpoints", "metrics.json", "data", "net.pt")
 # A value that must work as typed: a share of each epoch, which the dry run plans as half the steps.
 HALF_EPOCHS = ["train.py", ["trainer.limit_train_batches=0.5", "dry_run=true"]]
 
@@ -485,6 +523,8 @@ def overrides_in(run_dir: Path, script: str, overrides: list[str]) -> list[str]:
 def entry_point_results(paths) -> dict[str, tuple[dict[str, Any], Path]]:
     """Every entry-point case in one interpreter: each result ({rc, stdout, stderr}) with the case's run directory."""
     tmp = Path(paths["tmp"])
+    (tmp / "existing").mkdir()
+    (tmp / "existing" / "keep.txt").write_text("an earlier run's file")
     cases = {
         name: (script, [arg.format(**paths) for arg in args], None) for name, (script, args, _) in ENTRY_POINTS.items()
     }
@@ -508,6 +548,16 @@ def test_entry_point_exits_2_with_one_line(name, entry_point_results):
 
 
 @pytest.mark.slow
+def test_a_refused_run_keeps_the_directory_it_was_given(entry_point_results, paths):
+    assert (Path(paths["tmp"]) / "existing" / "keep.txt").read_text() == "an earlier run's file"
+
+
+@pytest.mark.slow
+def test_a_sweep_refuses_before_its_first_job_starts(entry_point_results, paths):
+    assert not (Path(paths["tmp"]) / "sweep").exists()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", WRONG_VALUES)
 def test_wrong_value_is_one_line_before_anything_starts(name, entry_point_results):
     result, run_dir = entry_point_results[name]
@@ -515,7 +565,10 @@ def test_wrong_value_is_one_line_before_anything_starts(name, entry_point_result
     assert result["rc"] == EXIT_USER_ERROR, output[-3000:]
     assert "Traceback" not in output
     assert [line for line in output.splitlines() if line.startswith("error:")] == [f"error: {WRONG_VALUES[name][2]}"]
-    assert [path for path in NOT_WRITTEN if (run_dir / path).exists()] == []
+    assert "][ERROR] - " not in output  # no log line saying it again
+    # No run directory: no plan, config, checkpoint, data (paths.data_dir points there) or export, not even Hydra's
+    # .hydra/ and an empty log.
+    assert not run_dir.exists()
 
 
 @pytest.mark.slow
@@ -703,6 +756,7 @@ class Widget:
             "lr_schedule.warmup_epochs?; strategy.mixed_precison is not a key of strategy; did you mean "
             "strategy.mixed_precision?",
         ),
+        ({"strategy": {"name": "ddp", "sharding": "hybrid"}}, "train", FSDP_KEY),
     ],
 )
 def test_schema_messages(config, job, message):

@@ -120,6 +120,8 @@ def test_dry_run_plans_for_rays_world_size_without_ray(entry_point, monkeypatch,
         (["num_worker=2"], "num_worker: there is no such key; did you mean num_workers?"),
         (["strategy=fsdp"], "strategy=fsdp does not run under Ray Train here: use strategy=ddp, or for FSDP start"),
         (["data.global_batch_size=100", "num_workers=3"], "data.global_batch_size=100 does not divide into 3 device"),
+        # nothing listens there: refused at once, where Ray would retry for many minutes
+        (["address=127.0.0.1:1"], "address=127.0.0.1:1: no Ray cluster answers there within 5 s (Connection refused)"),
     ],
 )
 def test_a_bad_option_is_one_line_and_exit_2(entry_point, args, message, tmp_path):
@@ -151,16 +153,36 @@ def test_without_ray_installed_a_job_is_one_line_and_exit_2(entry_point, monkeyp
 
 
 @pytest.mark.slow
-def test_more_workers_than_the_cluster_holds_is_one_line_and_exit_2(ray_cluster, tmp_path):
-    """Ray would wait for ever for 4 CPUs on this 2-CPU cluster."""
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["num_workers=4"], "num_workers=4 needs 4 CPU(s) but the Ray cluster has 2; pass num_workers=2 (or use_gpu"),
+        (["use_gpu=true"], "num_workers=1 needs 1 GPU(s) but the Ray cluster has 0; pass use_gpu=false"),
+    ],
+    ids=["more CPUs", "a GPU"],
+)
+def test_more_than_the_cluster_holds_is_one_line_and_exit_2(ray_cluster, args, message, tmp_path):
+    """Ray would wait for ever for 4 CPUs on this 2-CPU cluster, or for a GPU it does not have."""
     log = tmp_path / "driver.log"
-    code = ray_train(["num_workers=4", f"address={ray_cluster}", f"hydra.run.dir={tmp_path / 'run'}"], log).wait(120)
+    code = ray_train([*args, f"address={ray_cluster}", f"hydra.run.dir={tmp_path / 'run'}"], log).wait(120)
     errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
     assert code == 2, log.read_text()[-3000:]
-    assert errors == [
-        "error: num_workers=4 needs 4 CPU(s) but the Ray cluster has 2; "
-        "pass num_workers=2 (or use_gpu=true on a GPU cluster)"
-    ]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {message}"), errors
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_mistake_found_by_the_workers_is_the_last_line_and_leaves_no_run_directory(ray_cluster, tmp_path):
+    """The batch is larger than the training set: the workers find it (the driver has no data), after writing the log
+    and Ray's records into the run directory; the driver prints the error after Ray's own output and removes them."""
+    log = tmp_path / "driver.log"
+    args = ["data.global_batch_size=4096", f"address={ray_cluster}", f"hydra.run.dir={tmp_path / 'run'}"]
+    code = ray_train(args, log).wait(180)
+    lines = log.read_text().strip().splitlines()
+    assert code == 2, lines[-30:]
+    assert lines[-1] == (
+        "error: the global batch (4096) is larger than the training set (1257 samples); lower data.global_batch_size"
+    )
     assert not (tmp_path / "run").exists()
 
 

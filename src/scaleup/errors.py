@@ -15,11 +15,14 @@ import contextlib
 import difflib
 import functools
 import os
+import shutil
 import sys
+import typing
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, InstantiationException, MissingConfigException
 from hydra.experimental.callback import Callback
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -114,6 +117,7 @@ def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
             user_error = as_user_error(err)
             if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
+            remove_refused_hydra_run()
             print(f"error: {user_error}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
 
@@ -131,14 +135,21 @@ def _override_key(override: str) -> str:
 
 
 def composition_error(
-    err: BaseException, compose: Callable[[list[str]], DictConfig], overrides: list[str], extra: Iterable[str] = ()
+    err: BaseException,
+    compose: Callable[[list[str]], DictConfig],
+    overrides: list[str],
+    extra: Iterable[str] = (),
+    job: str | None = None,
 ) -> UserError | None:
     """The user mistake behind Hydra's composition error `err`, in one line with the closest match, or None.
 
     An unknown option of a group (`data=digit`) is matched against the group's options; an unknown key
     (`trainer.max_epoch=1`) against the keys beside it in the config that `compose` builds without it (`extra`:
-    more known keys at the top level, e.g. a tool's own options).
+    more known keys at the top level, e.g. a tool's own options). In a section that `job` (train, eval, export)
+    reads alone, the schema's message (config/schema.py), which does not offer `+key=VALUE`: it would be refused.
     """
+    from scaleup.config.schema import unknown_key_message
+
     if isinstance(err, MissingConfigException) and err.options is not None and err.missing_cfg_file:
         group, _, option = err.missing_cfg_file.rpartition("/")
         hint = did_you_mean(option, err.options, f"{group}=")
@@ -153,6 +164,9 @@ def composition_error(
     except Exception:  # another mistake among the overrides: no suggestion for this one
         config = None
     node = OmegaConf.select(config, parent) if config is not None and parent else config
+    own = unknown_key_message(job, parent, name, node) if isinstance(node, DictConfig) else None
+    if own is not None:
+        return UserError(own)
     known = [*(node.keys() if isinstance(node, DictConfig) else ()), *([] if parent else extra)]
     hint = did_you_mean(name, known, f"{parent}." if parent else "")
     return UserError(f"{key}: there is no such key{hint} (a key of your own: +{key}=VALUE)")
@@ -188,19 +202,50 @@ def exit_on_composition_error(config_dir: Path, config_name: str, overrides: lis
     try:
         composed(overrides)
     except Exception as err:
-        user_error = composition_error(err, composed, overrides)
+        user_error = composition_error(err, composed, overrides, job=config_name)
         if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             return  # Hydra reports it
         print(f"error: {user_error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
 
 
+def new_directories(path: Path) -> list[Path]:
+    """The directories that creating `path` would make: `path` and its missing parents, deepest first."""
+    path = Path(os.path.abspath(path))
+    return [directory for directory in (path, *path.parents) if not directory.exists()]
+
+
+def remove_refused_run(created: list[Path]) -> None:
+    """A refused run leaves nothing behind: remove the run directory it made (`created`, from `new_directories`)
+    with what Hydra and the job wrote there (`.hydra/`, the log, plan.json, config.yaml), and the parents it made
+    while they are empty. A directory that holds a checkpoint stays; one that existed before is not in `created`."""
+    if not created or any(path.name.endswith(".ckpt") for path in created[0].rglob("*")):
+        return
+    shutil.rmtree(created[0], ignore_errors=True)
+    for parent in created[1:]:
+        with contextlib.suppress(OSError):  # not empty: another run made its own directory there meanwhile
+            parent.rmdir()
+
+
+def remove_refused_hydra_run() -> None:
+    """After a user error in a Hydra job: `remove_refused_run` on what RunDirCheck saw this run make (a sweep's job
+    directories are not among them: `SweepCheck` refuses before any is made)."""
+    created, RunDirCheck.created = RunDirCheck.created, []
+    output_dir = OmegaConf.select(HydraConfig.get(), "runtime.output_dir") if HydraConfig.initialized() else None
+    if created and str(created[0]) == output_dir:
+        remove_refused_run(created)
+
+
 class RunDirCheck(Callback):
     """Hydra creates the run directory before the job starts, outside `exit_on_user_error`: a directory that
-    cannot be created (`hydra.run.dir=/read-only/path`) would end in Hydra's traceback. Create it here first."""
+    cannot be created (`hydra.run.dir=/read-only/path`) would end in Hydra's traceback. Create it here first, and
+    note what this run made (`created`), for `exit_on_user_error` to remove when the job refuses to run."""
+
+    created: typing.ClassVar[list[Path]] = []
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         directory = config.hydra.run.dir
+        RunDirCheck.created = new_directories(directory)
         try:
             Path(directory).mkdir(parents=True, exist_ok=True)
         except OSError as err:

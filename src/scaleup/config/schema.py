@@ -79,8 +79,14 @@ class Section(BaseModel):
     closed: typing.ClassVar[bool] = False
 
     @classmethod
-    def known_keys(cls) -> list[str]:
+    def known_keys(cls, section: Mapping[str, Any]) -> list[str]:
+        """The keys the template reads in `section`."""
         return list(cls.model_fields)
+
+    @classmethod
+    def unknown_key(cls, path: str, name: str, section: Mapping[str, Any]) -> str:
+        """Why `name` has no place in the closed section at `path` holding `section`, with the closest known key."""
+        return f"{dotted(path, name)} is not a key of {path}{did_you_mean(name, cls.known_keys(section), f'{path}.')}"
 
 
 class ClosedSection(Section):
@@ -122,7 +128,12 @@ class LRSchedule(ClosedSection):
     gamma: Positive
 
 
+DDP_KEYS = ["bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters"]
+
+
 class Strategy(ClosedSection):
+    """Both options' keys: each option's own keys pass only with its name (a DDP run would ignore FSDP's)."""
+
     name: Literal["ddp", "ddp_spawn", "fsdp"]
     timeout_minutes: Positive
     # ddp
@@ -138,6 +149,24 @@ class Strategy(ClosedSection):
     mixed_precision: Literal["bfloat16", "float16"] | None
     cpu_offload: bool
     activation_checkpointing: bool
+
+    @classmethod
+    def known_keys(cls, section: Mapping[str, Any]) -> list[str]:
+        """name, timeout_minutes and the keys of strategy.name's own option (configs/strategy/); without a valid
+        name, every key (the name's own message says what is wrong)."""
+        fsdp = [key for key in cls.model_fields if key not in ("name", "timeout_minutes", *DDP_KEYS)]
+        own = {"ddp": DDP_KEYS, "ddp_spawn": DDP_KEYS, "fsdp": fsdp}.get(section.get("name"), [*DDP_KEYS, *fsdp])
+        return ["name", "timeout_minutes", *own]
+
+    @classmethod
+    def unknown_key(cls, path: str, name: str, section: Mapping[str, Any]) -> str:
+        if name not in cls.model_fields:
+            return f"{dotted(path, name)} is not a key of {path}{did_you_mean(name, cls.model_fields, f'{path}.')}"
+        key, owner = dotted(path, name), "ddp" if name in DDP_KEYS else "fsdp"
+        return (
+            f"{key} is a key of strategy={owner}, and this run has strategy.name={section.get('name')}, which would "
+            f"ignore it: pass strategy={owner} {key}=VALUE, or leave {key} out"
+        )
 
 
 class Loader(ClosedSection):
@@ -216,7 +245,7 @@ class TrainerArgs(ClosedSection):
     model_registry: str | None
 
     @classmethod
-    def known_keys(cls) -> list[str]:
+    def known_keys(cls, section: Mapping[str, Any]) -> list[str]:
         """Every argument of lightning.Trainer (the section passes to it), not only those checked here."""
         import lightning as L
 
@@ -230,7 +259,7 @@ class EvalKeys(Section):
     compile: bool
 
 
-class EvalTrainer(Section):
+class EvalTrainer(ClosedSection):
     accelerator: Accelerator
     devices: Devices
     num_nodes: PositiveInt
@@ -310,12 +339,15 @@ def unknown_keys(section: Mapping[str, Any], path: str, schema: type[Section]) -
     """(key, message) for each key of a closed section that the template does not know, with the closest known."""
     if not schema.closed:
         return []
-    known = schema.known_keys()
-    return [
-        (dotted(path, name), f"{dotted(path, name)} is not a key of {path}{did_you_mean(str(name), known, f'{path}.')}")
-        for name in section
-        if name not in known
-    ]
+    known = schema.known_keys(section)
+    return [(dotted(path, name), schema.unknown_key(path, str(name), section)) for name in section if name not in known]
+
+
+def unknown_key_message(job: str | None, path: str, name: str, section: Mapping[str, Any]) -> str | None:
+    """Why the key `name` is refused in the section at `path` (holding `section`) of `job`'s config, or None where
+    that section takes keys of the user's own."""
+    schema = SECTIONS.get(job, {}).get(path)
+    return schema.unknown_key(path, name, section) if schema is not None and schema.closed else None
 
 
 def targets(tree: Any, path: str) -> typing.Iterator[tuple[str, dict[str, Any]]]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import get_class
+from hydra._internal.utils import _locate
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
@@ -37,6 +37,7 @@ from scaleup.distributed.meta_init import META, MetaInit, materialize_shards, te
 from scaleup.errors import UserError
 
 log = logging.getLogger("scaleup")
+BLOCKS = "name its block classes (e.g. torchvision.models.resnet.BasicBlock), or null for every block of every network"
 
 # Modules that only hold other modules: their members are the blocks.
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -78,10 +79,7 @@ def unit_names(model: nn.Module, shard_modules: Iterable[str] | None) -> list[st
     roots = networks(model)
     if shard_modules is None:
         return [unit for root, net in roots for unit in _blocks(net, f"{root}.")]
-    try:
-        classes = tuple(get_class(name) for name in shard_modules)
-    except Exception as err:  # Hydra wraps the import error; its message names the class
-        raise UserError(f"strategy.shard_modules: {err}") from None
+    classes = tuple(block_class(name) for name in shard_modules)
     units = [
         f"{root}.{name}"
         for root, net in roots
@@ -90,11 +88,25 @@ def unit_names(model: nn.Module, shard_modules: Iterable[str] | None) -> list[st
     ]
     if not units:
         raise UserError(
-            f"strategy.shard_modules={list(shard_modules)} matches no module of {type(model).__name__}: name its "
-            "block classes (e.g. torchvision.models.resnet.BasicBlock), or null for every block of every network"
+            f"strategy.shard_modules={list(shard_modules)} matches no module of {type(model).__name__}: {BLOCKS}"
         )
     # A unit inside another unit is sharded first (FSDP2 shards bottom-up): the innermost modules come first.
     return sorted(units, key=lambda name: -name.count("."))
+
+
+def block_class(name: str) -> type:
+    """The class that `name`, an entry of strategy.shard_modules, names.
+
+    Hydra's `_locate`, not `hydra.utils.get_class`: that one logs its error before raising it, and the user would
+    read the message twice (and Hydra's spans three lines: its cause says it in one).
+    """
+    try:
+        found = _locate(name)
+    except ImportError as err:
+        raise UserError(f"strategy.shard_modules: cannot import {name} ({err.__cause__ or err}); {BLOCKS}") from None
+    if not isinstance(found, type):
+        raise UserError(f"strategy.shard_modules: {name} is not a class; {BLOCKS}")
+    return found
 
 
 def bytes_per_rank(model: nn.Module, world_size: int) -> tuple[int, int]:

@@ -7,8 +7,9 @@ num_workers: Ray Train workers, one process and one device each (default 1); the
 worker (default false: CPUs only). cpus_per_worker: CPUs Ray reserves for each worker (default 1; the loader's
 `data.num_workers` processes run on them). max_failures: how many times Ray restarts the worker group after a worker
 dies (default 0); each restart resumes from the run's last.ckpt. address: the Ray cluster to join (default: the
-one `ray.init()` finds, RAY_ADDRESS or a cluster started on this machine, else a new local one). Everything else
-is a `python train.py` override; `trainer.accelerator`, `trainer.devices` and `trainer.num_nodes` are Ray's to set.
+one `ray.init()` finds, RAY_ADDRESS or a cluster started on this machine, else a new local one; an address where no
+cluster listens is refused at once). Everything else is a `python train.py` override; `trainer.accelerator`,
+`trainer.devices` and `trainer.num_nodes` are Ray's to set.
 
 This process, the driver, composes the config once (the run directory is stamped here) and ships it to the
 workers as plain containers; each worker runs the template's own train job (`ray_worker.py`). Why not Lightning's
@@ -22,6 +23,7 @@ num_workers devices here, without Ray.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,14 @@ from scaleup.checkpoints.io import exists
 from scaleup.config.arguments import split_arguments
 from scaleup.distributed.ray_worker import last_checkpoint, train_worker
 from scaleup.distributed.run_dir import register_resolvers
-from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error, composition_error
+from scaleup.errors import (
+    EXIT_USER_ERROR,
+    UserError,
+    as_user_error,
+    composition_error,
+    new_directories,
+    remove_refused_run,
+)
 
 OPTIONS = {"num_workers": "1", "use_gpu": "false", "cpus_per_worker": "1", "max_failures": "0", "address": None}
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -75,7 +84,7 @@ def compose(overrides: list[str], accelerator: str, num_workers: int) -> DictCon
     try:
         cfg = compose_train([*overrides, *topology])
     except Exception as err:  # a misspelled key or group option: one line naming the closest
-        user_error = composition_error(err, compose_train, overrides, extra=OPTIONS)
+        user_error = composition_error(err, compose_train, overrides, extra=OPTIONS, job="train")
         if user_error is None:
             raise
         raise user_error from err
@@ -154,12 +163,34 @@ def check_resources(options: dict[str, Any]) -> None:
     workers, cluster = options["num_workers"], ray.cluster_resources()
     for resource, each in worker_resources(options).items():
         available = int(cluster.get(resource, 0))
-        if workers * each > available:
-            fits = available // each
-            raise UserError(
-                f"num_workers={workers} needs {workers * each} {resource}(s) but the Ray cluster has {available}; "
-                f"pass num_workers={fits}" + (" (or use_gpu=true on a GPU cluster)" if resource == "CPU" else "")
-            )
+        if workers * each <= available:
+            continue
+        if available >= each:
+            fix = f"num_workers={available // each}" + (" (or use_gpu=true on a GPU cluster)" * (resource == "CPU"))
+        else:  # not even one worker fits
+            fix = "use_gpu=false" if resource == "GPU" else f"cpus_per_worker={available}"
+        raise UserError(
+            f"num_workers={workers} needs {workers * each} {resource}(s) but the Ray cluster has {available}; "
+            f"pass {fix}"
+        )
+
+
+def check_address(address: str | None) -> None:
+    """ray.init retries an address where no cluster listens for many minutes, printing "Failed to connect to GCS":
+    try it first, as long as Ray itself waits for one connection (RAY_gcs_rpc_server_connect_timeout_s, 5 s)."""
+    given = address or os.environ.get("RAY_ADDRESS")
+    host, _, port = (given or "").removeprefix("ray://").rpartition(":")
+    if not host or "/" in host or not port.isdigit():  # none, auto, local, or a form Ray reads itself
+        return
+    timeout = float(os.environ.get("RAY_gcs_rpc_server_connect_timeout_s", 5))  # noqa: SIM112 (Ray's spelling)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as err:
+        name = "address" if address else "RAY_ADDRESS"
+        raise UserError(
+            f"{name}={given}: no Ray cluster answers there within {timeout:g} s ({err.strerror or err}); "
+            "start one with `ray start --head`, pass its head's HOST:PORT, or leave address out for a local cluster"
+        ) from None
 
 
 def start(job: dict[str, Any], options: dict[str, Any], run_dir: Path) -> None:
@@ -191,6 +222,10 @@ def start(job: dict[str, Any], options: dict[str, Any], run_dir: Path) -> None:
             if (user_error := as_user_error(failure)) is not None:
                 raise user_error from err
         raise
+    finally:
+        # Ray prints the cluster's log lines from a thread of this process, seconds late: disconnect first, so that
+        # what main() prints (the error line) comes after the last of them.
+        ray.shutdown()
 
 
 def main(argv: list[str]) -> int:
@@ -198,16 +233,19 @@ def main(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
         print(__doc__)
         return 0
+    created: list[Path] = []  # the run directory and its parents, where this job makes them
     try:
         options, overrides = parse(argv)
         accelerator = "gpu" if options["use_gpu"] else "cpu"
         cfg = compose(overrides, accelerator, options["num_workers"])
         run_dir = Path(cfg.hydra.runtime.output_dir)
+        created = new_directories(run_dir)
         if cfg.dry_run:
             run_dir.mkdir(parents=True, exist_ok=True)
             dry_run(cfg)
             return 0
         job = job_for_workers(cfg, accelerator)
+        check_address(options["address"])
         try:
             import ray  # noqa: F401
         except ImportError as err:
@@ -217,6 +255,7 @@ def main(argv: list[str]) -> int:
         user_error = as_user_error(err)
         if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
+        remove_refused_run(created)  # what the workers wrote before they refused (plan.json, the log, Ray's records)
         print(f"error: {user_error}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     print(f"Ray Train: done, {run_dir}")

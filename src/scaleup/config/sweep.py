@@ -1,0 +1,74 @@
+"""A sweep (`python train.py -m seed=1,2,3`) checks every job's config before the first job starts."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from hydra import compose
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from scaleup.config.schema import SECTIONS, validate_config
+from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error, composition_error
+
+
+def sweep_jobs(config: DictConfig) -> tuple[list[list[str]], set[str]]:
+    """The overrides of each job of Hydra's basic sweeper, in its order, and the keys the sweep varies."""
+    params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
+    parsed = OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task])
+    swept = {override.get_key_element() for override in parsed if override.is_sweep_override()}
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch], swept
+
+
+def job_config(config_name: str, overrides: list[str], num: int) -> DictConfig:
+    """Job `num`'s config, composed as the sweeper composes it, with Hydra's runtime set as the job would have it
+    (its output directory, which the config's paths interpolate)."""
+    cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.job.num = num
+        cfg.hydra.runtime.output_dir = os.path.abspath(os.path.join(cfg.hydra.sweep.dir, cfg.hydra.sweep.subdir))
+    return cfg
+
+
+class SweepCheck(Callback):
+    """Hydra's basic sweeper starts each job only when the one before it has finished: a mistake in the last job's
+    values would be found after the others trained. Compose and validate every job's config (config/schema.py)
+    before any starts: a mistake is one line naming the job, exit code 2, nothing written. Other sweepers (Optuna)
+    choose their values as they go; their jobs are checked when they start."""
+
+    def on_multirun_start(self, config: DictConfig, config_name: str | None = None, **kwargs: Any) -> None:
+        if config_name not in SECTIONS or not str(config.hydra.sweeper._target_).endswith(".BasicSweeper"):
+            return
+        jobs, swept = sweep_jobs(config)
+        before = HydraConfig.instance().cfg
+        try:
+            for num, overrides in enumerate(jobs):
+                if (user_error := job_mistake(config_name, overrides, num)) is not None:
+                    values = " ".join(o for o in overrides if o.partition("=")[0].lstrip("+~") in swept)
+                    print(f"error: sweep job {num} ({values}): {user_error}", file=sys.stderr, flush=True)
+                    sys.exit(EXIT_USER_ERROR)
+        finally:
+            HydraConfig.instance().cfg = before
+
+
+def job_mistake(config_name: str, overrides: list[str], num: int) -> UserError | None:
+    """The user mistake in job `num`'s config (an unknown key or option, a wrong value), or None."""
+
+    def composed(given: list[str]) -> DictConfig:
+        return compose(config_name, overrides=given)
+
+    try:
+        cfg = job_config(config_name, overrides, num)
+        HydraConfig.instance().set_config(cfg)  # for the ${hydra:...} interpolations the values resolve
+        validate_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), config_name)
+    except Exception as err:
+        user_error = composition_error(err, composed, overrides, job=config_name) or as_user_error(err)
+        if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        return user_error
+    return None

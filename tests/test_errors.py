@@ -492,6 +492,18 @@ WRONG_VALUES = {
         "strategy.static_graph is a key of strategy=ddp, and this run has strategy.name=fsdp, which would ignore it: "
         "pass strategy=ddp strategy.static_graph=VALUE, or leave strategy.static_graph out",
     ),
+    # a target that does not import, of the LightningModule or of a network it builds itself
+    "model target that does not import": (
+        "train.py",
+        ["model._target_=nope.Nope"],
+        "model._target_=nope.Nope does not import (No module named 'nope'): check the name, or install what it needs",
+    ),
+    "net target that does not import": (
+        "train.py",
+        ["model.net._target_=myproject.models.nets.Nope", "dry_run=true"],
+        "model.net._target_=myproject.models.nets.Nope does not import (module 'myproject.models.nets' has no "
+        "attribute 'Nope'): check the name, or install what it needs",
+    ),
     "shard class that does not import": (
         "train.py",
         ["strategy=fsdp", "strategy.shard_modules=[nope.Nope]", "trainer.accelerator=cpu", "trainer.devices=2"],

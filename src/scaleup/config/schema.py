@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import pkgutil
 import types
 import typing
 from collections.abc import Collection, Mapping, Sequence
@@ -31,7 +32,6 @@ from enum import Enum
 from pathlib import PurePath
 from typing import Annotated, Any, Literal, Union
 
-from hydra.utils import get_object
 from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, Field, PydanticUserError, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
@@ -361,9 +361,15 @@ def targets(tree: Any, path: str) -> typing.Iterator[tuple[str, dict[str, Any]]]
 
 
 def constructor_problems(path: str, node: dict[str, Any]) -> list[tuple[str, str]]:
-    """(key, message) for each argument in `node` that its `_target_`'s type hints refuse."""
+    """(key, message) for a `_target_` in `node` that does not import, or for each argument that its type hints
+    refuse."""
+    target, key = str(node["_target_"]), dotted(path, "_target_")
+    try:
+        pkgutil.resolve_name(target)  # quietly: hydra's get_object would log an ERROR before raising
+    except (ImportError, AttributeError) as err:
+        return [(key, f"{key}={target} does not import ({err}): check the name, or install what it needs")]
     problems = []
-    for name, (hint, adapter) in argument_hints(str(node["_target_"])).items():
+    for name, (hint, adapter) in argument_hints(target).items():
         value = node.get(name)
         if value is None or (isinstance(value, dict) and "_target_" in value) or fits(adapter, value):
             continue
@@ -375,11 +381,11 @@ def constructor_problems(path: str, node: dict[str, Any]) -> list[tuple[str, str
 def argument_hints(target: str) -> dict[str, tuple[Any, TypeAdapter]]:
     """The hinted arguments of the class or function `target` names, each with the adapter that checks it.
 
-    Whatever cannot be checked is left out: a target that does not import or whose hints do not resolve (its own
-    construction says what is wrong), and a hint pydantic has no schema for.
+    Whatever cannot be checked is left out: a target whose hints do not resolve (its own construction says what is
+    wrong), and a hint pydantic has no schema for.
     """
     try:
-        built = get_object(target)
+        built = pkgutil.resolve_name(target)
         parameters = inspect.signature(built).parameters
         hints = typing.get_type_hints(built.__init__ if isinstance(built, type) else built, include_extras=True)
     except (ImportError, AttributeError, NameError, TypeError, ValueError):

@@ -74,6 +74,10 @@ def shards(tmp_path_factory) -> Path:
             ["out={tmp}", "sample_per_shard=8"],
             "error: sample_per_shard: there is no such key; did you mean samples_per_shard?",
         ),
+        (  # a key of the template's own sections: no `+KEY=VALUE` offered, it would be refused
+            ["out={tmp}", "trainer.devics=2"],
+            "error: trainer.devics is not a key of trainer; did you mean trainer.devices?",
+        ),
         (["out=/dev/null/conv"], "error: out=/dev/null/conv: /dev/null is not a directory; choose another out=DIR"),
         (["out=/proc/conv"], "error: out=/proc/conv cannot be created ("),
         (

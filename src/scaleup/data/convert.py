@@ -167,7 +167,7 @@ def build_source(overrides: list[str]) -> tuple[dict[str, Dataset], dict[str, An
     try:
         cfg = compose_train(overrides)
     except Exception as err:  # a misspelled key or data option: one line naming the closest
-        user_error = composition_error(err, compose_train, overrides, extra=OPTIONS)
+        user_error = composition_error(err, compose_train, overrides, extra=OPTIONS, job="train")
         if user_error is None:
             raise
         raise user_error from err

@@ -183,6 +183,48 @@ def test_resume_after_an_epoch_end_checkpoint_leaves_the_epoch_unstarted(tmp_pat
     assert resumed.global_step > 3 * BATCHES_PER_EPOCH  # epoch 1 trained again
 
 
+class Batches(L.Callback):
+    """Records (epoch, batch_idx) of every training batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch, batch_idx: int) -> None:
+        self.seen.append((trainer.current_epoch, batch_idx))
+
+
+def finished_epoch(tmp_path, where: str):
+    """A checkpoint of epoch 0 after its end: written in on_train_epoch_end (as last.ckpt is), or after fit."""
+    end = ModelCheckpoint(dirpath=tmp_path, filename="end", save_on_train_epoch_end=True)
+    first = trainer(tmp_path, max_epochs=1, callbacks=[end])
+    first.fit(Tiny())
+    if where == "after fit":
+        first.save_checkpoint(tmp_path / "end.ckpt")
+    return tmp_path / "end.ckpt"
+
+
+def test_max_steps_resume_from_an_epoch_end_reenters_the_finished_epoch(tmp_path):
+    """FinishedEpochResume: with max_steps, Lightning restores a run whose epoch ran to its end as one to continue
+    inside that epoch: one batch past its end, then the epoch counts as done a second time."""
+    batches = Batches()
+    resumed = trainer(tmp_path, max_epochs=2, max_steps=100, callbacks=[batches])
+    resumed.fit(Tiny(), ckpt_path=finished_epoch(tmp_path, "in on_train_epoch_end"))
+    assert batches.seen == [(0, BATCHES_PER_EPOCH)] and resumed.global_step == BATCHES_PER_EPOCH + 1
+
+
+@pytest.mark.parametrize("where", ["in on_train_epoch_end", "after fit"])
+def test_finished_epoch_resume_with_max_steps_trains_what_a_resume_without_trains(tmp_path, where):
+    ckpt = finished_epoch(tmp_path, where)
+    runs = {}
+    for max_steps in (-1, 100):  # Lightning's own resume without max_steps, then the workaround's with
+        batches, model = Batches(), Tiny()
+        callbacks = [batches, *([workarounds.FinishedEpochResume()] if max_steps != -1 else [])]
+        trainer(tmp_path, max_epochs=2, max_steps=max_steps, callbacks=callbacks).fit(model, ckpt_path=ckpt)
+        runs[max_steps] = batches.seen, model.layer.weight.detach()
+    assert runs[-1][0] == runs[100][0] == [(1, i) for i in range(BATCHES_PER_EPOCH)]
+    assert torch.equal(runs[-1][1], runs[100][1])
+
+
 def test_resume_with_another_accumulation_keeps_the_micro_batch_count(tmp_path):
     """BatchProgressRescale: a resumed run restores the epoch's batch counter in the checkpoint's micro-batches."""
     trainer(tmp_path, max_steps=2, callbacks=[save_every(2, tmp_path)]).fit(Tiny())  # 2 batches of accumulation 1

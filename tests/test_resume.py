@@ -95,6 +95,18 @@ def test_float64_resume_is_bitwise_exact(baseline, interrupted, tmp_path):
     ) in (resumed / "train.log").read_text()
 
 
+def test_an_epoch_end_resume_with_max_steps_is_bitwise_exact(baseline, interrupted, tmp_path):
+    """With trainer.max_steps set (the same 24 steps, so the same plan), Lightning 2.6 restarts a restored run inside
+    its last epoch even when that epoch ran to its end: resumed from last.ckpt at step 16, it counted epoch 1's end
+    twice and ended at step 16, having trained nothing (FinishedEpochResume)."""
+    in_process([*EXACT, f"trainer.max_steps={TOTAL_STEPS}", f"ckpt_path={interrupted}", f"hydra.run.dir={tmp_path}"])
+    assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == TOTAL_STEPS
+    assert_same_weights(last_weights(baseline("one")), last_weights(tmp_path), rtol=0, atol=0)
+    assert lr_curve(tmp_path) == pytest.approx(
+        {step: lr for step, lr in lr_curve(baseline("one")).items() if step >= 16}, rel=1e-12
+    )
+
+
 def test_mid_epoch_resume_on_two_processes_equals_uninterrupted(baseline, tmp_path):
     """From the 2-process baseline's checkpoint at step 13 (5 of epoch 1's 8 steps), on 2 processes again. last.ckpt
     is the end of training (step 24, though also written every 5 steps), and the finished run, requeued on 2

@@ -319,6 +319,37 @@ class EpochProgressRepair(Callback):
                 counts["ready"] = counts["started"] = counts["completed"] + 1
 
 
+def ran_to_its_end(checkpoint: dict[str, Any]) -> bool:
+    """Whether the checkpoint was written after the fit loop counted the end of an epoch that reached its last batch
+    (in `on_train_epoch_end`, where last.ckpt is written, or after fit): nothing of that epoch is left to train."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    epochs = fit_loop.get("epoch_progress", {}).get("current", {})
+    last_batch = fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch", False)
+    return bool(epochs) and last_batch and epochs["ready"] == epochs["started"] == epochs["processed"]
+
+
+class FinishedEpochResume(Callback):
+    """Resumes a max_steps run from a checkpoint at an epoch's end as Lightning resumes one without max_steps.
+
+    Lightning 2.6.6. Reason: `_FitLoop`'s `restarting` setter takes every restored run with `max_steps` for one to
+    continue inside its last epoch (`or self._iteration_based_training()`), which is right only where max_steps cut
+    that epoch short. From an epoch that ran to its end (last.ckpt at every epoch's end) it re-enters that epoch:
+    at most one batch past its end, then it counts the epoch's end again, so the run trains one epoch fewer, and
+    each later epoch in the order of the one after it (measured on digits, 19 steps per epoch, from step 19:
+    max_epochs=3 max_steps=40 ended at step 38, max_epochs=2 max_steps=21 at step 19). Where the epoch ran to its
+    end, this makes the fit loop read as epoch-based until it has restored its loops. `FINISHED_EPOCH_RESUME` in
+    gates.py checks the method.
+    Canary: test_max_steps_resume_from_an_epoch_end_reenters_the_finished_epoch.
+    """
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn == "fit" and trainer.max_steps != -1 and ran_to_its_end(checkpoint):
+            trainer.fit_loop._iteration_based_training = lambda: False  # shadows the method, on this loop only
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        vars(trainer.fit_loop).pop("_iteration_based_training", None)  # the loops are restored
+
+
 def rescale_batch_progress(checkpoint: dict[str, Any], accumulation: int) -> None:
     """Restate the fit loop's batch counters in micro-batches of `accumulation` per optimizer step.
 

@@ -76,9 +76,9 @@ from scaleup.callbacks.run_files import ConfigInCheckpoint, MetricsFile
 from scaleup.compat import fast_paths
 from scaleup.compat.workarounds import (
     BatchProgressRescale,
+    EpochEndResume,
     EpochProgressRepair,
     ExactEvalMetrics,
-    FinishedEpochResume,
 )
 from scaleup.data.seeding import StepSeed
 from scaleup.distributed.preemption import PreemptionCheckpoint, StopOnSigterm
@@ -361,7 +361,7 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
         "ConfigInCheckpoint": lambda: ConfigInCheckpoint({}, {}),
         "PreemptionCheckpoint": lambda: PreemptionCheckpoint(tmp / "ckpt"),
         "EpochProgressRepair": EpochProgressRepair,
-        "FinishedEpochResume": FinishedEpochResume,
+        "EpochEndResume": EpochEndResume,
         "BatchProgressRescale": BatchProgressRescale,
         "MetricsFile": lambda: MetricsFile(tmp / "metrics.json"),
         "PlanHParams": lambda: PlanHParams({}, tmp / "metrics.json"),

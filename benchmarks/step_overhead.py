@@ -74,7 +74,12 @@ from scaleup.callbacks.metric_states import PrivateMetricStates
 from scaleup.callbacks.performance import PerformanceSettings
 from scaleup.callbacks.run_files import ConfigInCheckpoint, MetricsFile
 from scaleup.compat import fast_paths
-from scaleup.compat.workarounds import BatchProgressRescale, EpochProgressRepair, ExactEvalMetrics
+from scaleup.compat.workarounds import (
+    BatchProgressRescale,
+    EpochEndResume,
+    EpochProgressRepair,
+    ExactEvalMetrics,
+)
 from scaleup.data.seeding import StepSeed
 from scaleup.distributed.preemption import PreemptionCheckpoint, StopOnSigterm
 from scaleup.observability.diagnostics import TrainingDiagnostics
@@ -356,6 +361,7 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
         "ConfigInCheckpoint": lambda: ConfigInCheckpoint({}, {}),
         "PreemptionCheckpoint": lambda: PreemptionCheckpoint(tmp / "ckpt"),
         "EpochProgressRepair": EpochProgressRepair,
+        "EpochEndResume": EpochEndResume,
         "BatchProgressRescale": BatchProgressRescale,
         "MetricsFile": lambda: MetricsFile(tmp / "metrics.json"),
         "PlanHParams": lambda: PlanHParams({}, tmp / "metrics.json"),

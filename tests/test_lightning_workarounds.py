@@ -183,6 +183,67 @@ def test_resume_after_an_epoch_end_checkpoint_leaves_the_epoch_unstarted(tmp_pat
     assert resumed.global_step > 3 * BATCHES_PER_EPOCH  # epoch 1 trained again
 
 
+class Batches(L.Callback):
+    """Records (epoch, batch_idx) of every training batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch, batch_idx: int) -> None:
+        self.seen.append((trainer.current_epoch, batch_idx))
+
+
+def epoch_end_checkpoint(tmp_path, where: str = "in on_train_epoch_end", **first) -> str:
+    """A checkpoint at the fit loop's end of epoch 0 (`first`: the Trainer's limits): written in on_train_epoch_end
+    (as last.ckpt is), or after fit."""
+    end = ModelCheckpoint(dirpath=tmp_path, filename="end", save_on_train_epoch_end=True)
+    run = trainer(tmp_path, callbacks=[end], **{"max_epochs": 1, **first})
+    run.fit(Tiny())
+    if where == "after fit":
+        run.save_checkpoint(tmp_path / "end.ckpt")
+    return tmp_path / "end.ckpt"
+
+
+def resumed_batches(tmp_path, ckpt, callbacks=(), **limits) -> tuple[list[tuple[int, int]], int, torch.Tensor]:
+    """(epoch, batch_idx) of each batch a resume from `ckpt` trains, its last step and its final weight."""
+    batches, model = Batches(), Tiny()
+    run = trainer(tmp_path / "resumed", callbacks=[batches, *callbacks], **limits)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unresumable-loader warning
+        run.fit(model, ckpt_path=ckpt)
+    return batches.seen, run.global_step, model.layer.weight.detach()
+
+
+def test_max_steps_resume_from_an_epoch_end_reenters_the_finished_epoch(tmp_path):
+    """EpochEndResume: with max_steps, Lightning restores a run whose epoch ran to its end as one to continue inside
+    that epoch: one batch past its end, then the epoch counts as done a second time."""
+    seen, step, _ = resumed_batches(tmp_path, epoch_end_checkpoint(tmp_path), max_epochs=2, max_steps=100)
+    assert seen == [(0, BATCHES_PER_EPOCH)] and step == BATCHES_PER_EPOCH + 1
+
+
+def test_resume_from_an_epoch_that_max_steps_cut_short_drops_its_rest(tmp_path):
+    """EpochEndResume: Lightning counts an epoch that max_steps cut short (2 of 4 batches) as processed; trained
+    further without max_steps, the resume starts the next epoch and never trains the rest."""
+    seen, step, _ = resumed_batches(tmp_path, epoch_end_checkpoint(tmp_path, max_steps=2), max_epochs=2)
+    assert seen == [(1, i) for i in range(BATCHES_PER_EPOCH)] and step == 2 + BATCHES_PER_EPOCH
+
+
+@pytest.mark.parametrize("where", ["in on_train_epoch_end", "after fit"])
+def test_epoch_end_resume_with_max_steps_trains_what_a_resume_without_trains(tmp_path, where):
+    ckpt = epoch_end_checkpoint(tmp_path, where)
+    without = resumed_batches(tmp_path, ckpt, max_epochs=2)  # Lightning's own resume
+    with_max_steps = resumed_batches(tmp_path, ckpt, [workarounds.EpochEndResume()], max_epochs=2, max_steps=100)
+    assert without[:2] == with_max_steps[:2] == ([(1, i) for i in range(BATCHES_PER_EPOCH)], 2 * BATCHES_PER_EPOCH)
+    assert torch.equal(without[2], with_max_steps[2])
+
+
+@pytest.mark.parametrize("max_steps", [-1, 100])
+def test_epoch_end_resume_trains_the_rest_of_an_epoch_that_max_steps_cut_short(tmp_path, max_steps):
+    ckpt = epoch_end_checkpoint(tmp_path, max_steps=2)
+    seen, step, _ = resumed_batches(tmp_path, ckpt, [workarounds.EpochEndResume()], max_epochs=2, max_steps=max_steps)
+    assert seen == [(0, 2), (0, 3), *[(1, i) for i in range(BATCHES_PER_EPOCH)]] and step == 2 * BATCHES_PER_EPOCH
+
+
 def test_resume_with_another_accumulation_keeps_the_micro_batch_count(tmp_path):
     """BatchProgressRescale: a resumed run restores the epoch's batch counter in the checkpoint's micro-batches."""
     trainer(tmp_path, max_steps=2, callbacks=[save_every(2, tmp_path)]).fit(Tiny())  # 2 batches of accumulation 1

@@ -19,9 +19,18 @@ from scaleup.callbacks.performance import PerformanceSettings, set_tf32
 from scaleup.callbacks.run_files import ConfigInCheckpoint, MetricsFile
 from scaleup.checkpoints.io import AtomicCheckpointIO, remove_interrupted_writes
 from scaleup.compat.fast_paths import fast_paths
-from scaleup.compat.gates import EMA_DEVICE, EXACT_EVAL, FSDP_OPTIMIZER_KEYS, SIGTERM_HANDLER, SPAWN_LAUNCHER, require
+from scaleup.compat.gates import (
+    EMA_DEVICE,
+    EPOCH_END_RESUME,
+    EXACT_EVAL,
+    FSDP_OPTIMIZER_KEYS,
+    SIGTERM_HANDLER,
+    SPAWN_LAUNCHER,
+    require,
+)
 from scaleup.compat.workarounds import (
     BatchProgressRescale,
+    EpochEndResume,
     EpochProgressRepair,
     ExactEvalMetrics,
     LeanModelCheckpoint,
@@ -130,6 +139,7 @@ def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> lis
         *checkpoint_callbacks(config, checkpoint_dir),
         PreemptionCheckpoint(checkpoint_dir),
         EpochProgressRepair(),
+        EpochEndResume(),
         BatchProgressRescale(),
         MetricsFile(run_dir / "metrics.json"),
         PlanHParams(plan.to_dict(), run_dir / "metrics.json"),
@@ -165,6 +175,7 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
         *([SPAWN_LAUNCHER] if isinstance(strategy, SpawnDDPStrategy) else []),
         *([FSDP_OPTIMIZER_KEYS] if isinstance(strategy, FSDPStrategy) else []),
         *([EMA_DEVICE] if any(isinstance(cb, EMA) for cb in callbacks) else []),
+        *([EPOCH_END_RESUME] if config["trainer"].get("max_steps", -1) != -1 else []),
     )
     trainer_kwargs = {
         **config["trainer"],

@@ -134,4 +134,8 @@ SIGTERM_HANDLER = Workaround(
     "the SIGTERM take-over (keep_sigterm_handler)",
     (Private("lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector.register_signal_handlers"),),
 )
-CORRECTNESS = (EXACT_EVAL, SIGTERM_HANDLER, SPAWN_LAUNCHER, EMA_DEVICE, FSDP_OPTIMIZER_KEYS)
+EPOCH_END_RESUME = Workaround(
+    "trainer.max_steps (EpochEndResume)",
+    (Private("lightning.pytorch.loops.fit_loop:_FitLoop._iteration_based_training"),),
+)
+CORRECTNESS = (EXACT_EVAL, SIGTERM_HANDLER, SPAWN_LAUNCHER, EMA_DEVICE, FSDP_OPTIMIZER_KEYS, EPOCH_END_RESUME)

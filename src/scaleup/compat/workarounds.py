@@ -319,6 +319,55 @@ class EpochProgressRepair(Callback):
                 counts["ready"] = counts["started"] = counts["completed"] + 1
 
 
+def epoch_end(checkpoint: dict[str, Any]) -> str:
+    """How the epoch ended of a checkpoint written at the fit loop's end of an epoch (in `on_train_epoch_end`, where
+    last.ckpt is written, or after fit): "ran to its end", "cut short" (by max_steps, or a stop inside it), or ""
+    for a checkpoint written elsewhere."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    epochs = fit_loop.get("epoch_progress", {}).get("current", {})
+    batches = fit_loop.get("epoch_loop.batch_progress", {})
+    if not epochs or not batches or not epochs["ready"] == epochs["started"] == epochs["processed"] > 0:
+        return ""
+    if batches["is_last_batch"]:
+        return "ran to its end"
+    return "cut short" if batches["current"]["ready"] > 0 else ""
+
+
+class EpochEndResume(Callback):
+    """Resumes from a checkpoint written at an epoch's end (last.ckpt is) where that epoch stopped.
+
+    Lightning 2.6.6. Reasons:
+    - An epoch that ran to its end, with `max_steps`: `_FitLoop`'s `restarting` setter takes every restored run with
+      max_steps for one to continue inside its last epoch (`or self._iteration_based_training()`). It re-enters the
+      finished epoch: at most one batch past its end, then it counts the epoch's end again, so the run trains one
+      epoch fewer, and each later epoch in the order of the one after it (measured on digits, 19 steps per epoch,
+      from step 19: max_epochs=3 max_steps=40 ended at step 38, max_epochs=2 max_steps=21 at step 19). This makes
+      the fit loop read as epoch-based, as it does without max_steps, until it has restored its loops; the private
+      method it shadows is checked by gates.EPOCH_END_RESUME.
+      Canary: test_max_steps_resume_from_an_epoch_end_reenters_the_finished_epoch.
+    - An epoch that max_steps cut short, trained further (a larger max_steps, or none): Lightning counted that epoch
+      as processed, so without max_steps it starts the next epoch and never trains the rest, and with max_steps it
+      trains the rest in the next epoch's order and counts the epoch twice (measured on digits, cut at step 21 of
+      19 per epoch, max_epochs=3: no max_steps ended at step 40, max_steps=45 at step 38). This marks the epoch as
+      started but not processed, as in a checkpoint inside an epoch, before Lightning restores its loops.
+      Canary: test_resume_from_an_epoch_that_max_steps_cut_short_drops_its_rest.
+    """
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn != "fit":
+            return
+        ended = epoch_end(checkpoint)
+        if ended == "ran to its end" and trainer.max_steps != -1:
+            trainer.fit_loop._iteration_based_training = lambda: False  # shadows the method, on this loop only
+        elif ended == "cut short":
+            epochs = checkpoint["loops"]["fit_loop"]["epoch_progress"]
+            for counts in (epochs["current"], epochs["total"]):
+                counts["processed"] = counts["completed"] = counts["started"] - 1
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        vars(trainer.fit_loop).pop("_iteration_based_training", None)  # the loops are restored
+
+
 def rescale_batch_progress(checkpoint: dict[str, Any], accumulation: int) -> None:
     """Restate the fit loop's batch counters in micro-batches of `accumulation` per optimizer step.
 

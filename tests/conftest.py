@@ -15,12 +15,14 @@ Both take `hydra.run.dir=DIR` among the overrides; give one, or the run lands in
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -331,21 +333,44 @@ def s3(s3_endpoint, monkeypatch) -> Iterator[Any]:
     s3_endpoint.reset()
 
 
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """The directory `name`, filled by `make(directory)` once for the whole test session, however many xdist
+    workers ask for it: the first one makes it under a file lock, the others wait for it and read it. (A session
+    fixture alone runs once per worker, repeating the same training run on each.) Tests only read it."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, above each worker's own
+    directory, done = root / "made_once" / name, root / "made_once" / f"{name}.done"
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{directory}.lock"):
+        if not done.exists():
+            shutil.rmtree(directory, ignore_errors=True)  # what a failed attempt left
+            make(directory)
+            done.touch()
+    return directory
+
+
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory) -> Path:
     """One default-config training run (12 epochs of digits, ~10 s), shared by the end-to-end tests."""
-    run_dir = tmp_path_factory.mktemp("trained") / "run"
-    check(run(["trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"]))
-    return run_dir
+    return made_once(
+        tmp_path_factory,
+        "trained",
+        lambda run_dir: check(run(["trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"])),
+    )
 
 
 @pytest.fixture(scope="session")
 def wide_reference(tmp_path_factory) -> Path:
     """The WIDE recipe on 1 process: what its 3-process (test_randomness), 2 x 2 torchrun (test_launchers) and
     2-process FSDP (test_fsdp, resumed from steps/at-3.ckpt: the middle of epoch 1) runs must end with."""
-    run_dir = tmp_path_factory.mktemp("wide") / "one"
-    in_process([*WIDE, "trainer.devices=1", *save_every("at3", 3), f"hydra.run.dir={run_dir}"])
-    return run_dir
+    return made_once(
+        tmp_path_factory,
+        "wide",
+        lambda run_dir: in_process([*WIDE, "trainer.devices=1", *save_every("at3", 3), f"hydra.run.dir={run_dir}"]),
+    )
 
 
 def save_every(name: str, steps: int, dirpath: str = "${hydra:runtime.output_dir}/steps") -> list[str]:
@@ -375,21 +400,21 @@ def baseline(tmp_path_factory) -> Callable[[str], Path]:
     own run directory (under paths.log_dir): the Lightning-launcher test in test_launchers checks that both
     processes found the same one.
     """
-    root = tmp_path_factory.mktemp("baseline")
     probe = ["+callbacks.probe._target_=probes.RankProbe", "+callbacks.probe.out_dir=${hydra:runtime.output_dir}/probe"]
-    made: dict[str, Path] = {}
+
+    def make(name: str, directory: Path) -> None:
+        args = [*EXACT, *TOPOLOGIES[name], *probe]
+        if name == "two":
+            hog = ["+callbacks.hog._target_=probes.MemoryHog", "+callbacks.hog.rank=1"]
+            steps = [*save_every("at13", 13), *save_every("at16", 16)]
+            check(run([*args, *hog, *steps, f"paths.log_dir={directory}"]))
+        else:
+            in_process([*args, f"hydra.run.dir={directory}"])
 
     def get(name: str) -> Path:
-        if name not in made:
-            args = [*EXACT, *TOPOLOGIES[name], *probe]
-            if name == "two":
-                hog = ["+callbacks.hog._target_=probes.MemoryHog", "+callbacks.hog.rank=1"]
-                steps = [*save_every("at13", 13), *save_every("at16", 16)]
-                check(run([*args, *hog, *steps, f"paths.log_dir={root / name}"]))
-                (made[name],) = (root / name / "train").iterdir()
-            else:
-                made[name] = root / name
-                in_process([*args, f"hydra.run.dir={made[name]}"])
-        return made[name]
+        directory = made_once(tmp_path_factory, f"baseline-{name}", functools.partial(make, name))
+        if name == "two":  # the run directory the launched processes named, under paths.log_dir
+            (directory,) = (directory / "train").iterdir()
+        return directory
 
     return get

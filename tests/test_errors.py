@@ -769,6 +769,12 @@ class Widget:
             "strategy.mixed_precision?",
         ),
         ({"strategy": {"name": "ddp", "sharding": "hybrid"}}, "train", FSDP_KEY),
+        (  # a target that does not import: its arguments are not checked
+            {"model": {"_target_": "no.such.module.Model", "width": "abc"}},
+            "train",
+            "model._target_=no.such.module.Model does not import (No module named 'no'): check the name, or install "
+            "what it needs",
+        ),
     ],
 )
 def test_schema_messages(config, job, message):
@@ -785,10 +791,8 @@ ACCEPTED = [
     # a string for a Path, a list for a tuple, a tensor and an argument without a hint unchecked
     {"model": {"_target_": f"{__name__}.Widget", "root": "data", "pair": [0, 0.5], "weights": [1], "anything": 1}},
     {"model": {"_target_": f"{__name__}.Widget", "colour": "blue", "fast": True, "scale": 10}},
-    # null (the data fills it in) and what Hydra builds pass; so does a target that does not import (its
-    # construction says so)
+    # null (the data fills it in) and what Hydra builds pass
     {"model": {"_target_": f"{__name__}.Widget", "size": None, "scale": {"_target_": "math.sqrt"}}},
-    {"model": {"_target_": "no.such.module.Model", "width": "abc"}},
     # a Trainer argument the schema does not check, and the data module's own arguments
     {"trainer": {"enable_checkpointing": True}, "data": {"anything": 1}},
 ]

@@ -30,14 +30,12 @@ ONE_EPOCH = [*QUICK, "trainer.max_epochs=1", "+callbacks.probe._target_=probes.R
 
 
 def free_port() -> int:
-    """A free port below the kernel's ephemeral range (32768-60999 on Linux), the next one free too (a restarted
-    torchrun's workers meet at MASTER_PORT + 1: launch.fresh_store_after_torchrun_restart). The kernel hands ports
-    of that range to every outgoing connection, and gloo opens many: a port from it can be taken by the time the
-    launcher binds it."""
+    """A free port below the kernel's ephemeral range (32768-60999 on Linux). The kernel hands ports of that range to
+    every outgoing connection, and gloo opens many: a port from it can be taken by the time the launcher binds it."""
     for port in random.Random().sample(range(20000, 32000), 200):
-        if all(bindable(p) for p in (port, port + 1)):
+        if bindable(port):
             return port
-    raise RuntimeError("no free pair of ports in 20000-32000")
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def bindable(port: int) -> bool:
@@ -226,8 +224,8 @@ def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path):
         "+callbacks.fail.step=25",
         "+callbacks.fail.first_attempt_only=true",
     ]
-    # One node, its rendezvous at a port chosen here (--standalone would take an ephemeral one, and its restart the
-    # port after it, which another process's connection may hold by then).
+    # One node, its rendezvous at a port chosen here (--standalone would take an ephemeral one, which another
+    # process's connection may hold by then).
     node = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
     result = check(torchrun(*node, "--nproc_per_node=2", "--max-restarts=1", args=args))
     run_dir = only_run_dir(tmp_path)  # the restarted workers found the same run directory

@@ -15,18 +15,30 @@ from scaleup.distributed.clusters import check_one_process_per_pod, launched_wor
 from scaleup.errors import UserError, config_errors
 from scaleup.plan.topology import Topology
 
+_RESTART_STORE: Any = None  # rank 0's store for a restarted torchrun attempt, alive as long as the process
+
 
 def fresh_store_after_torchrun_restart() -> None:
     """After `torchrun --max-restarts` restarts the workers, give the new attempt a store of its own.
 
     torchrun's workers meet in the agent's store, which outlives a restart: the restarted ranks then read the
-    dead attempt's addresses from it and fail with "Connection refused". Rank 0 hosts a new store instead, on
-    the port after the agent's one for each attempt (MASTER_PORT + restart count).
+    dead attempt's addresses from it and fail with "Connection refused". Rank 0 hosts a new store instead, on a
+    port the system gives it (a port picked in advance could be taken, by a gloo connection, before it binds), and
+    announces the port through the agent's store; every rank then meets there as torchrun's workers meet in the
+    agent's (TORCHELASTIC_USE_AGENT_STORE: all are clients of the store at MASTER_ADDR:MASTER_PORT).
     """
+    global _RESTART_STORE
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if attempt > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-        os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + attempt)
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    from torch.distributed import TCPStore
+
+    host, key = os.environ["MASTER_ADDR"], f"scaleup/restart_{attempt}/port"
+    agent = TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(minutes=5))
+    if int(os.environ["RANK"]) == 0:
+        _RESTART_STORE = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        agent.set(key, str(_RESTART_STORE.port))
+    os.environ["MASTER_PORT"] = agent.get(key).decode()
 
 
 def shut_down_process_group() -> None:

@@ -79,6 +79,7 @@ from scaleup.compat.workarounds import (
     EpochEndResume,
     EpochProgressRepair,
     ExactEvalMetrics,
+    LoaderWorkersStop,
 )
 from scaleup.data.seeding import StepSeed
 from scaleup.distributed.preemption import PreemptionCheckpoint, StopOnSigterm
@@ -363,6 +364,7 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
         "EpochProgressRepair": EpochProgressRepair,
         "EpochEndResume": EpochEndResume,
         "BatchProgressRescale": BatchProgressRescale,
+        "LoaderWorkersStop": LoaderWorkersStop,
         "MetricsFile": lambda: MetricsFile(tmp / "metrics.json"),
         "PlanHParams": lambda: PlanHParams({}, tmp / "metrics.json"),
         "PerformanceSettings": lambda: PerformanceSettings(tf32=True, channels_last=False),

@@ -791,3 +791,37 @@ def test_lean_model_checkpoint_saves_what_lightnings_saves(tmp_path, monkeypatch
         else ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
     )
     assert saved[ModelCheckpoint] == expected
+
+
+class FailsInValidation(Tiny):
+    """Tiny whose validation inside fit fails at its second batch; its loaders each have 2 persistent workers."""
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        if batch_idx == 1:
+            raise ValueError("a bad batch")
+
+    def train_dataloader(self) -> DataLoader:
+        data = TensorDataset(torch.linspace(-1, 1, 32).view(8, 4))
+        return DataLoader(data, batch_size=2, num_workers=2, persistent_workers=True)
+
+    val_dataloader = train_dataloader
+
+
+def workers_after_a_failed_validation(tmp_path, callbacks=()) -> list:
+    """The worker processes the loaders still hold after validation failed inside fit."""
+    run = trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=list(callbacks))
+    with pytest.raises(ValueError, match="a bad batch"):
+        run.fit(FailsInValidation())
+    iterators = [loader._iterator for loader in (run.train_dataloader, run.val_dataloaders)]
+    return [w for iterator in iterators if iterator is not None for w in iterator._workers if w.is_alive()]
+
+
+def test_an_error_leaves_persistent_loader_workers_running(tmp_path):
+    workers = workers_after_a_failed_validation(tmp_path)
+    assert len(workers) == 2  # the training loader's
+    for worker in workers:  # what the garbage collector would stop, seconds late
+        worker.terminate()
+
+
+def test_loader_workers_stop_stops_them_when_the_error_comes(tmp_path):
+    assert workers_after_a_failed_validation(tmp_path, [workarounds.LoaderWorkersStop()]) == []

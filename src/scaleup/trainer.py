@@ -34,6 +34,7 @@ from scaleup.compat.workarounds import (
     EpochProgressRepair,
     ExactEvalMetrics,
     LeanModelCheckpoint,
+    LoaderWorkersStop,
     SpawnDDPStrategy,
     model_parallel_precision,
 )
@@ -141,6 +142,7 @@ def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> lis
         EpochProgressRepair(),
         EpochEndResume(),
         BatchProgressRescale(),
+        LoaderWorkersStop(),
         MetricsFile(run_dir / "metrics.json"),
         PlanHParams(plan.to_dict(), run_dir / "metrics.json"),
         PerformanceSettings(plan.tf32, plan.channels_last),

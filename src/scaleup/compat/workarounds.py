@@ -319,6 +319,37 @@ class EpochProgressRepair(Callback):
                 counts["ready"] = counts["started"] = counts["completed"] + 1
 
 
+class LoaderWorkersStop(Callback):
+    """Stops the persistent loader workers at once when fit, validate or test ends in an error.
+
+    Lightning 2.6.6, torch 2.14.1. Reason: after an error, Lightning's teardown resets the failing loop's loaders
+    only: an error in validation inside fit leaves the training loader's persistent workers running (the DataLoader
+    keeps its iterator in `_iterator`); the garbage collector reclaims them later, in a cycle whose
+    queues it may have closed first, and torch then waits 5 s per worker (MP_STATUS_CHECK_INTERVAL) before it
+    terminates them: a job run in-process after a failed one (a test, a notebook, a search) stalls 10 s with 2
+    workers. Torch has no public way to stop persistent workers; a loader without `_iterator` is left as it is.
+    Canary: test_an_error_leaves_persistent_loader_workers_running.
+    """
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+        held = (trainer.train_dataloader, trainer.val_dataloaders, trainer.test_dataloaders)
+        for loader in (item for loaders in held for item in _as_list(loaders)):
+            if isinstance(getattr(loader, "_iterator", None), _MultiProcessingDataLoaderIter):
+                loader._iterator._shutdown_workers()
+                loader._iterator = None
+
+
+def _as_list(loaders: Any) -> list[Any]:
+    """The loaders of a stage, as Lightning holds them: one, a list or a dict of them, or None."""
+    if loaders is None:
+        return []
+    if isinstance(loaders, dict):
+        return list(loaders.values())
+    return list(loaders) if isinstance(loaders, list | tuple) else [loaders]
+
+
 def epoch_end(checkpoint: dict[str, Any]) -> str:
     """How the epoch ended of a checkpoint written at the fit loop's end of an epoch (in `on_train_epoch_end`, where
     last.ckpt is written, or after fit): "ran to its end", "cut short" (by max_steps, or a stop inside it), or ""

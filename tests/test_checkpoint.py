@@ -68,6 +68,7 @@ def test_foreign_state_dict_with_ddp_and_compile_prefixes_loads():
         assert torch.equal(target.state_dict()[key], value)
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_compiled_module_keys_are_plain():
     """nn.Module.compile() (what model.compile=true uses) keeps parameter names; torch.compile() would not."""
     net = DigitsCNN()

@@ -75,6 +75,7 @@ def fit(max_epochs: int, dirpath: str, ckpt_path: str | None = None) -> L.Traine
     return trainer
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_trainer_writes_and_resumes_from_a_url(bucket):
     dirpath = f"{bucket}/run/checkpoints"
     fit(1, dirpath)

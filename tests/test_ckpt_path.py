@@ -20,6 +20,7 @@ def one_epoch_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_last_in_a_new_directory_starts_fresh_and_says_how_to_resume_another(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="scaleup"):
         in_process([*ONE_EPOCH, "trainer.max_steps=2", "ckpt_path=last", f"hydra.run.dir={tmp_path}"])
@@ -27,6 +28,7 @@ def test_last_in_a_new_directory_starts_fresh_and_says_how_to_resume_another(tmp
     assert "hydra.run.dir=<run dir>" in caplog.text
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_last_refuses_a_directory_with_an_earlier_run_but_no_last_checkpoint(one_epoch_run, tmp_path):
     """A new best beside a stale one, or a new plan over the old one, would mix two runs: refused, nothing written."""
     (one_epoch_run / "checkpoints" / "last.ckpt").rename(tmp_path / "last.ckpt")

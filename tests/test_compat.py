@@ -42,6 +42,7 @@ def reference(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_fast_paths_whose_private_code_changed_step_aside_with_the_same_results(
     reference, tmp_path, monkeypatch, caplog
 ):

@@ -101,6 +101,7 @@ def test_every_model_builds_with_every_optimizer(model, optimizer):
     assert opt.param_groups[1]["weight_decay"] == 0.0  # norms and biases are not decayed
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_no_progress_bar_among_the_callbacks_gets_the_throttled_one(tmp_path):
     """callbacks=[] with the bar on: Lightning would add its TQDM bar, which redraws after every step. And
     logger=[] (an empty list of the group, which leaves no logger key at all) trains with no logger."""

@@ -81,6 +81,7 @@ def fake_cifar10(folder: Path, per_batch: int, test: int) -> dict:
     }
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_first_cifar10_run_downloads_then_plans(server, tmp_path, monkeypatch):
     folder, url = server
     for name, value in fake_cifar10(folder, per_batch=8, test=10).items():
@@ -201,6 +202,7 @@ def prepare_in_a_process(root: Path, run_dir: Path, sizes: multiprocessing.Queue
     sizes.put(sizes_for_plan(SlowDownload(root), run_dir=run_dir, dry_run=False))
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_processes_started_together_download_once(tmp_path):
     """torchrun and srun start every process at once, before any process group exists: one downloads."""
     context = multiprocessing.get_context("fork")

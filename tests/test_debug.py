@@ -66,12 +66,14 @@ def test_overfit_plans_its_short_epochs_and_keeps_the_sequential_sampler_quiet(t
     assert "longer than the run" not in log  # the warmup ends after the first (short) epoch
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_limit_runs_short_epochs_as_planned(tmp_path):
     metrics, plan, _ = run("limit", tmp_path, "trainer.max_epochs=2")
     assert load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == plan["total_steps"] == 8
     assert metrics["test/samples"] == 2 * 64  # limit_test_batches=2
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_profiler_reports_where_the_time_goes(tmp_path):
     report = io.StringIO()
     handler = logging.StreamHandler(report)
@@ -93,6 +95,7 @@ class AnomalyProbe(L.Callback):
         AnomalyProbe.seen.append(torch.is_anomaly_enabled())
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_anomaly_detection_is_on_during_training(tmp_path):
     AnomalyProbe.seen.clear()
     probe = [f"+callbacks.anomaly_probe._target_={__name__}.AnomalyProbe", "+trainer.limit_train_batches=2"]

@@ -53,6 +53,7 @@ def fit(delay: float, tmp_path) -> dict[str, float]:
     return {name: float(value) for name, value in trainer.callback_metrics.items()}
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_a_slow_loader_is_data_wait_and_flops_are_counted(tmp_path, caplog):
     # 200 ms of loading per batch against a step of a few ms (a Linear layer plus Lightning's own work per step,
     # which grows on a loaded machine: 45 ms with 3 busy processes on 2 cores, where 100 ms of loading gave a wait

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import lightning as L
+import pytest
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode, resolve_name
@@ -143,6 +144,7 @@ class HostReadProbe(SteadySteps):
         self.reads.__exit__(None, None, None)
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_a_steady_state_training_step_reads_nothing_back_and_logs_nothing(tmp_path):
     """train.py's defaults (TensorBoard, diagnostics, checkpoints, LR monitor, metrics) with the throttled bar."""
     in_process(

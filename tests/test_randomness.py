@@ -98,6 +98,7 @@ def test_three_processes_equal_one(wide_reference, tmp_path):
     print(f"3 processes vs 1: largest weight difference {worst:.1e}")
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_the_equivalence_check_names_a_generator_of_the_users_own(tmp_path):
     """What `python -m scaleup.check_equivalence` names when 2 processes differ from 1: the module's own
     torch.Generator, found among its attributes, whose state training changed."""

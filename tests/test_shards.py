@@ -653,6 +653,7 @@ def test_a_dead_s3_endpoint_is_one_line_naming_the_url_after_bounded_retries(mon
     assert re.findall(retry, caplog.text) == [("2", "0.1"), ("3", "0.2")]
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_remote_data_that_cannot_be_used_is_one_line_naming_why(shards, s3, monkeypatch, capsys, tmp_path):
     """No credentials at all, a bucket that does not exist, a URL without splits, an unreachable ftp:// host and a
     cache directory that cannot be created (remote shards read by 2 loader workers): each one line, exit 2."""

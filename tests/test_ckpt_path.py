@@ -41,6 +41,7 @@ def test_last_refuses_a_directory_with_an_earlier_run_but_no_last_checkpoint(one
         (tmp_path / "last.ckpt").rename(one_epoch_run / "checkpoints" / "last.ckpt")
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_a_resume_with_another_global_batch_is_refused(one_epoch_run, tmp_path):
     """Its steps, epoch and LR schedule count batches of 64: a resume at 32 would plan a run that does not happen."""
     with pytest.raises(UserError) as refused:

@@ -60,6 +60,7 @@ def test_fast_paths_whose_private_code_changed_step_aside_with_the_same_results(
     assert results[0] == results[1] and "test/acc" in results[0]
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_a_plain_trainer_after_a_template_run_runs_lightnings_own_code(reference, tmp_path):
     """The reference run installed the fast paths around its fit and test, and removed them after."""
     from lightning.pytorch.trainer import call

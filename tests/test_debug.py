@@ -51,6 +51,7 @@ def run(option: str, tmp_path, *overrides: str) -> tuple[dict, dict, str]:
     return metrics, json.loads((tmp_path / "plan.json").read_text()), (tmp_path / "train.log").read_text()
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_fast_dev_run_runs_one_batch_of_each_and_saves_nothing(tmp_path):
     metrics, plan, _ = run("fdr", tmp_path)
     assert plan["total_steps"] == 1
@@ -58,6 +59,7 @@ def test_fast_dev_run_runs_one_batch_of_each_and_saves_nothing(tmp_path):
     assert not list(tmp_path.glob("checkpoints/*.ckpt"))  # Lightning suppresses checkpoints in this mode
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_overfit_plans_its_short_epochs_and_keeps_the_sequential_sampler_quiet(tmp_path):
     _, plan, log = run("overfit", tmp_path, "trainer.max_epochs=4")
     assert (plan["steps_per_epoch"], plan["warmup_steps"], plan["total_steps"]) == (3, 3, 12)

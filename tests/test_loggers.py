@@ -3,7 +3,6 @@
 import csv
 
 import pytest
-from mlflow import MlflowClient
 
 from conftest import QUICK, in_process
 from scaleup.distributed.run_dir import run_id
@@ -33,6 +32,8 @@ def test_wandb_and_mlflow_continue_their_run_after_a_requeue(tmp_path):
     # W&B offline: one directory per process start, all under the id the run directory gives.
     offline = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 2 and all(name.endswith(f"-{run_id(run_dir)}") for name in offline)
+
+    from mlflow import MlflowClient  # here: importing MLflow costs every test process a second
 
     client = MlflowClient(store)
     (experiment,) = [e for e in client.search_experiments() if e.name == "scaleup"]

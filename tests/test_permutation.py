@@ -11,7 +11,6 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chi2
 
 from scaleup.data.permutation import MAX_SIZE, ROUNDS, FeistelPermutation
 
@@ -33,6 +32,8 @@ SIGNIFICANCE = 1e-3
 
 def chi_square_p(counts: np.ndarray, dof: int) -> float:
     """The p-value of counts that should all equal their mean."""
+    from scipy.stats import chi2  # here: only these tests need SciPy, and importing it costs every test process
+
     expected = counts.mean()
     return float(chi2.sf(((counts - expected) ** 2 / expected).sum(), dof))
 

@@ -36,6 +36,7 @@ def one_process(tmp_path_factory):
     return run_dir, best
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_a_readme_module_trains_and_its_summary_shows_every_metric(one_process):
     run_dir, _ = one_process
     metrics = read_json(run_dir / "metrics.json")
@@ -45,6 +46,7 @@ def test_a_readme_module_trains_and_its_summary_shows_every_metric(one_process):
         assert re.search(rf"^  {name} +{metrics[name]:.4f}$", summary, re.M), name
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_a_readme_module_evaluates_and_exports(one_process, tmp_path):
     run_dir, best = one_process
     evaluated = in_process([f"ckpt_path={best}", f"hydra.run.dir={tmp_path / 'eval'}"], job="eval")

@@ -104,7 +104,8 @@ class ShardedDataModule(GlobalBatchDataModule):
         )
         scheme, _, path = self.url.partition("://")
         bucket = path.split("/", 1)[0]
-        if scheme in BUCKETS and not with_retries(lambda: filesystem(self.url)[0].exists(bucket), self.url):
+        fs = filesystem(self.url)[0]  # made with its own retries: only the lookup is retried below
+        if scheme in BUCKETS and not with_retries(lambda: fs.exists(bucket), self.url):
             return (
                 f"data.url={self.url}: the bucket {bucket} does not exist (or these credentials cannot see it); "
                 f"check the URL, or create the bucket and {copy}"

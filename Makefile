@@ -7,7 +7,7 @@ help:  ## list the targets
 	@grep -E "^[a-z-]+:.*## " $(MAKEFILE_LIST) | sed -E "s/:.*## /\t/"
 
 install:  ## editable install with the test and lint tools, at the versions in constraints.txt
-	$(PYTHON) -m pip install -c constraints.txt -e ".[dev]"
+	$(PYTHON) -m pip install -c constraints.txt -e "./engine[dev]" -e ".[dev]"
 
 train:  ## train with the default config; overrides in ARGS, e.g. make train ARGS="trainer.devices=4"
 	$(PYTHON) train.py $(ARGS)

@@ -13,7 +13,7 @@ variants in every repeat, times the training loader of each with `--workers` loa
 - (d) `library`: webdataset's own loader (`webdataset.WebDataset`, no shuffle) on the same shards, batch 32;
   (c) and (d) decode and transform each sample with the same `ImageTransform` as (b);
 
-with `--remote`, the same shards on a local S3 endpoint (moto's server, tests/s3_server.py) that adds
+with `--remote`, the same shards on a local S3 endpoint (moto's server, engine/tests/s3_server.py) that adds
 `--delay-ms` (default 50) to every request, read by sample (`data.reads=samples`):
 
 - (e) `s3_prefetch`: the rank's next steps prefetched to local disk in the background (the default);

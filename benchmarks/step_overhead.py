@@ -370,7 +370,7 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
         "PerformanceSettings": lambda: PerformanceSettings(tf32=True, channels_last=False),
         "StopOnSigterm": StopOnSigterm,
     }
-    defaults = {  # configs/callbacks/default.yaml
+    defaults = {  # engine/src/scaleup/conf/callbacks/default.yaml
         "ModelCheckpoint (best)": lambda: ModelCheckpoint(tmp / "ckpt", monitor="val/acc", mode="max"),
         "ModelCheckpoint (last)": lambda: ModelCheckpoint(tmp / "ckpt", filename="last"),
         "TrainingDiagnostics": TrainingDiagnostics,

@@ -2,7 +2,7 @@
 
 Moves your package, src/<current name>/ (`myproject` in the template), to src/NAME/ and replaces the current name as
 a whole word in every tracked text file: imports, `_target_` strings in configs, pyproject, README, tests, notebooks,
-benchmarks, scripts. The machinery, src/scaleup/, is never touched: it keeps its name in every project, so the
+benchmarks, scripts. The machinery, engine/src/scaleup/, is never touched: it keeps its name in every project, so the
 template's next version still applies to it (`copier update`).
 The UPPER and Capitalised spellings follow (OLD_SEED -> NAME_SEED, OldThing -> NameThing); a longer word that only
 contains the name (e.g. "oldness") is left alone. Two files keep the old name on purpose: LICENSE keeps the original
@@ -38,12 +38,12 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-MACHINERY = "scaleup"  # src/scaleup/: never renamed, never edited
+MACHINERY = "scaleup"  # engine/src/scaleup/: never renamed, never edited
 TEMPLATE_NAME = "myproject"  # your package's name in the template itself
 ANSWERS = ".copier-answers.yml"  # copier's record of the template's path and version, and the answers
 KEEP_HISTORY = ("LICENSE", "CHANGELOG.md")  # edited by their own rules, never search-and-replaced
 # Where an example name is not the project: prose, and the rename's own examples and tests.
-NOT_CODE = (*KEEP_HISTORY, "scripts/rename.py", "tests/test_rename.py", "tests/test_copier.py")
+NOT_CODE = (*KEEP_HISTORY, "scripts/rename.py", "engine/tests/test_rename.py", "engine/tests/test_copier.py")
 
 
 class RenameError(Exception):

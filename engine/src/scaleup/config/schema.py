@@ -1,0 +1,521 @@
+"""Every config value's type and range, checked once when a job starts, before anything else happens.
+
+Two sources of types:
+- the sections the template itself reads (`seed`, `trainer`, `lr_schedule`, `strategy`, `loader`, the batch keys
+  of `data`, `model.optimizer`, ...): the pydantic models below, one per section;
+- the constructors the config builds (each `_target_` under `data`, `model`, `callbacks` and `logger`: the data
+  module, the LightningModule, its net and optimizer, callbacks, loggers): their own type hints.
+  `Annotated[int, Field(ge=1)]` on an argument of your own module is checked like the template's keys, with no
+  code here. Arguments without a hint, hints pydantic cannot check (a tensor, a module), values Hydra instantiates
+  (a dict with a `_target_`) and values the data fills in (null) pass through, to be checked by the constructor.
+
+Values are checked strictly, as YAML and the command line give them: `abc` stays a string and `1.5` is no
+integer, so a value that passes reaches the code as it was checked. (Against a constructor's hints a string may
+also stand for what strings name, a `Path` or an enum member, and a list for a tuple: YAML has neither.) Each
+wrong value is `key=value must be <what is allowed>`, all of them in one UserError. An unknown key in a section
+the template reads alone (trainer, monitor, checkpoint, performance, lr_schedule, strategy, loader) is a
+misspelling, refused with the closest known key; elsewhere (data, model) keys a section does not declare pass
+to the constructor. A declared key that is absent is not checked (the code has its default). What depends on several
+keys (exactly one batch size, divisibility, warmup in epochs or steps) is checked where it is derived:
+plan/resolve.py, plan/batch.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import pkgutil
+import types
+import typing
+from collections.abc import Collection, Mapping, Sequence
+from enum import Enum
+from pathlib import PurePath
+from typing import Annotated, Any, Literal, Union
+
+from omegaconf import DictConfig
+from pydantic import BaseModel, ConfigDict, Field, PydanticUserError, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+
+from scaleup.compat.workarounds import lightning_precisions
+from scaleup.config.plain import to_plain
+from scaleup.errors import UserError, did_you_mean
+from scaleup.plan.lr import DECAYS, SCALING_RULES
+
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]
+NonNegative = Annotated[float, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+BelowOne = Annotated[float, Field(ge=0, lt=1)]  # momentum, Adam's betas
+# Lightning's Timer and time-based validation: "DD:HH:MM:SS" or timedelta's keyword arguments.
+Duration = Annotated[str, Field(pattern=r"^\s*\d+:\d\d:\d\d:\d\d\s*$")] | dict[str, NonNegative]
+BatchLimit = NonNegativeInt | Fraction  # a count of batches, or a share of them
+
+Accelerator = Literal["auto", "cpu", "gpu", "cuda"]
+Devices = Annotated[
+    PositiveInt
+    | Literal[-1, "-1", "auto"]
+    | Annotated[list[NonNegativeInt], Field(min_length=1)]
+    | Annotated[str, Field(pattern=r"^\s*\d+\s*(,\s*\d*\s*)+$")],  # "0,1", or "3," for device 3 alone (Lightning's)
+    Field(
+        description="an integer >= 1 (devices per node), -1 or auto (every visible device), or device ids as a list "
+        '([0, 1]) or a string with commas ("0,1")'
+    ),
+]
+
+
+# Lightning's own spellings (64-true, bf16-mixed, 16, ...), and the template's auto (resolved by the plan).
+Precision = Literal[("auto", *lightning_precisions())]
+
+
+class Section(BaseModel):
+    """A config section's keys and what each may hold (see the module docstring for what passes).
+
+    `closed`: the section belongs to the template, which reads only the keys it knows (`known_keys`): any other
+    key there is a misspelling (also one added with `+`), refused with the closest known key.
+    """
+
+    model_config = ConfigDict(strict=True, extra="allow", protected_namespaces=())
+    closed: typing.ClassVar[bool] = False
+
+    @classmethod
+    def known_keys(cls, section: Mapping[str, Any]) -> list[str]:
+        """The keys the template reads in `section`."""
+        return list(cls.model_fields)
+
+    @classmethod
+    def unknown_key(cls, path: str, name: str, section: Mapping[str, Any]) -> str:
+        """Why `name` has no place in the closed section at `path` holding `section`, with the closest known key."""
+        return f"{dotted(path, name)} is not a key of {path}{did_you_mean(name, cls.known_keys(section), f'{path}.')}"
+
+
+class ClosedSection(Section):
+    closed: typing.ClassVar[bool] = True
+
+
+class TrainKeys(Section):
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)]  # what Lightning's seed_everything accepts
+    dry_run: bool
+    ckpt_path: str | None = Field(description="a checkpoint path, last, or null")
+    package: str = Field(description="your package's import name (src/<package>/)")
+
+
+class Monitor(ClosedSection):
+    metric: str
+    mode: Literal["min", "max"]
+
+
+class Checkpointing(ClosedSection):
+    dirpath: str
+    every_n_train_steps: PositiveInt | None
+    async_save: bool | Literal["auto"] = "auto"
+
+
+class Performance(ClosedSection):
+    tf32: bool
+    channels_last: bool
+    fast_paths: bool = True
+
+
+class LRSchedule(ClosedSection):
+    base_batch_size: PositiveInt
+    base_bn_batch_size: PositiveInt | None
+    rule: Literal[SCALING_RULES]
+    warmup_epochs: NonNegative | None
+    warmup_steps: NonNegativeInt | None
+    decay: Literal[DECAYS]
+    milestones: list[NonNegative] | None
+    gamma: Positive
+
+
+DDP_KEYS = ["bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters"]
+
+
+class Strategy(ClosedSection):
+    """Both options' keys: each option's own keys pass only with its name (a DDP run would ignore FSDP's)."""
+
+    name: Literal["ddp", "ddp_spawn", "fsdp"]
+    timeout_minutes: Positive
+    # ddp
+    bucket_cap_mb: Positive
+    gradient_as_bucket_view: bool
+    static_graph: bool
+    find_unused_parameters: bool
+    # fsdp (distributed/fsdp.py)
+    shard_modules: list[str] | None
+    sharding: Literal["full", "hybrid"]
+    meta_init: bool
+    sync_gradients: Literal["step", "micro_batch"]
+    mixed_precision: Literal["bfloat16", "float16"] | None
+    cpu_offload: bool
+    activation_checkpointing: bool
+
+    @classmethod
+    def known_keys(cls, section: Mapping[str, Any]) -> list[str]:
+        """name, timeout_minutes and the keys of strategy.name's own option (scaleup/conf/strategy/); without a valid
+        name, every key (the name's own message says what is wrong)."""
+        fsdp = [key for key in cls.model_fields if key not in ("name", "timeout_minutes", *DDP_KEYS)]
+        own = {"ddp": DDP_KEYS, "ddp_spawn": DDP_KEYS, "fsdp": fsdp}.get(section.get("name"), [*DDP_KEYS, *fsdp])
+        return ["name", "timeout_minutes", *own]
+
+    @classmethod
+    def unknown_key(cls, path: str, name: str, section: Mapping[str, Any]) -> str:
+        if name not in cls.model_fields:
+            return f"{dotted(path, name)} is not a key of {path}{did_you_mean(name, cls.model_fields, f'{path}.')}"
+        key, owner = dotted(path, name), "ddp" if name in DDP_KEYS else "fsdp"
+        return (
+            f"{key} is a key of strategy={owner}, and this run has strategy.name={section.get('name')}, which would "
+            f"ignore it: pass strategy={owner} {key}=VALUE, or leave {key} out"
+        )
+
+
+class Loader(ClosedSection):
+    pin_memory: bool | Literal["auto"]
+    persistent_workers: bool
+    prefetch_factor: PositiveInt | None
+
+
+class DataBatches(Section):
+    """The keys every data module takes (scaleup.data.datamodule.GlobalBatchDataModule)."""
+
+    global_batch_size: PositiveInt | None
+    per_device_batch_size: PositiveInt | None
+    max_per_device_batch_size: PositiveInt | Literal["auto"] | None
+    num_workers: NonNegativeInt
+
+
+class Optimizer(Section):
+    """The usual optimizer arguments; the optimizer's own hints add the rest."""
+
+    lr: Positive
+    weight_decay: NonNegative
+    momentum: BelowOne
+    betas: Annotated[
+        list[BelowOne], Field(min_length=2, max_length=2, description="two numbers in [0, 1), e.g. [0.9, 0.999]")
+    ]
+    eps: Positive
+
+
+class TrainerArgs(ClosedSection):
+    """lightning.Trainer's arguments as scaleup/conf/trainer/default.yaml lists them."""
+
+    accelerator: Accelerator
+    devices: Devices
+    num_nodes: PositiveInt | Literal["auto"] = Field(
+        description="an integer >= 1, or auto (the nodes torchrun, srun or the PyTorchJob started)"
+    )
+    precision: Precision
+    sync_batchnorm: bool | Literal["auto"] | None
+    accumulate_grad_batches: PositiveInt | None
+    max_epochs: PositiveInt | Literal[-1] | None = Field(
+        description="an integer >= 1 (or -1 for no limit, null for Lightning's default); 0 would train nothing"
+    )
+    min_epochs: NonNegativeInt | None
+    max_steps: PositiveInt | Literal[-1] = Field(
+        description="an integer >= 1 (or -1 for no limit); 0 would train nothing"
+    )
+    min_steps: NonNegativeInt | None
+    max_time: Duration | None = Field(description='null, "DD:HH:MM:SS" or a mapping such as {hours: 12}')
+    gradient_clip_val: NonNegative | None
+    gradient_clip_algorithm: Literal["norm", "value"] | None
+    log_every_n_steps: PositiveInt | Literal["auto"] | None
+    val_check_interval: PositiveInt | Annotated[float, Field(gt=0, le=1)] | Duration | None = Field(
+        description='null, an integer >= 1 (batches), a number in (0, 1] (of an epoch), or a time ("DD:HH:MM:SS")'
+    )
+    check_val_every_n_epoch: PositiveInt | None
+    num_sanity_val_steps: Annotated[int, Field(ge=-1)] | None
+    limit_train_batches: PositiveInt | Annotated[float, Field(gt=0, le=1)] | None = Field(
+        description="null, an integer >= 1 (batches) or a number in (0, 1] (of the epoch); 0 would train nothing"
+    )
+    limit_val_batches: BatchLimit | None
+    limit_test_batches: BatchLimit | None
+    limit_predict_batches: BatchLimit | None
+    overfit_batches: BatchLimit
+    fast_dev_run: bool | NonNegativeInt
+    reload_dataloaders_every_n_epochs: NonNegativeInt
+    deterministic: bool | Literal["warn"] | None
+    benchmark: bool | None
+    inference_mode: bool
+    detect_anomaly: bool
+    profiler: Literal["simple", "advanced", "pytorch", "xla"] | None
+    barebones: bool
+    enable_progress_bar: bool | None
+    enable_model_summary: bool | None
+    enable_autolog_hparams: bool
+    model_registry: str | None
+
+    @classmethod
+    def known_keys(cls, section: Mapping[str, Any]) -> list[str]:
+        """Every argument of lightning.Trainer (the section passes to it), not only those checked here."""
+        import lightning as L
+
+        return list(dict.fromkeys([*cls.model_fields, *inspect.signature(L.Trainer).parameters]))
+
+
+class EvalKeys(Section):
+    ckpt_path: str
+    package: str = Field(description="your package's import name (src/<package>/)")
+    batch_size: PositiveInt | None
+    compile: bool
+
+
+class EvalTrainer(ClosedSection):
+    accelerator: Accelerator
+    devices: Devices
+    num_nodes: PositiveInt
+    precision: Precision | None
+    enable_progress_bar: bool
+
+
+class ExportKeys(Section):
+    ckpt_path: str
+    package: str = Field(description="your package's import name (src/<package>/)")
+    output_path: str
+    overwrite: bool
+    module: str
+
+
+# Per job: the sections by dotted path ("" is the top level), and the subtrees whose `_target_`s are checked
+# against their constructors (eval and export build what the checkpoint's stored config says, checked in training).
+SECTIONS: dict[str, dict[str, type[Section]]] = {
+    "train": {
+        "": TrainKeys,
+        "monitor": Monitor,
+        "checkpoint": Checkpointing,
+        "performance": Performance,
+        "data": DataBatches,
+        "loader": Loader,
+        "model.optimizer": Optimizer,
+        "lr_schedule": LRSchedule,
+        "trainer": TrainerArgs,
+        "strategy": Strategy,
+    },
+    "eval": {"": EvalKeys, "data": DataBatches, "trainer": EvalTrainer},
+    "export": {"": ExportKeys},
+}
+BUILT = {"train": ("data", "model", "callbacks", "logger"), "eval": (), "export": ()}
+
+
+def validate_config(cfg: DictConfig | Mapping[str, Any], job: str = "train") -> None:
+    """Refuse every value of `job`'s config (train, eval, export) whose type or range is wrong: one UserError
+    with one `key=value must be ...` per key."""
+    config = to_plain(cfg) if isinstance(cfg, DictConfig) else cfg
+    problems: dict[str, str] = {}
+    for path, schema in SECTIONS[job].items():
+        for key, text in section_problems(config, path, schema):
+            problems.setdefault(key, text)
+    for root in BUILT[job]:
+        for path, node in targets(config.get(root), root):
+            for key, text in constructor_problems(path, node):
+                problems.setdefault(key, text)
+    if problems:
+        raise UserError("; ".join(problems.values()))
+
+
+def section_problems(config: Mapping[str, Any], path: str, schema: type[Section]) -> list[tuple[str, str]]:
+    """(key, message) for each declared key of the section at `path` whose value does not fit."""
+    section = config
+    for part in path.split(".") if path else ():
+        section = section.get(part) if isinstance(section, Mapping) else None
+    if section is None:
+        return []
+    if not isinstance(section, Mapping):
+        return [(path, f"{path}={render(section)} must be a mapping of keys (one per line in its YAML file)")]
+    unknown = unknown_keys(section, path, schema)
+    if unknown:
+        return unknown
+    try:
+        schema.model_validate(section)
+    except ValidationError as err:
+        names = dict.fromkeys(str(e["loc"][0]) for e in err.errors() if e["loc"] and e["type"] != "missing")
+        return [
+            (dotted(path, name), message(dotted(path, name), section[name], schema.model_fields[name]))
+            for name in names
+        ]
+    return []
+
+
+def unknown_keys(section: Mapping[str, Any], path: str, schema: type[Section]) -> list[tuple[str, str]]:
+    """(key, message) for each key of a closed section that the template does not know, with the closest known."""
+    if not schema.closed:
+        return []
+    known = schema.known_keys(section)
+    return [(dotted(path, name), schema.unknown_key(path, str(name), section)) for name in section if name not in known]
+
+
+def unknown_key_message(job: str | None, path: str, name: str, section: Mapping[str, Any]) -> str | None:
+    """Why the key `name` is refused in the section at `path` (holding `section`) of `job`'s config, or None where
+    that section takes keys of the user's own."""
+    schema = SECTIONS.get(job, {}).get(path)
+    return schema.unknown_key(path, name, section) if schema is not None and schema.closed else None
+
+
+def targets(tree: Any, path: str) -> typing.Iterator[tuple[str, dict[str, Any]]]:
+    """Every node of `tree` with a `_target_` (the node itself included), by dotted path."""
+    if not isinstance(tree, dict):
+        return
+    if "_target_" in tree:
+        yield path, tree
+    for key, value in tree.items():
+        yield from targets(value, dotted(path, key))
+
+
+def constructor_problems(path: str, node: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, message) for a `_target_` in `node` that does not import, or for each argument that its type hints
+    refuse."""
+    target, key = str(node["_target_"]), dotted(path, "_target_")
+    try:
+        pkgutil.resolve_name(target)  # quietly: hydra's get_object would log an ERROR before raising
+    except (ImportError, AttributeError) as err:
+        return [(key, f"{key}={target} does not import ({err}): check the name, or install what it needs")]
+    problems = []
+    for name, (hint, adapter) in argument_hints(target).items():
+        value = node.get(name)
+        if value is None or (isinstance(value, dict) and "_target_" in value) or fits(adapter, value):
+            continue
+        problems.append((dotted(path, name), f"{dotted(path, name)}={render(value)} must be {describe(hint)}"))
+    return problems
+
+
+@functools.cache
+def argument_hints(target: str) -> dict[str, tuple[Any, TypeAdapter]]:
+    """The hinted arguments of the class or function `target` names, each with the adapter that checks it.
+
+    Whatever cannot be checked is left out: a target whose hints do not resolve (its own construction says what is
+    wrong), and a hint pydantic has no schema for.
+    """
+    try:
+        built = pkgutil.resolve_name(target)
+        parameters = inspect.signature(built).parameters
+        hints = typing.get_type_hints(built.__init__ if isinstance(built, type) else built, include_extras=True)
+    except (ImportError, AttributeError, NameError, TypeError, ValueError):
+        return {}
+    checked = {}
+    for name in parameters:
+        if name in hints:
+            try:
+                checked[name] = (hints[name], TypeAdapter(hints[name]))
+            except PydanticUserError:  # e.g. PydanticSchemaGenerationError: no schema for a tensor, a module
+                continue
+    return checked
+
+
+def fits(adapter: TypeAdapter, value: Any) -> bool:
+    """Whether `value` fits strictly, or as what YAML cannot write: a list for a tuple, a string for a Path or an
+    enum member (pydantic's lax mode, without its readings of a string as a number or a boolean)."""
+    try:
+        adapter.validate_python(value, strict=True)
+        return True
+    except ValidationError:
+        pass
+    try:
+        return kept(value, adapter.validate_python(value))
+    except ValidationError:
+        return False
+
+
+def kept(value: Any, out: Any) -> bool:
+    """Whether lax validation only re-wrapped `value`: read no string as a number or a boolean, no number as a
+    boolean (or the reverse), no float as an integer."""
+    if isinstance(value, list) and isinstance(out, Collection) and not isinstance(out, str | Mapping):
+        return not isinstance(out, list | tuple) or (len(out) == len(value) and all(map(kept, value, out)))
+    if isinstance(value, Mapping) and isinstance(out, Mapping):
+        return all(kept(item, out[key]) for key, item in value.items() if key in out)
+    if isinstance(value, bool) or isinstance(out, bool):
+        return isinstance(value, bool) and isinstance(out, bool)
+    if isinstance(value, str):
+        return not isinstance(out, int | float)
+    return isinstance(out, type(value)) or (type(value) is int and isinstance(out, float))
+
+
+def message(key: str, value: Any, field: FieldInfo) -> str:
+    allowed = field.description or describe(
+        Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+    )
+    return f"{key}={render(value)} must be {allowed}"
+
+
+def dotted(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def render(value: Any) -> str:
+    """A value as the user types it: null, true, abc, [0, 1]."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list | tuple):
+        return f"[{', '.join(render(v) for v in value)}]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {render(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def describe(hint: Any) -> str:
+    """What a type hint allows, in words: `Annotated[int, Field(ge=1)] | None` is "an integer >= 1 or null"."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        notes = [m for m in args[1:] if isinstance(m, FieldInfo) and m.description]
+        return notes[-1].description if notes else describe(args[0]) + bounds(args[1:])
+    if origin is Union or origin is types.UnionType:
+        return alternatives([part for arg in args for part in parts(arg)])
+    if origin is Literal:
+        return options(hint)[0] if len(args) == 1 else f"one of {', '.join(options(hint))}"
+    if hint is type(None):
+        return "null"
+    if origin in (list, tuple, set, frozenset, Sequence) or hint in (list, tuple, Sequence):
+        return "a list" + (f" of {plural(describe(args[0]))}" if args and args[0] is not Ellipsis else "")
+    if origin in (dict, Mapping) or hint in (dict, Mapping):
+        return "a mapping"
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return f"one of {', '.join(render(member.value) for member in hint)}"  # pydantic reads members by value
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Any: "anything"}
+    if hint in names:
+        return names[hint]
+    if isinstance(hint, type) and issubclass(hint, PurePath):
+        return "a path"
+    name = getattr(hint, "__name__", str(hint))
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def parts(hint: Any) -> list[str]:
+    """A union member as alternatives of its own: each value of a Literal, true and false for a bool."""
+    if typing.get_origin(hint) is Literal:
+        return options(hint)
+    return ["true", "false"] if hint is bool else [describe(hint)]
+
+
+def options(literal: Any) -> list[str]:
+    return list(dict.fromkeys(render(value) for value in typing.get_args(literal)))
+
+
+def alternatives(parts: list[str]) -> str:
+    parts = list(dict.fromkeys(parts))
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} or {parts[-1]}"
+
+
+def plural(description: str) -> str:
+    """ "an integer >= 1" -> "integers >= 1"; a description without an article stays as it is, after "each"."""
+    article, _, rest = description.partition(" ")
+    if article not in ("a", "an") or not rest:
+        return f"items each {description}"
+    noun, _, tail = rest.partition(" ")
+    return f"{noun}s {tail}".rstrip()
+
+
+def bounds(metadata: Sequence[Any]) -> str:
+    """ " >= 1", " > 0", " in [0, 1)" from the Field / annotated_types constraints of a hint ("" for none)."""
+    constraints = [c for m in metadata for c in (m.metadata if isinstance(m, FieldInfo) else [m])]
+
+    def bound(*kinds: str) -> tuple[str, Any] | None:
+        return next(((k, getattr(c, k)) for c in constraints for k in kinds if getattr(c, k, None) is not None), None)
+
+    lower, upper = bound("ge", "gt"), bound("le", "lt")
+    if lower and upper:
+        opening, closing = "[" if lower[0] == "ge" else "(", "]" if upper[0] == "le" else ")"
+        return f" in {opening}{lower[1]}, {upper[1]}{closing}"
+    if lower or upper:
+        kind, limit = lower or upper
+        return f" {dict(ge='>=', gt='>', le='<=', lt='<')[kind]} {limit}"
+    return ""

@@ -1,0 +1,84 @@
+"""A Python that has imported torch, Lightning and the engine once, and forks a new process for each entry-point run.
+
+Every `python train.py ...` costs about 5 s of CPU importing torch and Lightning before the job starts; on 2 cores
+those imports were most of the suite's time. `run()` and `start()` (engine/tests/conftest.py) send their command here
+instead: the server forks, and the child runs the script as `python <script> <args>` would, with the command's
+sys.argv, `__main__`, sys.path, working directory, environment and standard streams, from a process that has the
+modules already imported. Processes the run starts itself (a DDP rank 1, torchrun's or ddp_spawn's workers) are
+fresh interpreters, as they are for a user.
+
+`python engine/tests/preloaded.py SOCKET` serves until its stdin closes (its pytest worker exited). Each request is one
+packet: the command as JSON plus three file descriptors (stdin, stdout, stderr). A waiter process forked per
+request answers with the run's pid, then with its exit code (negative: the signal that ended it), as Popen does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import sys
+
+PRELOAD = ("torch", "lightning", "hydra", "scaleup.train", "scaleup.evaluate", "scaleup.export")
+
+
+def serve(path: str) -> tuple[dict, list[int]]:
+    """Accept requests until stdin closes; returns only in a forked child, with the request it is to run."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path)
+    server.listen(64)
+    print("ready", flush=True)
+    while True:
+        readable, _, _ = select.select([server, sys.stdin], [], [])
+        if sys.stdin in readable:
+            sys.exit(0)
+        conn, _ = server.accept()
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        if os.fork() == 0:
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            pid = os.fork()
+            if pid == 0:
+                conn.close()
+                return json.loads(message), fds
+            for fd in fds:
+                os.close(fd)
+            conn.send(str(pid).encode())
+            _, status = os.waitpid(pid, 0)
+            conn.send(str(os.waitstatus_to_exitcode(status)).encode())
+            os._exit(0)
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def become(request: dict, fds: list[int]) -> str:
+    """Turn this forked child into `python <script> <args>` started with the request's cwd, env and streams."""
+    for fd, standard in zip(fds, (0, 1, 2), strict=True):
+        os.dup2(fd, standard)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    served_path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    script, *_ = sys.argv = request["argv"]
+    # sys.path as the interpreter makes it: the script's folder, then PYTHONPATH, then the installed packages.
+    added = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    installed = [p for p in sys.path[1:] if p not in served_path]
+    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *added, *installed]
+    import numpy as np
+
+    np.random.seed()  # a fresh interpreter draws its own unseeded state; forked ones would share the server's
+    return script
+
+
+if __name__ == "__main__":
+    request, fds = serve(sys.argv[1])
+    runpy.run_path(become(request, fds), run_name="__main__")

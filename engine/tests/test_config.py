@@ -1,0 +1,180 @@
+"""Every config option composes and builds; bad input gets one clear message."""
+
+import inspect
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from conftest import ROOT, config_groups, in_process, read_json
+from scaleup.config.plain import build_model, instantiate_each
+from scaleup.data.datamodule import apply_model_settings
+from scaleup.distributed.run_dir import register_resolvers
+from scaleup.errors import UserError
+
+CONFIGS = ROOT / "configs"
+PATHS = ["paths.root_dir=/tmp/scaleup-root", "paths.output_dir=/tmp/scaleup-out"]
+
+
+# Every config group a user can swap, and its options (paths and hydra hold the run directory, not a choice).
+GROUPS = {
+    group: [path.stem for path in files]
+    for group, files in config_groups().items()
+    if group.split("/")[0] not in ("paths", "hydra")  # hydra/launcher: how a sweep starts, not a choice of run
+}
+
+
+def composed(*overrides: str) -> dict:
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("train", overrides=[*PATHS, *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_the_groups_are_the_documented_ones():
+    assert set(GROUPS) == {
+        "callbacks",
+        "data",
+        "debug",
+        "experiment",
+        "loader",
+        "logger",
+        "lr_schedule",
+        "model",
+        "model/optimizer",
+        "strategy",
+        "trainer",
+    }
+
+
+@pytest.mark.slow  # about 140 dry runs: 20-40 s
+def test_every_option_of_every_group_dry_runs_with_every_experiment(tmp_path):
+    """Each option of each group, alone and with each experiment, plans a run (a dry run: data sizes, the model
+    on the meta device, the strategy, the plan), or is refused in one message for a real incompatibility: text
+    data with an image model (or the reverse), or ImageNet's global batch of 8192 on a smaller training set."""
+    broken, refused = [], []
+    for experiment in [None, *GROUPS["experiment"]]:
+        for group, names in GROUPS.items():
+            for name in names:
+                if group == "experiment" or (group == "debug" and name == "default"):
+                    continue
+                args = [f"{group}={name}", *([f"experiment={experiment}"] if experiment else [])]
+                run_dir = tmp_path / f"{experiment}-{group.replace('/', '-')}-{name}"
+                try:
+                    plan = in_process([*args, "dry_run=true", f"hydra.run.dir={run_dir}"])
+                except UserError as err:
+                    expected = ("does not fit the data", "is larger than the training set")
+                    (refused if any(reason in str(err) for reason in expected) else broken).append(f"{args}: {err}")
+                    continue
+                cfg = OmegaConf.load(run_dir / "config.yaml")
+                text_data, text_model = "CharText" in cfg.data._target_, "Language" in cfg.model._target_
+                if text_data != text_model or plan["global_batch_size"] < 1:
+                    broken.append(f"{args}: planned {cfg.data._target_} with {cfg.model._target_}")
+    assert not broken, "\n".join(broken)
+    assert any("does not fit the data" in line for line in refused)
+
+
+@pytest.mark.parametrize("callbacks", ["[]", "[early_stopping]", "[default,ema]", "[default,early_stopping,ema]"])
+def test_any_callbacks_list_plans_a_run(callbacks, tmp_path):
+    plan = in_process([f"callbacks={callbacks}", "dry_run=true", f"hydra.run.dir={tmp_path}"])
+    assert plan["lr"] == pytest.approx(0.1) and plan["total_steps"] == 12 * 19
+    assert (plan["early_stopping"] is not None) == ("early_stopping" in callbacks)
+
+
+@pytest.mark.parametrize("model", GROUPS["model"])
+@pytest.mark.parametrize("optimizer", GROUPS["model/optimizer"])
+def test_every_model_builds_with_every_optimizer(model, optimizer):
+    data = "char_text" if model == "char_transformer" else "digits"
+    cfg = composed(f"model={model}", f"model/optimizer={optimizer}", f"data={data}")
+    apply_model_settings(cfg["model"], instantiate(cfg["data"]).model_settings())  # as train.py does
+    module = build_model(cfg["model"])
+    opt = module.configure_optimizers()
+    assert [g["name"] for g in opt.param_groups] == ["decay", "no_decay"]
+    assert opt.param_groups[1]["weight_decay"] == 0.0  # norms and biases are not decayed
+
+
+@pytest.mark.slow  # an end-to-end run
+def test_no_progress_bar_among_the_callbacks_gets_the_throttled_one(tmp_path):
+    """callbacks=[] with the bar on: Lightning would add its TQDM bar, which redraws after every step. And
+    logger=[] (an empty list of the group, which leaves no logger key at all) trains with no logger."""
+    names = tmp_path / "callbacks.json"
+    in_process(
+        [
+            "callbacks=[]",
+            "logger=[]",
+            "trainer.max_steps=1",
+            "trainer.limit_val_batches=1",
+            "trainer.limit_test_batches=1",
+            "trainer.num_sanity_val_steps=0",
+            "+callbacks.names._target_=probes.CallbackNames",
+            f"+callbacks.names.out={names}",
+            f"hydra.run.dir={tmp_path}",
+        ]
+    )
+    callbacks = read_json(names)
+    assert "ThrottledRichProgressBar" in callbacks and "TQDMProgressBar" not in callbacks
+
+
+# mlflow opens (and on first use creates) its tracking store when built: engine/tests/test_loggers.py runs it for real.
+@pytest.mark.parametrize("logger", [name for name in GROUPS["logger"] if name != "mlflow"])
+def test_loggers_and_callbacks_instantiate(logger):
+    cfg = composed(f"logger={logger}")
+    assert len(instantiate_each(cfg["logger"])) == {"none": 0, "many": 2}.get(logger, 1)
+    names = [type(cb).__name__ for cb in instantiate_each(cfg["callbacks"])]
+    assert names == ["LearningRateMonitor", "TrainingDiagnostics", "ThrottledRichProgressBar"]
+
+
+def test_trainer_group_holds_every_trainer_argument_the_template_does_not_set():
+    """`trainer.<any Trainer argument>=VALUE` works as typed (no `+`), and nothing else is in the group."""
+    template_sets = {"strategy", "logger", "callbacks", "plugins", "default_root_dir", "enable_checkpointing"}
+    template_sets.add("use_distributed_sampler")
+    arguments = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"} - template_sets
+    assert set(composed()["trainer"]) == arguments
+
+
+def test_missing_imagefolder_data_is_one_clear_message(tmp_path):
+    missing = Path(tmp_path) / "no-such-data"
+    with pytest.raises(UserError) as raised:
+        in_process(["data=imagefolder", f"data.root={missing}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert (
+        str(raised.value) == f"no train/ directory under data.root={missing}: expected {missing}/train/<class>/<image>"
+    )
+
+
+# The input each image data option yields: (channels, height, width).
+IMAGE_SHAPES = {
+    "cifar10": (3, 32, 32),
+    "digits": (1, 8, 8),
+    "imagefolder": (3, 224, 224),
+    "synthetic": (3, 32, 32),
+    "synthetic_imagenet": (3, 224, 224),
+}
+
+
+@pytest.mark.slow  # 30 dry runs: about 10 s
+@pytest.mark.parametrize("data", sorted(IMAGE_SHAPES))
+def test_every_image_data_option_fits_every_image_model(data, tmp_path):
+    """Each data= with each image model= plans, and the model the plan made takes the data's images: the data
+    fills in the input channels and the classes (a forward pass on the meta device checks the shapes)."""
+    for model in [name for name in GROUPS["model"] if name != "char_transformer"]:
+        plan = in_process([f"data={data}", f"model={model}", "dry_run=true", f"hydra.run.dir={tmp_path / model}"])
+        cfg = OmegaConf.to_container(OmegaConf.load(tmp_path / model / "config.yaml"))
+        net_cfg = cfg["model"]["net"]
+        if net_cfg["num_classes"] is None:  # an image folder states its classes only from its files
+            net_cfg["num_classes"] = 2
+        assert net_cfg["in_channels"] == IMAGE_SHAPES[data][0], (data, model)
+        with torch.device("meta"):
+            logits = instantiate(net_cfg)(torch.empty(2, *IMAGE_SHAPES[data]))
+        assert logits.shape == (2, net_cfg["num_classes"]) and plan["global_batch_size"] > 0, (data, model)
+
+
+def test_eval_help_shows_its_config_not_the_training_groups():
+    """`python eval.py --help` would list the training groups of configs/, which eval.py then refuses."""
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3", job_name="eval"):
+        cfg = compose("eval", return_hydra_config=True)
+    template = cfg.hydra.help.template
+    assert "$CONFIG" in template and "$APP_CONFIG_GROUPS" not in template and "+data.KEY=VALUE" in template

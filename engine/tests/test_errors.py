@@ -1,0 +1,803 @@
+"""Every user mistake ends in one message naming the fix and exit code 2, never a traceback.
+
+The matrix runs each job in this process, with the config composed from the same overrides a user would type, and
+turns what it raises into the message the entry point would print (`as_user_error`, what `exit_on_user_error` uses).
+The table of wrong values (config/schema.py: a type or a range) and a handful of other cases run the real entry
+points, to check the exit code, the error line, that no traceback is printed and that nothing was written or
+downloaded: all of them in one interpreter (engine/tests/entry_point_cases.py), which starts once for all.
+"""
+
+import json
+import subprocess
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import pytest
+import torch
+from pydantic import Field
+
+from conftest import ROOT, TESTS, clean_env, in_process
+from scaleup.config.schema import validate_config
+from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error
+from user_modules import SCHEDULER_REFUSED
+
+QUIET = [
+    "logger=none",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "trainer.num_sanity_val_steps=0",
+]
+TINY_RUN = ["debug=limit", "trainer.max_epochs=1", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1"]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, str]:
+    """Files the cases point at: a real checkpoint from a tiny run, a truncated one, a bare state_dict, ..."""
+    tmp = tmp_path_factory.mktemp("errors")
+    in_process([*TINY_RUN, *QUIET, "model.net.width=8", f"hydra.run.dir={tmp / 'run'}"])
+    ckpt = tmp / "run" / "checkpoints" / "last.ckpt"
+    (tmp / "truncated.ckpt").write_bytes(ckpt.read_bytes()[:1000])
+    torch.save({"net.0.weight": torch.zeros(1)}, tmp / "state_dict.pt")
+    (tmp / "exists.pt").write_bytes(b"")
+    # text torch's weights-only unpickler fails on with a KeyError (101: "e") and with an IndexError
+    (tmp / "notes.txt").write_text("hello world\n")
+    (tmp / "notes.yaml").write_text("epoch: 3\n")
+    (tmp / "empty").mkdir()
+    return {"tmp": str(tmp), "ckpt": str(ckpt)}
+
+
+# (id, job, overrides, a piece of the expected message). {tmp} and {ckpt} are filled in from `paths`.
+CASES = [
+    # config values that pass the schema (config/schema.py) but not the objects built from them
+    ("unknown net argument", "train", ["+model.net.depth=3"], "unexpected keyword argument 'depth'"),
+    (
+        "unknown data argument",
+        "train",
+        ["+data.colour=red"],
+        "data: GlobalBatchDataModule.__init__() got an unexpected keyword argument 'colour'",
+    ),
+    (
+        "indivisible batch",
+        "train",
+        ["data.global_batch_size=100", "trainer.accelerator=cpu", "trainer.devices=3", "dry_run=true"],
+        "data.global_batch_size=100 does not divide into 3 device(s)",
+    ),
+    ("both batch sizes", "train", ["data.per_device_batch_size=8"], "set exactly one of data.global_batch_size"),
+    ("batch above data", "train", ["data.global_batch_size=4096"], "larger than the training set (1257 samples)"),
+    ("no training data", "train", ["data.val_size=1500"], "leave no training data out of 1797"),
+    ("two warmups", "train", ["lr_schedule.warmup_steps=5"], "warmup_epochs or lr_schedule.warm"),
+    ("shuffle", "train", ["+data.shuffle=true"], "remove data.shuffle"),
+    ("tiny limit", "train", ["trainer.limit_train_batches=0.01"], "limit_train_batches=0.01 keeps less than one"),
+    (
+        "bad interpolation",
+        "train",
+        ["data.num_workers=${{nowhere}}"],
+        "the config does not resolve (at data.num_workers): Interpolation key 'nowhere' not found",
+    ),
+    ("trainer argument", "train", ["+trainer.colour=red", *QUIET], "trainer.colour is not a key of trainer"),
+    # devices
+    ("fp16 on cpu", "train", ["trainer.precision=16-mixed", "trainer.accelerator=cpu"], "16-mixed needs a GPU"),
+    (
+        "syncbn on cpu",
+        "train",
+        ["trainer.sync_batchnorm=true", "trainer.accelerator=cpu", "trainer.devices=2", "dry_run=true"],
+        "trainer.sync_batchnorm=true cannot run on CPU",
+    ),
+    (
+        "syncbn with fsdp",
+        "train",
+        [
+            "strategy=fsdp",
+            "trainer.sync_batchnorm=true",
+            "trainer.accelerator=cpu",
+            "trainer.devices=2",
+            "dry_run=true",
+        ],
+        "trainer.sync_batchnorm=true does not run with strategy=fsdp",
+    ),
+    (
+        "fsdp offload on cpu",
+        "train",
+        ["strategy=fsdp", "strategy.cpu_offload=true", "trainer.accelerator=cpu", "trainer.devices=2", "dry_run=true"],
+        "strategy.cpu_offload=true moves the shards off the GPU",
+    ),
+    (
+        "hybrid sharding on one node",
+        "train",
+        ["strategy=fsdp", "strategy.sharding=hybrid", "trainer.devices=2", "dry_run=true"],
+        "strategy.sharding=hybrid shards within a node and replicates across nodes, and this run has one node",
+    ),
+    (
+        "compile with fsdp",
+        "train",
+        ["strategy=fsdp", "model.compile=true", "trainer.devices=2", "dry_run=true"],
+        "model.compile=true with strategy=fsdp: torch.compile stops at the hooks FSDP puts on every unit",
+    ),
+    (
+        "async save of one-file checkpoints",
+        "train",
+        ["checkpoint.async_save=true", "trainer.devices=1", "dry_run=true"],
+        "checkpoint.async_save=true writes sharded checkpoints (strategy=fsdp on 2 or more processes) in the "
+        "background; this run writes one-file checkpoints, which are saved at once: use auto or false",
+    ),
+    (
+        "fsdp units match nothing",
+        "train",
+        ["strategy=fsdp", "strategy.shard_modules=[torch.nn.LSTM]", "trainer.devices=2", "dry_run=true"],
+        "strategy.shard_modules=['torch.nn.LSTM'] matches no module of ImageClassifier",
+    ),
+    # data
+    ("missing image tree", "train", ["data=imagefolder", "data.root={tmp}/none"], "no train/ directory under"),
+    (
+        "cifar without download",
+        "train",
+        ["data=cifar10", "data.root={tmp}/empty", "data.download=false"],
+        "CIFAR-10 is not under",
+    ),
+    (
+        "archive unreachable",
+        "train",
+        ["data=imagefolder", "data.root={tmp}/imgs", "data.url=http://127.0.0.1:9/imgs.tgz"],
+        "could not download data.url=http://127.0.0.1:9/imgs.tgz",
+    ),
+    # checkpoints
+    ("missing checkpoint", "train", ["ckpt_path={tmp}/nope.ckpt"], "checkpoint {tmp}/nope.ckpt does not exist"),
+    ("another network", "train", ["ckpt_path={ckpt}"], "was trained with another network: model.net.width=8 (now"),
+    (
+        "finished checkpoint",
+        "train",
+        ["ckpt_path={ckpt}", "model.net.width=8", *TINY_RUN],
+        "already at or past this plan's 4 steps",
+    ),
+    ("eval without checkpoint", "eval", [], "ckpt_path has no value (it is ??? in the config): pass ckpt_path="),
+    ("truncated checkpoint", "eval", ["ckpt_path={tmp}/truncated.ckpt"], "is not a readable checkpoint"),
+    ("foreign checkpoint", "eval", ["ckpt_path={tmp}/state_dict.pt"], "was not written by this template's train.py"),
+    ("text as checkpoint", "eval", ["ckpt_path={tmp}/notes.txt"], "{tmp}/notes.txt is not a PyTorch checkpoint"),
+    (
+        "text to export",
+        "export",
+        ["ckpt_path={tmp}/notes.yaml", "output_path={tmp}/text.pt"],
+        "{tmp}/notes.yaml is not a PyTorch checkpoint",
+    ),
+    ("text to resume", "train", ["ckpt_path={tmp}/notes.txt"], "{tmp}/notes.txt is not a PyTorch checkpoint"),
+    # output locations
+    (
+        "export into /proc",
+        "export",
+        ["ckpt_path={ckpt}", "output_path=/proc/nope/net.pt"],
+        "/proc/nope: No such file or directory; check that path",
+    ),
+    ("export over a file", "export", ["ckpt_path={ckpt}", "output_path={tmp}/exists.pt"], "exists.pt already exists"),
+    (
+        "checkpoints into /proc",
+        "train",
+        [*TINY_RUN, *QUIET, "checkpoint.dirpath=/proc/nope"],
+        "/proc/nope: No such file or directory",
+    ),
+]
+
+
+@pytest.mark.parametrize(("job", "args", "expected"), [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_user_mistake_is_one_clear_message(job, args, expected, paths, tmp_path, monkeypatch):
+    args = [arg.format(**paths) for arg in args]
+    with pytest.raises(Exception) as raised:
+        in_process([*args, f"hydra.run.dir={tmp_path}"], job=job)
+    error = as_user_error(raised.value)
+    assert error is not None, f"a traceback, not a user error: {raised.value!r}"
+    assert expected.format(**paths) in str(error)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the mistake is asking for a GPU on a machine without one")
+def test_gpu_on_a_cpu_machine(tmp_path):
+    with pytest.raises(Exception) as raised:
+        in_process(["trainer.accelerator=gpu", f"hydra.run.dir={tmp_path}"])
+    assert "trainer.accelerator=gpu but no GPU is visible; use trainer.accelerator=cpu" in str(
+        as_user_error(raised.value)
+    )
+
+
+def test_launcher_and_config_disagree(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(Exception) as raised:
+        in_process(["trainer.accelerator=cpu", "trainer.devices=2", f"hydra.run.dir={tmp_path}"])
+    assert "torchrun started 4 process(es) but trainer.devices x trainer.num_nodes = 2 x 1 = 2" in str(
+        as_user_error(raised.value)
+    )
+
+
+def test_offline_download_is_one_clear_message(tmp_path, monkeypatch):
+    # A closed local port as the proxy: the same failure as a machine with no network, but instant.
+    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    with pytest.raises(Exception) as raised:
+        in_process(["data=cifar10", f"data.root={tmp_path}/cifar", f"hydra.run.dir={tmp_path}"])
+    assert "could not download CIFAR-10 into" in str(as_user_error(raised.value))
+
+
+# (script, overrides, the last line of stderr)
+ENTRY_POINTS = {
+    "eval without checkpoint": (
+        "eval.py",
+        ["hydra.run.dir={tmp}/eval"],
+        "error: ckpt_path has no value (it is ??? in the config): pass ckpt_path=<value>",
+    ),
+    "export into /proc": (
+        "export.py",
+        ["ckpt_path={ckpt}", "output_path=/proc/nope/net.pt"],
+        "error: /proc/nope: No such file or directory; check that path in your overrides (a directory to write "
+        "into must be creatable, a file to read must exist and be readable)",
+    ),
+    "scheduler returned by the module": (
+        "train.py",
+        ["model._target_=user_modules.SchedulerClassifier", "dry_run=true", "hydra.run.dir={tmp}/scheduler"],
+        f"error: {SCHEDULER_REFUSED}",
+    ),
+    "run directory in /proc": (
+        "train.py",
+        ["hydra.run.dir=/proc/nope/run", "dry_run=true"],
+        "error: cannot create the run directory /proc/nope/run: No such file or directory; pass "
+        "hydra.run.dir=<a directory you can write> (or fix paths.log_dir)",
+    ),
+    # Hydra's own composition errors, before the job starts: one line with the closest match, not Hydra's message.
+    "misspelled trainer key": (
+        "train.py",
+        ["trainer.max_epoch=1", "dry_run=true", "hydra.run.dir={tmp}/max_epoch"],
+        "error: trainer.max_epoch is not a key of trainer; did you mean trainer.max_epochs?",
+    ),
+    "misspelled data option": (
+        "train.py",
+        ["data=digit", "dry_run=true", "hydra.run.dir={tmp}/digit"],
+        "error: data=digit: there is no such option; did you mean data=digits? (the options: char_text, cifar10, "
+        "digits, imagefolder, sharded, synthetic, synthetic_imagenet)",
+    ),
+    "misspelled eval key": (
+        "eval.py",
+        ["ckpt_pat=x.ckpt", "hydra.run.dir={tmp}/ckpt_pat"],
+        "error: ckpt_pat: there is no such key; did you mean ckpt_path? (a key of your own: +ckpt_pat=VALUE)",
+    ),
+    # a refused run in a directory that holds an earlier one (a resume) leaves what is there
+    "refused in an existing run directory": (
+        "train.py",
+        ["seed=-5", "hydra.run.dir={tmp}/existing"],
+        "error: seed=-5 must be an integer in [0, 4294967295]",
+    ),
+    # a sweep checks every job before the first one starts
+    "sweep with a wrong value": (
+        "train.py",
+        ["-m", "seed=1,-5", "dry_run=true", "hydra.sweep.dir={tmp}/sweep"],
+        "error: sweep job 1 (seed=-5): seed=-5 must be an integer in [0, 4294967295]",
+    ),
+}
+
+MAX_EPOCHS = "an integer >= 1 (or -1 for no limit, null for Lightning's default); 0 would train nothing"
+DEVICES = (
+    "an integer >= 1 (devices per node), -1 or auto (every visible device), or device ids as a list ([0, 1]) or a "
+    'string with commas ("0,1")'
+)
+PRECISIONS = (
+    "auto, 64, 32, 16, transformer-engine, transformer-engine-float16, 16-true, 16-mixed, bf16-true, "
+    "bf16-mixed, 32-true, 64-true, bf16"
+)
+EPOCH_SHARE = "null, an integer >= 1 (batches) or a number in (0, 1] (of the epoch); 0 would train nothing"
+FSDP_KEY = (
+    "strategy.sharding is a key of strategy=fsdp, and this run has strategy.name=ddp, which would ignore it: pass "
+    "strategy=fsdp strategy.sharding=VALUE, or leave strategy.sharding out"
+)
+
+# A wrong type or range in every section: (script, overrides, the whole error line after "error: "). Each one must
+# stop before anything is written, downloaded or started. The eval and export cases name checkpoints that do not
+# exist: the values are checked first.
+WRONG_VALUES = {
+    # the issue's examples
+    "global batch abc": (
+        "train.py",
+        ["data.global_batch_size=abc"],
+        "data.global_batch_size=abc must be an integer >= 1 or null",
+    ),
+    "max_epochs abc": ("train.py", ["trainer.max_epochs=abc"], f"trainer.max_epochs=abc must be {MAX_EPOCHS}"),
+    "base batch 0": (
+        "train.py",
+        ["lr_schedule.base_batch_size=0"],
+        "lr_schedule.base_batch_size=0 must be an integer >= 1",
+    ),
+    "workers -1": ("train.py", ["data.num_workers=-1"], "data.num_workers=-1 must be an integer >= 0"),
+    "max_epochs -2": ("train.py", ["trainer.max_epochs=-2"], f"trainer.max_epochs=-2 must be {MAX_EPOCHS}"),
+    "max_epochs 0": ("train.py", ["trainer.max_epochs=0"], f"trainer.max_epochs=0 must be {MAX_EPOCHS}"),
+    "lr abc": ("train.py", ["model.optimizer.lr=abc"], "model.optimizer.lr=abc must be a number > 0"),
+    # the top level and the template's own sections
+    "seed abc": ("train.py", ["seed=abc"], "seed=abc must be an integer in [0, 4294967295]"),
+    "dry_run maybe": ("train.py", ["dry_run=maybe"], "dry_run=maybe must be true or false"),
+    "ckpt_path number": ("train.py", ["ckpt_path=5"], "ckpt_path=5 must be a checkpoint path, last, or null"),
+    "monitor mode": ("train.py", ["monitor.mode=up"], "monitor.mode=up must be one of min, max"),
+    "tf32 yes": ("train.py", ["performance.tf32=yes"], "performance.tf32=yes must be true or false"),
+    "scaling rule": (
+        "train.py",
+        ["lr_schedule.rule=cubic"],
+        "lr_schedule.rule=cubic must be one of linear, sqrt, none",
+    ),
+    "warmup epochs -1": (
+        "train.py",
+        ["lr_schedule.warmup_epochs=-1"],
+        "lr_schedule.warmup_epochs=-1 must be a number >= 0 or null",
+    ),
+    "decay": ("train.py", ["lr_schedule.decay=exp"], "lr_schedule.decay=exp must be one of cosine, step, none"),
+    "milestones": (
+        "train.py",
+        ["lr_schedule.milestones=[30,-5]"],
+        "lr_schedule.milestones=[30, -5] must be a list of numbers >= 0 or null",
+    ),
+    "gamma 0": ("train.py", ["lr_schedule.gamma=0"], "lr_schedule.gamma=0 must be a number > 0"),
+    "strategy name": (
+        "train.py",
+        ["strategy.name=horovod"],
+        "strategy.name=horovod must be one of ddp, ddp_spawn, fsdp",
+    ),
+    "bucket abc": ("train.py", ["strategy.bucket_cap_mb=abc"], "strategy.bucket_cap_mb=abc must be a number > 0"),
+    "fsdp mixed precision": (
+        "train.py",
+        ["strategy=fsdp", "strategy.mixed_precision=fp8"],
+        "strategy.mixed_precision=fp8 must be bfloat16, float16 or null",
+    ),
+    "pin memory": (
+        "train.py",
+        ["loader.pin_memory=sometimes"],
+        "loader.pin_memory=sometimes must be true, false or auto",
+    ),
+    "async save sometimes": (
+        "train.py",
+        ["checkpoint.async_save=sometimes"],
+        "checkpoint.async_save=sometimes must be true, false or auto",
+    ),
+    "prefetch 0": (
+        "train.py",
+        ["loader.prefetch_factor=0"],
+        "loader.prefetch_factor=0 must be an integer >= 1 or null",
+    ),
+    "cap big": (
+        "train.py",
+        ["data.max_per_device_batch_size=big"],
+        "data.max_per_device_batch_size=big must be an integer >= 1, auto or null",
+    ),
+    "momentum 1": (
+        "train.py",
+        ["model.optimizer.momentum=1.0"],
+        "model.optimizer.momentum=1.0 must be a number in [0, 1)",
+    ),
+    "betas": (
+        "train.py",
+        ["model/optimizer=adamw", "model.optimizer.betas=[0.9,1.5]"],
+        "model.optimizer.betas=[0.9, 1.5] must be two numbers in [0, 1), e.g. [0.9, 0.999]",
+    ),
+    # the Trainer's arguments
+    "devices 0": ("train.py", ["trainer.devices=0"], f"trainer.devices=0 must be {DEVICES}"),
+    "devices abc": ("train.py", ["trainer.devices=abc"], f"trainer.devices=abc must be {DEVICES}"),
+    "nodes abc": (
+        "train.py",
+        ["trainer.num_nodes=abc"],
+        "trainer.num_nodes=abc must be an integer >= 1, or auto (the nodes torchrun, srun or the PyTorchJob started)",
+    ),
+    "accelerator": (
+        "train.py",
+        ["trainer.accelerator=tpu"],
+        "trainer.accelerator=tpu must be one of auto, cpu, gpu, cuda",
+    ),
+    "precision": ("train.py", ["trainer.precision=17"], f"trainer.precision=17 must be one of {PRECISIONS}"),
+    "sync batchnorm": (
+        "train.py",
+        ["trainer.sync_batchnorm=maybe"],
+        "trainer.sync_batchnorm=maybe must be true, false, auto or null",
+    ),
+    "accumulation 0": (
+        "train.py",
+        ["trainer.accumulate_grad_batches=0"],
+        "trainer.accumulate_grad_batches=0 must be an integer >= 1 or null",
+    ),
+    "max_steps 0": (
+        "train.py",
+        ["trainer.max_steps=0"],
+        "trainer.max_steps=0 must be an integer >= 1 (or -1 for no limit); 0 would train nothing",
+    ),
+    "train share 1.5": (
+        "train.py",
+        ["trainer.limit_train_batches=1.5"],
+        f"trainer.limit_train_batches=1.5 must be {EPOCH_SHARE}",
+    ),
+    "overfit abc": (
+        "train.py",
+        ["trainer.overfit_batches=abc"],
+        "trainer.overfit_batches=abc must be an integer >= 0 or a number in [0, 1]",
+    ),
+    "max time": (
+        "train.py",
+        ["trainer.max_time=12h"],
+        'trainer.max_time=12h must be null, "DD:HH:MM:SS" or a mapping such as {hours: 12}',
+    ),
+    # data and model keys, from their constructors' type hints
+    "width 0": ("train.py", ["model.net.width=0"], "model.net.width=0 must be an integer >= 1"),
+    "dropout 1": ("train.py", ["model.net.dropout=1.0"], "model.net.dropout=1.0 must be a number in [0, 1)"),
+    "unknown norm": ("train.py", ["model.net.norm=layer"], "model.net.norm=layer must be one of batch, group, none"),
+    "val size -1": ("train.py", ["data.val_size=-1"], "data.val_size=-1 must be a number >= 0"),
+    "cifar val size, before the download": (
+        "train.py",
+        ["data=cifar10", "data.val_size=abc"],
+        "data.val_size=abc must be a number >= 0",
+    ),
+    "synthetic shape": (
+        "train.py",
+        ["data=synthetic", "data.image_shape=[3,32]"],
+        "data.image_shape=[3, 32] must be [channels, height, width], each an integer >= 1",
+    ),
+    "early stopping patience": (
+        "train.py",
+        ["callbacks=[default,early_stopping]", "callbacks.early_stopping.patience=abc"],
+        "callbacks.early_stopping.patience=abc must be an integer",
+    ),
+    "two mistakes, one line": (
+        "train.py",
+        ["trainer.max_epochs=abc", "lr_schedule.gamma=0"],
+        f"lr_schedule.gamma=0 must be a number > 0; trainer.max_epochs=abc must be {MAX_EPOCHS}",
+    ),
+    # eval.py and export.py
+    "eval batch 0": (
+        "eval.py",
+        ["ckpt_path=nope.ckpt", "batch_size=0"],
+        "batch_size=0 must be an integer >= 1 or null",
+    ),
+    "eval ckpt number": ("eval.py", ["ckpt_path=5"], "ckpt_path=5 must be a string"),
+    "eval devices 0": ("eval.py", ["ckpt_path=nope.ckpt", "trainer.devices=0"], f"trainer.devices=0 must be {DEVICES}"),
+    "eval precision": (
+        "eval.py",
+        ["ckpt_path=nope.ckpt", "trainer.precision=17"],
+        f"trainer.precision=17 must be {PRECISIONS} or null",
+    ),
+    "eval workers": (
+        "eval.py",
+        ["ckpt_path=nope.ckpt", "+data.num_workers=-1"],
+        "data.num_workers=-1 must be an integer >= 0",
+    ),
+    "export overwrite": (
+        "export.py",
+        ["ckpt_path=nope.ckpt", "overwrite=maybe"],
+        "overwrite=maybe must be true or false",
+    ),
+    "export module": ("export.py", ["ckpt_path=nope.ckpt", "module=5"], "module=5 must be a string"),
+    # Hydra's hint for an unknown key, followed: the template's own sections know their keys
+    "added misspelled key": (
+        "train.py",
+        ["+trainer.max_epoch=1", "dry_run=true"],
+        "trainer.max_epoch is not a key of trainer; did you mean trainer.max_epochs?",
+    ),
+    # ... and do not offer `+KEY=VALUE` there: it would be refused
+    "misspelled devices": (
+        "train.py",
+        ["trainer.devics=2"],
+        "trainer.devics is not a key of trainer; did you mean trainer.devices?",
+    ),
+    "eval trainer key": (
+        "eval.py",
+        ["ckpt_path=nope.ckpt", "+trainer.max_epochs=2"],
+        "trainer.max_epochs is not a key of trainer",
+    ),
+    # a key of the other strategy, which this one would ignore, added or set
+    "fsdp key added to ddp": ("train.py", ["+strategy.sharding=hybrid"], FSDP_KEY),
+    "fsdp key set under ddp": ("train.py", ["strategy.sharding=hybrid"], FSDP_KEY),
+    "ddp key set under fsdp": (
+        "train.py",
+        ["strategy=fsdp", "+strategy.static_graph=true"],
+        "strategy.static_graph is a key of strategy=ddp, and this run has strategy.name=fsdp, which would ignore it: "
+        "pass strategy=ddp strategy.static_graph=VALUE, or leave strategy.static_graph out",
+    ),
+    # a target that does not import, of the LightningModule or of a network it builds itself
+    "model target that does not import": (
+        "train.py",
+        ["model._target_=nope.Nope"],
+        "model._target_=nope.Nope does not import (No module named 'nope'): check the name, or install what it needs",
+    ),
+    "net target that does not import": (
+        "train.py",
+        ["model.net._target_=myproject.models.nets.Nope", "dry_run=true"],
+        "model.net._target_=myproject.models.nets.Nope does not import (module 'myproject.models.nets' has no "
+        "attribute 'Nope'): check the name, or install what it needs",
+    ),
+    "shard class that does not import": (
+        "train.py",
+        ["strategy=fsdp", "strategy.shard_modules=[nope.Nope]", "trainer.accelerator=cpu", "trainer.devices=2"],
+        "strategy.shard_modules: cannot import nope.Nope (No module named 'nope'); name its block classes (e.g. "
+        "torchvision.models.resnet.BasicBlock), or null for every block of every network",
+    ),
+}
+# A value that must work as typed: a share of each epoch, which the dry run plans as half the steps.
+HALF_EPOCHS = ["train.py", ["trainer.limit_train_batches=0.5", "dry_run=true"]]
+
+
+def case_run_dir(tmp: Path, name: str) -> Path:
+    return tmp / "values" / name.replace(" ", "_").replace(",", "")
+
+
+def overrides_in(run_dir: Path, script: str, overrides: list[str]) -> list[str]:
+    """The case's overrides, with its own run directory, data directory (train) and export file (export)."""
+    placed = {
+        "train.py": [f"paths.data_dir={run_dir}/data"],
+        "eval.py": [],
+        "export.py": [f"output_path={run_dir}/net.pt"],
+    }
+    given = {arg.split("=", 1)[0] for arg in overrides}
+    own = [arg for arg in placed[script] if arg.split("=", 1)[0] not in given]
+    return [*own, *overrides, f"hydra.run.dir={run_dir}"]
+
+
+@pytest.fixture(scope="module")
+def entry_point_results(paths) -> dict[str, tuple[dict[str, Any], Path]]:
+    """Every entry-point case in one interpreter: each result ({rc, stdout, stderr}) with the case's run directory."""
+    tmp = Path(paths["tmp"])
+    (tmp / "existing").mkdir()
+    (tmp / "existing" / "keep.txt").write_text("an earlier run's file")
+    cases = {
+        name: (script, [arg.format(**paths) for arg in args], None) for name, (script, args, _) in ENTRY_POINTS.items()
+    }
+    for name, (script, args, _) in {**WRONG_VALUES, "half epochs": (*HALF_EPOCHS, "")}.items():
+        run_dir = case_run_dir(tmp, name)
+        cases[name] = (script, overrides_in(run_dir, script, args), run_dir)
+    (tmp / "cases.json").write_text(json.dumps([[script, args] for script, args, _ in cases.values()]))
+    driver = [sys.executable, str(TESTS / "entry_point_cases.py"), str(tmp / "cases.json"), str(tmp / "results.json")]
+    subprocess.run(driver, cwd=ROOT, env=clean_env(), check=True, timeout=600)
+    results = json.loads((tmp / "results.json").read_text())
+    return {name: (result, run_dir) for (name, (_, _, run_dir)), result in zip(cases.items(), results, strict=True)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_entry_point_exits_2_with_one_line(name, entry_point_results):
+    result, _ = entry_point_results[name]
+    assert result["rc"] == EXIT_USER_ERROR, result["stderr"][-3000:]
+    assert "Traceback" not in result["stderr"] and "HYDRA_FULL_ERROR" not in result["stderr"]
+    assert result["stderr"].strip().splitlines()[-1] == ENTRY_POINTS[name][2]
+
+
+@pytest.mark.slow
+def test_a_refused_run_keeps_the_directory_it_was_given(entry_point_results, paths):
+    assert (Path(paths["tmp"]) / "existing" / "keep.txt").read_text() == "an earlier run's file"
+
+
+@pytest.mark.slow
+def test_a_sweep_refuses_before_its_first_job_starts(entry_point_results, paths):
+    assert not (Path(paths["tmp"]) / "sweep").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", WRONG_VALUES)
+def test_wrong_value_is_one_line_before_anything_starts(name, entry_point_results):
+    result, run_dir = entry_point_results[name]
+    output = result["stdout"] + result["stderr"]
+    assert result["rc"] == EXIT_USER_ERROR, output[-3000:]
+    assert "Traceback" not in output
+    assert [line for line in output.splitlines() if line.startswith("error:")] == [f"error: {WRONG_VALUES[name][2]}"]
+    assert "][ERROR] - " not in output  # no log line saying it again
+    # No run directory: no plan, config, checkpoint, data (paths.data_dir points there) or export, not even Hydra's
+    # .hydra/ and an empty log.
+    assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_a_share_of_each_epoch_works_as_typed(entry_point_results):
+    result, run_dir = entry_point_results["half epochs"]
+    assert result["rc"] == 0, result["stderr"][-3000:]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    # 1257 training samples fill 19 global batches of 64; half of them, rounded down, in each of the 12 epochs.
+    assert (plan["steps_per_epoch"], plan["total_steps"], plan["epoch_limit"]) == (
+        9,
+        108,
+        "trainer.limit_train_batches=0.5",
+    )
+
+
+class Colour(Enum):
+    red = "red"
+    blue = "blue"
+
+
+class Widget:
+    """A user's own class, for the constructor checks: hints with and without ranges, types YAML cannot write (a
+    path, a tuple, an enum), and hints that cannot be checked (a tensor) or need not be (none)."""
+
+    def __init__(
+        self,
+        fast: bool = False,
+        colour: Colour = Colour.red,
+        size: Annotated[int, Field(ge=1)] = 1,
+        scale: Annotated[float, Field(gt=0, le=10)] = 1.0,
+        root: Path = Path("."),
+        pair: tuple[float, float] = (0.0, 1.0),
+        weights: torch.Tensor | None = None,
+        anything=None,
+        mode: str = "fast",
+    ) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("config", "job", "message"),
+    [
+        ({"trainer": {"max_epochs": "abc"}}, "train", f"trainer.max_epochs=abc must be {MAX_EPOCHS}"),
+        ({"lr_schedule": {"base_batch_size": 0}}, "train", "lr_schedule.base_batch_size=0 must be an integer >= 1"),
+        ({"data": {"global_batch_size": 8.0}}, "train", "data.global_batch_size=8.0 must be an integer >= 1 or null"),
+        ({"data": {"num_workers": True}}, "train", "data.num_workers=true must be an integer >= 0"),
+        ({"trainer": {"devices": "3"}}, "train", f"trainer.devices=3 must be {DEVICES}"),
+        ({"model": {"optimizer": {"lr": "1e-3"}}}, "train", "model.optimizer.lr=1e-3 must be a number > 0"),
+        (
+            {"lr_schedule": None, "monitor": "val/acc"},
+            "train",
+            "monitor=val/acc must be a mapping of keys (one per line in its YAML file)",
+        ),
+        (
+            {"data": {"max_per_device_batch_size": 0}},
+            "train",
+            "data.max_per_device_batch_size=0 must be an integer >= 1, auto or null",
+        ),
+        (
+            {"batch_size": -1, "trainer": {"precision": "17"}},
+            "eval",
+            f"batch_size=-1 must be an integer >= 1 or null; trainer.precision=17 must be {PRECISIONS} or null",
+        ),
+        ({"overwrite": "no"}, "export", "overwrite=no must be true or false"),
+        ({"output_path": 5, "module": None}, "export", "output_path=5 must be a string; module=null must be a string"),
+        (
+            {"compile": 1, "trainer": {"num_nodes": 0, "enable_progress_bar": None}},
+            "eval",
+            "compile=1 must be true or false; trainer.num_nodes=0 must be an integer >= 1; "
+            "trainer.enable_progress_bar=null must be true or false",
+        ),
+        ({"seed": 2**32}, "train", "seed=4294967296 must be an integer in [0, 4294967295]"),
+        (
+            {"checkpoint": {"every_n_train_steps": 0}},
+            "train",
+            "checkpoint.every_n_train_steps=0 must be an integer >= 1 or null",
+        ),
+        (
+            {"lr_schedule": {"base_bn_batch_size": 0, "warmup_steps": 1.5}},
+            "train",
+            "lr_schedule.base_bn_batch_size=0 "
+            "must be an integer >= 1 or null; lr_schedule.warmup_steps=1.5 must be an integer >= 0 or null",
+        ),
+        (
+            {"strategy": {"timeout_minutes": 0, "find_unused_parameters": 2}},
+            "train",
+            "strategy.timeout_minutes=0 must be a number > 0; strategy.find_unused_parameters=2 must be true or false",
+        ),
+        ({"loader": {"persistent_workers": 1}}, "train", "loader.persistent_workers=1 must be true or false"),
+        (
+            {"data": {"per_device_batch_size": 0}},
+            "train",
+            "data.per_device_batch_size=0 must be an integer >= 1 or null",
+        ),
+        (
+            {"model": {"optimizer": {"_target_": "torch.optim.SGD", "weight_decay": -0.1, "nesterov": "maybe"}}},
+            "train",
+            "model.optimizer.weight_decay=-0.1 must be a number >= 0; "
+            "model.optimizer.nesterov=maybe must be true or false",
+        ),
+        (
+            {"trainer": {"min_epochs": -1, "log_every_n_steps": 0, "check_val_every_n_epoch": 0}},
+            "train",
+            "trainer.min_epochs=-1 must be an integer >= 0 or null; "
+            "trainer.log_every_n_steps=0 must be an integer >= 1, auto or null; "
+            "trainer.check_val_every_n_epoch=0 must be an integer >= 1 or null",
+        ),
+        (
+            {"trainer": {"num_sanity_val_steps": -2, "limit_train_batches": 0, "limit_val_batches": -1}},
+            "train",
+            f"trainer.num_sanity_val_steps=-2 must be an integer >= -1 or null; trainer.limit_train_batches=0 must be "
+            f"{EPOCH_SHARE}; trainer.limit_val_batches=-1 must be an integer >= 0, a number in [0, 1] or null",
+        ),
+        (
+            {"trainer": {"gradient_clip_val": -1, "gradient_clip_algorithm": "max", "fast_dev_run": -1}},
+            "train",
+            "trainer.gradient_clip_val=-1 must be a number >= 0 or null; trainer.gradient_clip_algorithm=max must be "
+            "norm, value or null; trainer.fast_dev_run=-1 must be true, false or an integer >= 0",
+        ),
+        (
+            {"trainer": {"enable_progress_bar": "abc"}},
+            "train",
+            "trainer.enable_progress_bar=abc must be true, false or null",
+        ),
+        (
+            {
+                "model": {
+                    "_target_": "myproject.models.ImageClassifier",
+                    "label_smoothing": "abc",
+                    "net": {"_target_": "myproject.models.resnet", "small_input": 3, "num_classes": None},
+                }
+            },
+            "train",
+            "model.label_smoothing=abc must be a number; model.net.small_input=3 must be true or false",
+        ),
+        (
+            {"model": {"net": {"_target_": "myproject.models.CharTransformer", "depth": "abc", "width": 1.5}}},
+            "train",
+            "model.net.width=1.5 must be an integer; model.net.depth=abc must be an integer",
+        ),
+        (
+            {
+                "callbacks": {"ema": {"_target_": "scaleup.callbacks.ema.EMA", "decay": "abc"}},
+                "logger": {"tb": {"_target_": "lightning.pytorch.loggers.TensorBoardLogger", "default_hp_metric": 3}},
+            },
+            "train",
+            "callbacks.ema.decay=abc must be a number; logger.tb.default_hp_metric=3 must be true or false",
+        ),
+        (
+            {"data": {"_target_": "myproject.data.CharTextDataModule", "block_size": 0, "val_size": "abc"}},
+            "train",
+            "data.block_size=0 must be an integer >= 1; data.val_size=abc must be a number >= 0",
+        ),
+        (
+            {
+                "model": {
+                    "_target_": f"{__name__}.Widget",
+                    "size": 0,
+                    "scale": 11,
+                    "root": 3,
+                    "pair": [1, "x"],
+                    "mode": 2,
+                }
+            },
+            "train",
+            "model.size=0 must be an integer >= 1; model.scale=11 must be a number in (0, 10]; model.root=3 must be a "
+            "path; model.pair=[1, x] must be a list of numbers; model.mode=2 must be a string",
+        ),
+        (
+            # lax conversions stay refused: a string read as a number or a boolean, a float as an integer
+            {"model": {"_target_": f"{__name__}.Widget", "size": "5", "fast": "yes", "pair": [1.0, True]}},
+            "train",
+            "model.fast=yes must be true or false; model.size=5 must be an integer >= 1; model.pair=[1.0, true] must "
+            "be a list of numbers",
+        ),
+        (
+            {"model": {"_target_": f"{__name__}.Widget", "size": 2.0, "colour": "green"}},
+            "train",
+            "model.colour=green must be one of red, blue; model.size=2.0 must be an integer >= 1",
+        ),
+        (
+            {"lr_schedule": {"warmup_epoch": 2}, "strategy": {"mixed_precison": "bfloat16"}, "loader": {"x": 1}},
+            "train",
+            "loader.x is not a key of loader; lr_schedule.warmup_epoch is not a key of lr_schedule; did you mean "
+            "lr_schedule.warmup_epochs?; strategy.mixed_precison is not a key of strategy; did you mean "
+            "strategy.mixed_precision?",
+        ),
+        ({"strategy": {"name": "ddp", "sharding": "hybrid"}}, "train", FSDP_KEY),
+        (  # a target that does not import: its arguments are not checked
+            {"model": {"_target_": "no.such.module.Model", "width": "abc"}},
+            "train",
+            "model._target_=no.such.module.Model does not import (No module named 'no'): check the name, or install "
+            "what it needs",
+        ),
+    ],
+)
+def test_schema_messages(config, job, message):
+    with pytest.raises(UserError) as raised:
+        validate_config(config, job)
+    assert str(raised.value) == message
+
+
+ACCEPTED = [
+    *({"trainer": {"devices": devices}} for devices in (1, 8, -1, "-1", "auto", [0, 1], "0,1", "3,")),
+    *({"trainer": {"precision": precision}} for precision in ("auto", "64-true", 16, "bf16-mixed")),
+    {"trainer": {"max_epochs": -1, "max_steps": 100, "limit_train_batches": 0.5, "limit_val_batches": 0}},
+    {"trainer": {"max_time": "00:12:00:00", "val_check_interval": {"minutes": 30}, "fast_dev_run": True}},
+    # a string for a Path, a list for a tuple, a tensor and an argument without a hint unchecked
+    {"model": {"_target_": f"{__name__}.Widget", "root": "data", "pair": [0, 0.5], "weights": [1], "anything": 1}},
+    {"model": {"_target_": f"{__name__}.Widget", "colour": "blue", "fast": True, "scale": 10}},
+    # null (the data fills it in) and what Hydra builds pass
+    {"model": {"_target_": f"{__name__}.Widget", "size": None, "scale": {"_target_": "math.sqrt"}}},
+    # a Trainer argument the schema does not check, and the data module's own arguments
+    {"trainer": {"enable_checkpointing": True}, "data": {"anything": 1}},
+]
+
+
+@pytest.mark.parametrize("config", ACCEPTED)
+def test_schema_accepts(config):
+    validate_config(config)

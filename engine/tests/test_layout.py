@@ -1,0 +1,116 @@
+"""The project's form: your package imports the public API only, the machinery never imports your package, imports
+point one way (no cycle), and the training job reads as its story, each concern entered at most twice."""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+from conftest import ROOT
+
+SRC = ROOT / "src"  # the project's package
+ENGINE_SRC = ROOT / "engine" / "src"
+MACHINERY = "scaleup"
+(USER,) = [p.name for p in SRC.iterdir() if (p / "__init__.py").is_file()]
+PUBLIC_API = "scaleup.api"
+
+
+def source(package: str) -> Path:
+    return ENGINE_SRC if package == MACHINERY else SRC
+
+
+def module_name(path: Path, src: Path) -> str:
+    parts = path.relative_to(src).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(package: str) -> dict[str, ast.Module]:
+    src = source(package)
+    return {module_name(path, src): ast.parse(path.read_text()) for path in sorted((src / package).rglob("*.py"))}
+
+
+def imported(tree: ast.AST, *, top_level_only: bool = False) -> set[str]:
+    """The modules an AST imports (a `from package import name` counts as the module package.name if that is one)."""
+    nodes = ast.iter_child_nodes(tree) if top_level_only else ast.walk(tree)
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_your_package_imports_only_the_public_api():
+    private = {
+        f"{name} imports {target}"
+        for name, tree in modules(USER).items()
+        for target in imported(tree)
+        if target.split(".")[0] == MACHINERY and not target.startswith(PUBLIC_API)
+    }
+    assert not private, sorted(private)
+    assert any(PUBLIC_API in imported(tree) for tree in modules(USER).values())
+
+
+def test_the_machinery_never_imports_your_package():
+    reaching = {f"{name} imports {t}" for name, tree in modules(MACHINERY).items() for t in imported(tree) if t == USER}
+    reaching |= {
+        f"{name} imports {t}"
+        for name, tree in modules(MACHINERY).items()
+        for t in imported(tree)
+        if t.startswith(f"{USER}.")
+    }
+    assert not reaching, sorted(reaching)
+
+
+def test_the_machinerys_imports_have_no_cycle():
+    """Module-level imports only: an import inside a function runs when it is called, after every module loaded."""
+    trees = modules(MACHINERY)
+    graph = {
+        name: {t for t in imported(tree, top_level_only=True) if t in trees} - {name} for name, tree in trees.items()
+    }
+    # A package's __init__ that re-exported its modules would make each of them depend on the others through it.
+    assert all(
+        not deps for name, deps in graph.items() if name != MACHINERY and (ENGINE_SRC / name.replace(".", "/")).is_dir()
+    )
+    state: dict[str, str] = {}  # visiting | done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "visiting"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "visiting":
+                cycles.append(" -> ".join([*path[path.index(dep) :], dep]))
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
+
+
+def test_the_training_job_enters_each_module_at_most_twice():
+    """`train()` calls into the machinery in the order of its story: data and model, plan, resume point, trainer,
+    fit, test, summary; a module it leaves and comes back to more than once would scatter one concern."""
+    tree = ast.parse((ENGINE_SRC / MACHINERY / "train.py").read_text())
+    origin = {
+        alias.asname or alias.name: node.module
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(f"{MACHINERY}.")
+        for alias in node.names
+    }
+    (job,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "train"]
+    calls = sorted(
+        (node.lineno, node.col_offset, origin[node.func.id])
+        for node in ast.walk(job)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in origin
+    )
+    walk = [module for i, (_, _, module) in enumerate(calls) if i == 0 or calls[i - 1][2] != module]
+    entered = Counter(walk)
+    assert max(entered.values()) <= 2, entered
+    assert walk[:2] == ["scaleup.config.schema", "scaleup.plan.topology"]  # every value checked first
+    assert walk.index("scaleup.components") < walk.index("scaleup.plan.run") < walk.index("scaleup.trainer")

@@ -16,7 +16,7 @@ from user_modules import LitAutoEncoder
 # 32 (the last one short): the batch-size weighting of the mean matters.
 LIT = [
     *QUICK,
-    f"hydra.searchpath=[file://{TESTS / 'configs'}]",
+    f"hydra.searchpath=[pkg://scaleup.conf,file://{TESTS / 'configs'}]",  # the engine's groups stay on the path
     "model=lit_autoencoder",
     "monitor.metric=val_loss",
     "monitor.mode=min",

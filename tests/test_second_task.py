@@ -18,8 +18,8 @@ from scaleup.config.plain import build_model
 pytestmark = pytest.mark.slow
 
 # The text is scikit-learn's data set descriptions, whose length varies with its version (672 blocks of 64
-# characters with scikit-learn 1.9, 656 with 1.3): val 65 -> 33/32 blocks on 2 ranks (a batch short on one), test
-# 63 -> 32/31. The rest (544 or 528 training blocks) make 8 global batches of 64 per epoch: 2 full epochs, 16 steps.
+# characters with scikit-learn 1.9, 669 with 1.4.2): val 65 -> 33/32 blocks on 2 ranks (a batch short on one), test
+# 63 -> 32/31. The rest (544 or 541 training blocks) make 8 global batches of 64 per epoch: 2 full epochs, 16 steps.
 # A tiny transformer (LayerNorm, no dropout) has no batch statistics and no per-rank randomness: the split of a
 # global batch over devices cannot change the result.
 VAL, TEST, STEPS = 65, 63, 16

@@ -20,6 +20,7 @@ import math
 import os
 import socket
 import sys
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -106,13 +107,16 @@ def accumulated(mesh: object, x: torch.Tensor, y: torch.Tensor, whole: bool | No
     net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
     model = nn.ModuleDict({"net": net}).double()
     shard(model, mesh, None)
-    with CommDebugMode() as comm:
-        for micro_batch in range(3):
-            paused = whole is not None and micro_batch < 2
-            with gradient_sync_paused([model["net"]], whole=bool(whole)) if paused else contextlib.nullcontext():
-                F.cross_entropy(model["net"](x), y).backward()
-    counts = {str(op).split(".")[-1].strip("_"): n for op, n in comm.get_comm_counts().items()}
-    return [p.grad.to_local() for p in model.parameters()], counts
+    counts: Counter[str] = Counter()
+    for micro_batch in range(3):
+        paused = whole is not None and micro_batch < 2
+        # A CommDebugMode per forward: torch 2.13's stacks its module hooks on a module that runs twice inside one
+        # (an IndexError on the second forward: pytorch/pytorch#191392, fixed by 2.14.1)
+        sync = gradient_sync_paused([model["net"]], whole=bool(whole)) if paused else contextlib.nullcontext()
+        with CommDebugMode() as comm, sync:
+            F.cross_entropy(model["net"](x), y).backward()
+        counts.update({str(op).split(".")[-1].strip("_"): n for op, n in comm.get_comm_counts().items()})
+    return [p.grad.to_local() for p in model.parameters()], dict(counts)
 
 
 def sync_once_per_step(mesh: object, hybrid: object, x: torch.Tensor, y: torch.Tensor) -> dict[str, object]:

@@ -590,12 +590,20 @@ def test_by_sample_each_rank_fetches_its_own_samples_once_ahead_of_its_loader(sh
 @pytest.mark.slow
 def test_s3_503s_and_dropped_connections_that_clear_are_retried(shards, s3_shards, s3, monkeypatch, caplog, tmp_path):
     """503 SlowDown answers, then connections closed with no answer, 10 in a row (one s3fs read: its own 5 tries of
-    2 requests): the template tries again with backoff, and the reads succeed once the endpoint recovers."""
+    1 or 2 requests): the template tries again with backoff, and the reads succeed once the endpoint recovers."""
+    import s3fs
+    from packaging.version import Version
+
     monkeypatch.setenv("SCALEUP_READ_BACKOFF_S", "0.01")
     s3.fail(3, status=503, path="val/index.json")
     assert len(ShardIndex.load(f"{s3_shards}/val")) == EXACT_VAL
-    assert s3.requests == 3 + 2  # HEAD and GET
-    assert "val/index.json failed (OSError: [Errno 16] Service Unavailable); try 4 of 5 in 0.04 s" in caplog.text
+    if Version(s3fs.__version__) >= Version("2026.3"):
+        # s3fs's cat_file reads the size first (a HEAD, to read a large object in concurrent ranges): the 503s meet
+        # that HEAD, an answer without a body, which s3fs passes on: the template's retries.
+        assert s3.requests == 3 + 2  # HEAD and GET
+        assert "val/index.json failed (OSError: [Errno 16] Service Unavailable); try 4 of 5 in 0.04 s" in caplog.text
+    else:  # one GET, whose SlowDown answers s3fs retries itself
+        assert s3.requests == 3 + 1
     s3.drop(10, path="val/shard-000001.tar")
     dm = module(s3_shards, cache_dir=str(tmp_path), reads="shards")
     dm.setup()

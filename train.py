@@ -1,22 +1,8 @@
-"""`python train.py [key=value ...]`: see configs/train.yaml and docs/configuration.md."""
+"""`python train.py [key=value ...]`: see configs/train.yaml and the engine's docs/configuration.md."""
 
 from pathlib import Path
 
-import hydra
-
-from scaleup.distributed.run_dir import register_resolvers
-from scaleup.errors import exit_on_user_error, one_line_composition_errors
-from scaleup.train import train
-
-register_resolvers()
-
-
-@one_line_composition_errors(Path(__file__).resolve().parent / "configs", "train")
-@hydra.main(version_base="1.3", config_path="configs", config_name="train")
-@exit_on_user_error
-def main(cfg):
-    return train(cfg)
-
+from scaleup.entry import main
 
 if __name__ == "__main__":
-    main()
+    main("train", Path(__file__).parent / "configs")

@@ -50,15 +50,7 @@ def test_the_surface_holds_each_kind_of_promise():
     assert not any(key.split(".")[0] in ("model", "data") for key in now["config"]["jobs"]["train"])
     assert "strategy.sharding" in now["config"]["groups"]["strategy/fsdp"]
     assert "trainer.fast_dev_run" in now["config"]["groups"]["debug/fdr"]  # a `# @package _global_` option
-    assert now["commands"]["python train.py"] == {
-        "calls": [
-            "scaleup.distributed.run_dir:register_resolvers",
-            "scaleup.errors:exit_on_user_error",
-            "scaleup.errors:one_line_composition_errors",
-            "scaleup.train:train",
-        ],
-        "config": "train",
-    }
+    assert now["commands"]["python train.py"] == {"calls": ["scaleup.entry:main"], "config": "train"}
     assert now["commands"]["python -m scaleup.data.convert"]["options"] == ["out", "samples_per_shard", "workers"]
     assert "num_workers" in now["commands"]["python -m scaleup.distributed.ray_train"]["options"]
     assert now["commands"]["python -m scaleup.data.index"]["options"] == ["fields"]

@@ -206,8 +206,10 @@ def _calls(script: Path) -> dict[str, Any]:
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "scaleup"
         for alias in node.names
     ]
-    config_names = [
-        k.value for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords if k.arg == "config_name"
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    config_names = [  # scaleup.entry.main(job, configs), or hydra.main(config_name=...)
+        *(n.args[0] for n in calls if ast.unparse(n.func) == "main" and n.args),
+        *(k.value for n in calls for k in n.keywords if k.arg == "config_name"),
     ]
     return {
         "calls": sorted(name for name in names if _binds(*name.split(":"))),

@@ -1,0 +1,43 @@
+"""What a project's entry points call: `python train.py [key=value ...]` is `main("train", <project>/configs)`.
+
+Hydra composes `configs/<job>.yaml` (the project's top config, which finds the engine's groups through
+`pkg://scaleup.conf`) with the command line, and the engine's job runs it. A misspelled key or group option, or a
+value the schema refuses, is one `error:` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+
+from scaleup.distributed.run_dir import register_resolvers
+from scaleup.errors import exit_on_user_error, one_line_composition_errors
+
+JOBS = ("train", "eval", "export")
+
+
+def job_function(job: str):
+    """The engine's function for `job`, imported when it runs (eval.py need not import the training code)."""
+    if job == "train":
+        from scaleup.train import train
+
+        return train
+    if job == "eval":
+        from scaleup.evaluate import evaluate
+
+        return evaluate
+    from scaleup.export import export
+
+    return export
+
+
+def main(job: str, configs: str | Path) -> None:
+    """Run `job` (train, eval or export) on `configs/<job>.yaml` and the command line's overrides."""
+    if job not in JOBS:
+        raise ValueError(f"job={job}: one of {', '.join(JOBS)}")
+    configs = Path(configs).resolve()
+    register_resolvers()
+    run = exit_on_user_error(job_function(job))
+    hydra_main = hydra.main(version_base="1.3", config_path=str(configs), config_name=job)(run)
+    one_line_composition_errors(configs, job)(hydra_main)()

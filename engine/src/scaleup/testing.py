@@ -35,7 +35,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
-from torch.utils.data import IterableDataset, default_collate
+from torch.utils.data import IterableDataset
 
 from scaleup import check_equivalence as equivalence
 from scaleup.config.plain import to_plain
@@ -126,13 +126,12 @@ def check_contract(
 
     First the engine's own start-up, as `python train.py dry_run=true` runs it: every config value's type and
     range, the plan (batch arithmetic, LR groups: `configure_optimizers` returns optimizers, never a scheduler).
-    Then, with the data prepared and set up: the DataModule is a `GlobalBatchDataModule` with map-style,
-    non-empty train, val and test splits; every setting it gives the model (`model_settings()`) is a key of the
-    model config; a training batch of two samples, collated as its loader collates it, has a batch size Lightning
-    can read; the module has the submodule that export.py saves (`module=net` by default, configs/export.yaml).
+    Then both built for real, the data prepared and set up, the model given what the data knows
+    (`model_settings()`): the DataModule is a `GlobalBatchDataModule` with map-style, non-empty train, val and test
+    splits; the first batch of its train loader (as one device loads it) has a batch size Lightning can read; the
+    module has the submodule that export.py saves (`module=net` by default, configs/export.yaml).
     """
     from scaleup.components import build_data_and_model
-    from scaleup.config.plain import lookup
 
     overrides = [*QUICK, *overrides]
     with _in_folder(project), tempfile.TemporaryDirectory(prefix="contract-") as run_dir:
@@ -140,47 +139,29 @@ def check_contract(
         cfg = compose("train", [*overrides, f"hydra.run.dir={run_dir}/build"])
         validate_config(cfg, "train")
         config = to_plain(cfg)
-        model_cfg = to_plain(cfg.model)  # as written, before the data fills it in
         L.seed_everything(config["seed"], workers=True, verbose=False)
-        datamodule, model, sizes, _ = build_data_and_model(config, Path(run_dir), dry_run=False)
+        datamodule, model, _, _ = build_data_and_model(config, Path(run_dir), dry_run=False)
+        problems = []
+        for split in ("train", "val", "test"):
+            dataset = datamodule.splits.get(split)
+            if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+                problems.append(f"build_splits()['{split}'] is {type(dataset).__name__}, not a map-style dataset")
+            elif len(dataset) == 0:
+                problems.append(f"build_splits()['{split}'] is empty")
+        if not problems:
+            batch = next(iter(datamodule.train_dataloader()))  # as one device loads it, with the engine's sampler
+            try:
+                extract_batch_size(batch)
+            except Exception as err:
+                problems.append(f"a training batch ({type(batch).__name__}) has no batch size Lightning reads: {err}")
         export_module = OmegaConf.load("configs/export.yaml").get("module", "net")
-
-    splits = datamodule.build_splits()
-    problems = []
-    for split in ("train", "val", "test"):
-        dataset = splits.get(split)
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
-            problems.append(f"build_splits()['{split}'] is {type(dataset).__name__}, not a map-style dataset")
-        elif len(dataset) == 0 or sizes.get(split) != len(dataset):
-            problems.append(
-                f"build_splits()['{split}'] has {len(dataset)} samples, the plan counted {sizes.get(split)}"
-            )
-    unknown = [key for key in datamodule.model_settings() if not _has_key(model_cfg, key, lookup)]
-    if unknown:
-        problems.append(
-            f"model_settings() names model.{', model.'.join(unknown)}, which the model config does not have: "
-            "the value would be dropped"
-        )
-    if not problems:
-        collate = datamodule.collate_fn("train") or default_collate
-        batch = collate([splits["train"][0], splits["train"][1 % len(splits["train"])]])
         try:
-            extract_batch_size(batch)
+            submodule(model, export_module)
         except Exception as err:
-            problems.append(f"a training batch ({type(batch).__name__}) has no batch size Lightning can read: {err}")
-    try:
-        submodule(model, export_module)
-    except Exception as err:
-        problems.append(f"export.py's module={export_module}: {err}")
+            problems.append(f"export.py's module={export_module}: {err}")
     if problems:
         raise AssertionError(f"{type(datamodule).__name__} / {type(model).__name__}:\n  " + "\n  ".join(problems))
     return datamodule, model
-
-
-def _has_key(tree: dict[str, Any], dotted: str, lookup: Any) -> bool:
-    parent, _, leaf = dotted.rpartition(".")
-    node = lookup(tree, parent)
-    return isinstance(node, dict) and leaf in node
 
 
 def train_eval_resume(

@@ -26,6 +26,7 @@ NAMES = ("mynet", "othernet")
 NEXT_VERSION = "99.1.0"  # engine/src/scaleup/__init__.py's __version__ in the template's v1.1.0
 ENGINE_FIX = "engine/src/scaleup/plan/batch.py"  # what v1.1.0 changes in the engine's code
 FIX = "# the engine's fix in v1.1.0\n"
+SKELETON_FIX = "configs/train.yaml"  # ... and in the files a project holds
 # What a project holds of the template's own: nothing
 TEMPLATE_ONLY = ("engine", "benchmarks", "deploy", "docs", "project", "CHANGELOG.md", "constraints-oldest.txt")
 # copier commits in its scratch repositories: a machine without a git identity must not fail them.
@@ -64,7 +65,8 @@ def make_template_and_projects(root: Path) -> None:
     commits = {"v1.0.0": commit(template, "template", tag="v1.0.0")}
     init = template / "engine/src/scaleup/__init__.py"
     init.write_text(re.sub(r'__version__ = "[^"]*"', f'__version__ = "{NEXT_VERSION}"', init.read_text()))
-    (template / ENGINE_FIX).write_text((template / ENGINE_FIX).read_text() + FIX)
+    for path in (ENGINE_FIX, SKELETON_FIX):
+        (template / path).write_text((template / path).read_text() + FIX)
     commits["v1.1.0"] = commit(template, "Next version", tag="v1.1.0")
     (root / "commits.json").write_text(json.dumps(commits))
     for name in NAMES:  # a relative template path, as typed: stored absolute
@@ -163,8 +165,9 @@ def test_made_projects_install_from_their_pin_side_by_side(made, installed):
 
 @pytest.mark.slow
 def test_copier_project_takes_the_next_version_and_keeps_old_checkpoints_and_shards(made, tmp_path):
-    """The user's edits, then `copier update` to v1.1.0: the pin moves, the edits stay, the new engine installs;
-    a checkpoint and shards written by the template under its own name before all that still evaluate and train."""
+    """The user's edits, then `copier update` to v1.1.0: the pin moves, the template's change to the project's files
+    arrives, the user's edits stay, the new engine installs; a checkpoint and shards written by the template under
+    its own name before all that still evaluate and train."""
     # Under the template's own name and engine (this checkout): shards, then a run on them.
     shards, trained = tmp_path / "shards", tmp_path / "trained"
     assert convert(["data=digits", f"out={shards}", "samples_per_shard=400", "workers=1"]) == 0
@@ -176,17 +179,25 @@ def test_copier_project_takes_the_next_version_and_keeps_old_checkpoints_and_sha
     config = project / "configs/model/digits_cnn.yaml"
     config.write_text(config.read_text().replace("width: 32", "width: 24"))
     (project / "src/mynet/models/mlp.py").write_text('"""My MLP."""\n\nfrom torch import nn\n\nMLP = nn.Sequential\n')
+    readme, pyproject = project / "README.md", project / "pyproject.toml"
+    readme.write_text(readme.read_text() + "\n## My notes\n\nWidth 24 is enough.\n")
+    pyproject.write_text(pyproject.read_text().replace('version = "0.1.0"', 'version = "0.4.2"'))
     commit(project, "My model")
 
     sh(project, sys.executable, "-m", "copier", "update", "--trust", "--defaults")
     assert sorted(sh(project, "git", "status", "--porcelain").stdout.splitlines()) == [
         " M .copier-answers.yml",
+        f" M {SKELETON_FIX}",
         " M pyproject.toml",
     ]  # no conflict, no .rej file, nothing else touched
     assert "_commit: v1.1.0\n" in (project / ".copier-answers.yml").read_text()
-    pyproject = (project / "pyproject.toml").read_text()
-    assert pyproject.count(pin(made, "v1.1.0")) == 5 and commits(made)["v1.0.0"] not in pyproject
+    assert (project / SKELETON_FIX).read_text().endswith(FIX)
+    assert (
+        pyproject.read_text().count(pin(made, "v1.1.0")) == 5 and commits(made)["v1.0.0"] not in pyproject.read_text()
+    )
+    assert 'version = "0.4.2"' in pyproject.read_text()
     assert "width: 24" in config.read_text() and (project / "src/mynet/models/mlp.py").is_file()
+    assert readme.read_text().endswith("\n## My notes\n\nWidth 24 is enough.\n")
 
     python = venv_with(tmp_path, project)
     found = imported(python, project)

@@ -16,7 +16,8 @@ def test_my_task_trains_the_same_on_1_and_2_devices():
 Each takes the `key=value` overrides `python train.py` takes, and runs the project in `project` (the folder of
 train.py and configs/; by default the current directory) with the engine's own code: a mistake fails the way
 `python train.py` would fail on it, with the same message (a `scaleup.api.UserError`), and a broken promise fails
-with an AssertionError that says which. The jobs run in this process (no interpreter start), on the CPU, one thread.
+with an AssertionError that says which. The jobs run in this process (no interpreter start), on the CPU, on one
+thread; only `check_equivalence` starts processes.
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ def check_contract(
     splits; the first batch of its train loader (as one device loads it) has a batch size Lightning can read; the
     module has the submodule that export.py saves (`module=net` by default, configs/export.yaml).
     """
+    from hydra.core.hydra_config import HydraConfig
+
     from scaleup.components import build_data_and_model
 
     overrides = [*QUICK, *overrides]
@@ -138,7 +141,8 @@ def check_contract(
         run_job("train", [*overrides, "dry_run=true", f"hydra.run.dir={run_dir}/plan"])
         cfg = compose("train", [*overrides, f"hydra.run.dir={run_dir}/build"])
         validate_config(cfg, "train")
-        config = to_plain(cfg)
+        config = to_plain(cfg)  # resolved: what follows needs no Hydra
+        HydraConfig.instance().cfg = None
         L.seed_everything(config["seed"], workers=True, verbose=False)
         datamodule, model, _, _ = build_data_and_model(config, Path(run_dir), dry_run=False)
         problems = []
@@ -217,7 +221,8 @@ def train_eval_resume(
     net = run_job("export", [f"ckpt_path={best}", f"output_path={tmp_path / 'net.pt'}"], project)
     assert torch.load(net, weights_only=True), f"export.py wrote an empty state_dict to {net}"
 
-    first = sorted(epochs.glob("epoch-*.ckpt"), key=lambda path: int(path.stem.split("-")[1]))[0]
+    first, *later = sorted(epochs.glob("epoch-*.ckpt"), key=lambda path: int(path.stem.split("-")[1]))
+    assert later, f"the training run saved {first.name} only: pass trainer.max_epochs=2 or more, so a resume resumes"
     run_job("train", [*args, f"ckpt_path={first}", f"hydra.run.dir={runs['resumed']}"], project)
     uninterrupted, resumed = (
         torch.load(run / "checkpoints/last.ckpt", map_location="cpu", weights_only=True)["state_dict"]

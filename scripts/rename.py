@@ -14,12 +14,15 @@ It runs only on a git work tree without uncommitted changes, so `git diff` shows
 so a renamed project can be renamed again. Checkpoints and shards written before a rename still load after it:
 nothing on disk is named after your package (docs/checkpoints.md).
 
-`--template DIR --author NAME --operation copy|update` is how `copier copy` and `copier update` run it
-(copier.yml): on the files copier has just rendered from the template checkout DIR, with no git needed, moving them
-over what is already at src/NAME/ (copier then merges your own changes back in). LICENSE gains a line for NAME's
-author; CHANGELOG.md stays the template's, which says what each update changes. The name is checked when the
-project is made, not on an update: the template's next version may use the word, and an update never stops half-way
-for it. A relative template path in .copier-answers.yml is stored absolute, so that later updates find the template.
+`--template DIR --commit SHA --author NAME --operation copy|update` is how `copier copy` and `copier update` run
+it (copier.yml): from the template checkout DIR at commit SHA, in the project copier has just rendered from it,
+with no git needed. It puts the project's own files from DIR/project/ in place of the template's (README, CI),
+renames what was rendered, moving it over what is already at src/NAME/ (copier then merges your own changes back
+in), and pins the engine, which copier.yml leaves out of the project: every `scaleup-engine` requirement in
+pyproject.toml becomes `scaleup-engine @ git+<template>@<SHA>#subdirectory=engine`, so an update moves the pin to
+the new commit. LICENSE gains a line for NAME's author. The name is checked when the project is made, not on an
+update: the template's next version may use the word, and an update never stops half-way for it. A relative
+template path in .copier-answers.yml is stored absolute, so that later updates (and pip) find the template.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ ANSWERS = ".copier-answers.yml"  # copier's record of the template's path and ve
 KEEP_HISTORY = ("LICENSE", "CHANGELOG.md")  # edited by their own rules, never search-and-replaced
 # Where an example name is not the project: prose, and the rename's own examples and tests.
 NOT_CODE = (*KEEP_HISTORY, "scripts/rename.py", "engine/tests/test_rename.py", "engine/tests/test_copier.py")
+PROJECT_FILES = "project"  # what a made project has in place of the template's own files (README, CI)
+ENGINE = "engine"  # the engine's folder in the template: a made project pins it instead of holding it
+# A quoted requirement on the engine in pyproject.toml, with its extras and any earlier pin
+ENGINE_REQUIREMENT = re.compile(r'"scaleup-engine(\[[^\]"]*\])?(?:\s*@[^"]*)?"')
 
 
 class RenameError(Exception):
@@ -194,21 +201,83 @@ def store_absolute_source(root: Path, template: Path) -> None:
     answers.write_text(text[: line.start()] + stored + text[line.end() :], encoding="utf-8")
 
 
-def render(root: Path, new: str, template: Path, author: str, update: bool) -> list[str]:
-    """Template mode (copier's task): rename what copier rendered from `template` into `root`."""
+def render(root: Path, new: str, template: Path, author: str, update: bool, commit: str | None = None) -> list[str]:
+    """Template mode (copier's task): make what copier rendered from `template` into `root` the project `new`:
+    the project's own files from `template`/project/ in place of the template's, the name, the engine's pin."""
     store_absolute_source(root, template)
-    files = rendered_files(root, template)
-    if new == TEMPLATE_NAME:
-        return []
-    if not update:  # checked when the project was made; the template's next version may use the word
-        check_name(
-            new,
-            TEMPLATE_NAME,
-            template,
-            [path for path in files if not (root / path).is_relative_to(root / "src" / new)],
-        )
-    files = move_rendered(root, files, TEMPLATE_NAME, new)
-    return rewrite_files(root, files, TEMPLATE_NAME, new, author)
+    written = put_project_files(root, template)
+    changes = [f"wrote   {path} (the project's own, from {PROJECT_FILES}/)" for path in written]
+    files = sorted({*rendered_files(root, template), *written})
+    if new != TEMPLATE_NAME:
+        if not update:  # checked when the project was made; the template's next version may use the word
+            check_name(
+                new,
+                TEMPLATE_NAME,
+                template,
+                [path for path in files if not (root / path).is_relative_to(root / "src" / new)],
+            )
+        files = move_rendered(root, files, TEMPLATE_NAME, new)
+        changes += rewrite_files(root, files, TEMPLATE_NAME, new, author)
+    return [*changes, pin_engine(root, recorded_source(root) or str(template.resolve()), commit or head(template))]
+
+
+def put_project_files(root: Path, template: Path) -> list[str]:
+    """Copy `template`/project/ over `root`: the files a made project has in place of the template's own (its
+    README, its CI), which copier.yml keeps out of the copy. Returns their paths."""
+    written = []
+    for source in sorted((template / PROJECT_FILES).rglob("*")):
+        if source.is_file():
+            path = source.relative_to(template / PROJECT_FILES)
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, root / path)
+            written.append(path.as_posix())
+    return written
+
+
+def recorded_source(root: Path) -> str | None:
+    """The template's source as .copier-answers.yml records it (a path, a URL or a gh:/gl: shortcut), or None."""
+    answers = root / ANSWERS
+    return yaml.safe_load(answers.read_text(encoding="utf-8")).get("_src_path") if answers.is_file() else None
+
+
+def head(template: Path) -> str | None:
+    """The commit `template` has checked out, or None outside git."""
+    found = git(template, "rev-parse", "HEAD")
+    return found.stdout.strip() if found.returncode == 0 else None
+
+
+def git_url(source: str) -> str:
+    """The template's source as a URL git and pip clone: gh:owner/name and gl:owner/name as https, git@host:path
+    as ssh://, a local path as file://localhost/<path> (pip before 24 refuses a dependency on `git+file:///<path>`,
+    a URL without a host), any other URL as it is."""
+    for shortcut, host in (("gh:", "https://github.com/"), ("gl:", "https://gitlab.com/")):
+        if source.startswith(shortcut):
+            return f"{host}{source.removeprefix(shortcut).removesuffix('.git')}.git"
+    source = source.removeprefix("git+")
+    if re.match(r"[a-z][a-z0-9+.-]*://", source):
+        return source
+    if scp := re.fullmatch(r"([^@/:]+@[^:/]+):(.+)", source):
+        return f"ssh://{scp[1]}/{scp[2]}"
+    return "file://localhost" + Path(source).expanduser().resolve().as_uri().removeprefix("file://")
+
+
+def pin_engine(root: Path, source: str, commit: str | None) -> str:
+    """Pin every `scaleup-engine` requirement in pyproject.toml (with its extras) to the engine of the template's
+    `commit`, as a direct reference pip installs from git: `scaleup-engine @ git+<source>@<commit>#subdirectory=
+    engine`. An earlier pin moves. README.md's ENGINE_DOCS becomes the engine's documentation at that commit."""
+    if commit is None:
+        return "left    pyproject.toml's scaleup-engine unpinned: the template is not a git repository"
+    url = git_url(source)
+    pyproject = root / "pyproject.toml"
+    reference = f"git+{url}@{commit}#subdirectory={ENGINE}"
+    text = pyproject.read_text(encoding="utf-8")
+    pinned, count = ENGINE_REQUIREMENT.subn(lambda match: f'"scaleup-engine{match[1] or ""} @ {reference}"', text)
+    pyproject.write_text(pinned, encoding="utf-8")
+    readme = root / "README.md"
+    if readme.is_file():
+        docs = f"{url.removesuffix('.git')}/tree/{commit}/docs" if url.startswith("https://") else f"{url}/docs"
+        readme.write_text(readme.read_text(encoding="utf-8").replace("ENGINE_DOCS", docs), encoding="utf-8")
+    return f"pinned  {count} scaleup-engine requirement(s) in pyproject.toml to {reference}"
 
 
 def move_paths(root: Path, old: str, new: str) -> list[str]:
@@ -320,19 +389,25 @@ def rename(root: Path, new: str) -> list[str]:
     return changes
 
 
-def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
+def main(argv: list[str] | None = None, root: Path | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name", help="the new package name, e.g. my_project")
     parser.add_argument("--template", type=Path, help="copier's task: the template checkout the files came from")
     parser.add_argument("--author", default="", help="with --template: the copyright holder LICENSE names")
     parser.add_argument("--operation", choices=("copy", "update"), default="copy", help="with --template: copier's")
+    parser.add_argument("--commit", help="with --template: the template's commit, which the engine is pinned to")
     args = parser.parse_args(argv)
     update = args.operation == "update"
+    commit = args.commit if args.commit and args.commit != "None" else None  # copier renders a missing hash "None"
     try:
         if args.template is not None:
-            changes = render(root, args.name, args.template, args.author or f"The {args.name} authors", update)
-            print(f"renamed {TEMPLATE_NAME} -> {args.name}: {len(changes)} file(s)")
+            # copier runs this file from the template, in the project it renders
+            root = root or Path.cwd()
+            author = args.author or f"The {args.name} authors"
+            *changes, pin = render(root, args.name, args.template, author, update, commit)
+            print(f"renamed {TEMPLATE_NAME} -> {args.name}: {len(changes)} file(s)", pin.strip(), sep="\n")
             return 0
+        root = root or ROOT
         old = current_name(root)
         changes = rename(root, args.name)
     except (RenameError, OSError) as error:

@@ -1,178 +1,236 @@
-"""A project made with `copier copy`, then moved to the template's next version with `copier update`.
+"""Projects made with `copier copy`: the user's code with the engine pinned, installed from the pin, tested, updated.
 
-One story, as a user lives it: the template (this tree, as it is on disk, tagged twice) trains a checkpoint and
-converts shards under its own package name; `copier copy` from a relative path makes the project `mynet`, the same
-as a clone renamed by scripts/rename.py; the user edits a model config, adds a model and installs the project; the
-template's next tag changes the machinery and an example, with the project's name in a comment; `copier update`,
-run by the Python the project is installed in, brings both in, keeps the user's work, with no conflict; in the
-updated project the old checkpoint evaluates, exports and resumes, the old shards train, and its own tests pass.
+The template is this tree as it is on disk, a git repository of its own with two tags: v1.0.0, and v1.1.0, which
+changes the engine's code and version. Two projects are made from v1.0.0 once per session (`made`) and only read:
+`mynet`, and `othernet` beside it. A test that changes a project works on a clone of it.
 """
 
 from __future__ import annotations
 
-import filecmp
 import json
-import os
 import re
 import shutil
-import site
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import ROOT, check, clean_env, in_process, read_json
+from conftest import ROOT, check, clean_env, in_process, made_once, read_json
 from scaleup.data.convert import main as convert
 
 pytest.importorskip("copier")
 
-NAME = "mynet"
-GIT = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
-# The project's tests that touch its name everywhere: configs (every _target_), the contract, the plan.
-# The rename's tests: every spelling of the name in a project named like the README's example.
-PROJECT_TESTS = [
-    "engine/tests/test_config.py",
-    "engine/tests/test_contract.py",
-    "engine/tests/test_plan.py",
-    "engine/tests/test_rename.py",
-]
-MACHINERY_FIX = "engine/src/scaleup/plan/batch.py"  # what the template's next version changes in the machinery
-EXAMPLE_FIX = "src/myproject/models/nets.py"  # ... and in the example code, which is the user's after the copy
-
-
+NAMES = ("mynet", "othernet")
+NEXT_VERSION = "99.1.0"  # engine/src/scaleup/__init__.py's __version__ in the template's v1.1.0
+ENGINE_FIX = "engine/src/scaleup/plan/batch.py"  # what v1.1.0 changes in the engine's code
+FIX = "# the engine's fix in v1.1.0\n"
+SKELETON_FIX = "configs/train.yaml"  # ... and in the files a project holds
+# What a project holds of the template's own: nothing
+TEMPLATE_ONLY = ("engine", "benchmarks", "deploy", "docs", "project", "CHANGELOG.md", "constraints-oldest.txt")
 # copier commits in its scratch repositories: a machine without a git identity must not fail them.
 IDENTITY = {f"GIT_{who}_{what}": value for who in ("AUTHOR", "COMMITTER") for what, value in
             (("NAME", "test"), ("EMAIL", "test@example.com"))}  # fmt: skip
 
 
-def sh(cwd: Path, *command: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {**(env or os.environ), **IDENTITY}
-    return check(subprocess.run([str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True))
-
-
-def commit(cwd: Path, message: str, tag: str | None = None) -> None:
-    sh(cwd, *GIT, "add", "-A")
-    sh(cwd, *GIT, "commit", "-q", "-m", message)
-    if tag:
-        sh(cwd, *GIT, "tag", tag)
-
-
-def copy_tree(destination: Path) -> Path:
-    """This tree as it is on disk (committed or not, less what git ignores), as a git repository of its own."""
-    listed = sh(ROOT, "git", "ls-files", "--cached", "--others", "--exclude-standard", "-z").stdout
-    for path in listed.split("\0")[:-1]:
-        if (ROOT / path).is_file():
-            (destination / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / path, destination / path)
-    sh(destination, "git", "init", "-q")
-    commit(destination, "template", tag="v1.0.0")
-    return destination
-
-
-def venv_with(project: Path, where: Path) -> Path:
-    """A venv that sees this interpreter's packages, with `project` installed into it (editable, no deps): the
-    project's own `scaleup` and `mynet`, never this checkout's."""
-    venv = where / "venv"
-    sh(where, sys.executable, "-m", "venv", "--without-pip", venv)
-    (site_dir,) = (venv / "lib").glob("python*/site-packages")
-    (site_dir / "outer-environment.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    python = venv / "bin" / "python"
-    env = project_env()
-    sh(where, python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", project, env=env)
-    return python
-
-
-def files(root: Path, leave_out: tuple[str, ...] = ()) -> dict[str, bytes]:
-    return {
-        str(path.relative_to(root)): path.read_bytes()
-        for path in root.rglob("*")
-        if path.is_file() and path.relative_to(root).parts[0] not in (".git", *leave_out)
-    }
-
-
 def project_env() -> dict[str, str]:
-    env = clean_env()
-    del env["PYTHONPATH"]  # this repository's engine/tests/ must not shadow the project's
+    """The environment of a user's shell: no path to this checkout (its engine, its engine/tests/)."""
+    env = {**clean_env(), **IDENTITY}
+    del env["PYTHONPATH"]
     return env
 
 
+def sh(cwd: Path, *command: str | Path) -> subprocess.CompletedProcess:
+    return check(subprocess.run([str(c) for c in command], cwd=cwd, env=project_env(), capture_output=True, text=True))
+
+
+def commit(cwd: Path, message: str, tag: str | None = None) -> str:
+    sh(cwd, "git", "add", "-A")
+    sh(cwd, "git", "commit", "-q", "-m", message)
+    if tag:
+        sh(cwd, "git", "tag", tag)
+    return sh(cwd, "git", "rev-parse", "HEAD").stdout.strip()
+
+
+def make_template_and_projects(root: Path) -> None:
+    """The template (this tree, committed as v1.0.0; then v1.1.0) and the projects made from v1.0.0."""
+    template = root / "template"
+    listed = sh(ROOT, "git", "ls-files", "--cached", "--others", "--exclude-standard", "-z").stdout
+    for path in listed.split("\0")[:-1]:
+        if (ROOT / path).is_file():
+            (template / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / path, template / path)
+    sh(template, "git", "init", "-q")
+    commits = {"v1.0.0": commit(template, "template", tag="v1.0.0")}
+    init = template / "engine/src/scaleup/__init__.py"
+    init.write_text(re.sub(r'__version__ = "[^"]*"', f'__version__ = "{NEXT_VERSION}"', init.read_text()))
+    for path in (ENGINE_FIX, SKELETON_FIX):
+        (template / path).write_text((template / path).read_text() + FIX)
+    commits["v1.1.0"] = commit(template, "Next version", tag="v1.1.0")
+    (root / "commits.json").write_text(json.dumps(commits))
+    for name in NAMES:  # a relative template path, as typed: stored absolute
+        sh(root, sys.executable, "-m", "copier", "copy", "--trust", "--defaults", "--vcs-ref", "v1.0.0",
+           "-d", f"project_name={name}", "-d", "author=A. User", template.name, name)  # fmt: skip
+        sh(root / name, "git", "init", "-q")
+        commit(root / name, "Start from the template")
+
+
+@pytest.fixture(scope="session")
+def made(tmp_path_factory) -> Path:
+    """The template and the projects made from it, once per session: read them, change only clones."""
+    return made_once(tmp_path_factory, "copier", make_template_and_projects)
+
+
+def commits(made: Path) -> dict[str, str]:
+    return json.loads((made / "commits.json").read_text())
+
+
+def pin(made: Path, tag: str) -> str:
+    return f"git+file://localhost{made / 'template'}@{commits(made)[tag]}#subdirectory=engine"
+
+
+def venv_with(where: Path, *projects: Path) -> Path:
+    """A fresh venv that sees this interpreter's packages (torch ...), with `projects` installed into it as the
+    README installs them, from no index: the engine can only come from their pins. Returns its python."""
+    venv = where / "venv"
+    sh(where, sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv)
+    python = venv / "bin" / "python"
+    editables = [arg for project in projects for arg in ("-e", f"{project}[test]")]
+    sh(where, sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-index", "--no-build-isolation",
+       *editables)  # fmt: skip
+    return python
+
+
+def imported(python: Path, cwd: Path, *modules: str) -> dict[str, str]:
+    """Where each module imports from, and the engine's version, in `python` run from `cwd`."""
+    names = ("scaleup", *modules)
+    code = f"import json, {', '.join(names)}; print(json.dumps({{m: __import__(m).__file__ for m in {names}}}"
+    code += " | {'version': scaleup.__version__}))"
+    return json.loads(sh(cwd, python, "-c", code).stdout)
+
+
+@pytest.fixture(scope="module")
+def installed(made, tmp_path_factory) -> Iterator[tuple[Path, subprocess.Popen, Path]]:
+    """Both projects installed in one fresh venv (its python), and the first one's own tests (the README's
+    `pytest`) started there in the background, to be awaited by the last test of this file: the tests between
+    run meanwhile."""
+    where = tmp_path_factory.mktemp("installed")
+    python = venv_with(where, *(made / name for name in NAMES))
+    output = where / "pytest.out"
+    with output.open("w") as out:
+        command = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q"]
+        tests = subprocess.Popen(command, cwd=made / NAMES[0], env=project_env(), stdout=out, stderr=out)
+    yield python, tests, output
+    tests.kill()
+    tests.wait()
+
+
 @pytest.mark.slow
-def test_copier_project_takes_the_next_version_and_keeps_old_checkpoints_and_shards(tmp_path):
-    template = copy_tree(tmp_path / "template")
-    # Under the template's own name: shards, then a run on them.
+def test_a_made_project_holds_its_own_code_and_pins_the_engine(made):
+    project = made / "mynet"
+    assert [entry for entry in TEMPLATE_ONLY if (project / entry).exists()] == []
+    files = [path.relative_to(project) for path in project.rglob("*") if ".git" not in path.relative_to(project).parts]
+    assert [str(path) for path in files if path.name == "scaleup" or path.match("test_*.py")] == [
+        "tests/test_project.py"
+    ]  # no engine source and no engine tests, anywhere
+    assert sorted(p.name for p in (project / "src").iterdir()) == ["mynet"]
+    assert "_target_: mynet.models.ImageClassifier" in (project / "configs/model/digits_cnn.yaml").read_text()
+    pyproject = (project / "pyproject.toml").read_text()
+    extras = ("", "[loggers]", "[shards]", "[slurm]", "[ray]")
+    pinned = [f'"scaleup-engine{extra} @ {pin(made, "v1.0.0")}"' for extra in extras]
+    assert re.findall(r'"scaleup-engine[^"]*"', pyproject) == pinned
+    answers = (project / ".copier-answers.yml").read_text()
+    assert "_commit: v1.0.0\n" in answers and f"_src_path: {made / 'template'}\n" in answers
+    readme = (project / "README.md").read_text()
+    assert readme.startswith("# mynet\n") and f"file://localhost{made / 'template'}/docs" in readme
+    assert re.search(r"^Copyright \(c\) \d{4} A\. User$", (project / "LICENSE").read_text(), re.MULTILINE)
+
+
+@pytest.mark.slow
+def test_made_projects_install_from_their_pin_side_by_side(made, installed):
+    """Both projects in one environment, each with its own package and the one engine, from the pin."""
+    python, _, _ = installed
+    (site,) = (python.parents[1] / "lib").glob("python*/site-packages")
+    version = re.search(r'__version__ = "(.+)"', (ROOT / "engine/src/scaleup/__init__.py").read_text())[1]
+    for project in (made / name for name in NAMES):
+        assert imported(python, project, *NAMES) == {
+            "scaleup": str(site / "scaleup/__init__.py"),  # built from the pinned commit, not this checkout
+            **{name: str(made / name / "src" / name / "__init__.py") for name in NAMES},
+            "version": version,  # this tree's, which v1.0.0 is
+        }
+    (source,) = site.glob("scaleup_engine-*.dist-info/direct_url.json")
+    assert json.loads(source.read_text())["url"] == f"file://localhost{made / 'template'}"
+
+
+@pytest.mark.slow
+def test_copier_project_takes_the_next_version_and_keeps_old_checkpoints_and_shards(made, tmp_path):
+    """The user's edits, then `copier update` to v1.1.0: the pin moves, the template's change to the project's files
+    arrives, the user's edits stay, the new engine installs; a checkpoint and shards written by the template under
+    its own name before all that still evaluate and train."""
+    # Under the template's own name and engine (this checkout): shards, then a run on them.
     shards, trained = tmp_path / "shards", tmp_path / "trained"
     assert convert(["data=digits", f"out={shards}", "samples_per_shard=400", "workers=1"]) == 0
     common = ["data=sharded", f"data.url={shards}", "data.num_workers=0", "trainer.enable_progress_bar=false"]
     in_process([*common, "trainer.max_epochs=1", f"hydra.run.dir={trained}"])
 
-    project = tmp_path / NAME
-    # A relative template path: stored absolute, so that the update, run from the project, finds the template.
-    sh(tmp_path, sys.executable, "-m", "copier", "copy", "--trust", "--defaults", "-d", f"project_name={NAME}",
-       "-d", "author=A. User", "--vcs-ref", "v1.0.0", template.name, NAME)  # fmt: skip
-    assert f"_src_path: {template.resolve()}\n" in (project / ".copier-answers.yml").read_text()
-    assert sorted(p.name for p in (project / "src").iterdir()) == [NAME, "scaleup"]
-    assert filecmp.dircmp(template / "src/scaleup", project / "src/scaleup").diff_files == []  # never renamed
-    assert "_target_: mynet.models.ImageClassifier" in (project / "configs/model/digits_cnn.yaml").read_text()
-    assert re.search(r"^Copyright \(c\) \d{4} A\. User$", (project / "LICENSE").read_text(), re.MULTILINE)
-    sh(project, "git", "init", "-q")
-    commit(project, "Start from the template")
-    # Without copier: a clone renamed to the README's example name is the same project.
-    clone = tmp_path / "clone"
-    sh(tmp_path, "git", "clone", "-q", template, clone)
-    sh(clone, sys.executable, "scripts/rename.py", NAME)
-    differ = ("LICENSE", "CHANGELOG.md", "copier.yml", ".copier-answers.yml", ".copier-answers.yml.jinja")
-    assert files(clone, differ) == files(project, differ)
-
-    # The user's own work: a changed model config, a model of their own.
+    project = tmp_path / "mynet"
+    sh(tmp_path, "git", "clone", "-q", made / "mynet", project)
     config = project / "configs/model/digits_cnn.yaml"
     config.write_text(config.read_text().replace("width: 32", "width: 24"))
-    (project / f"src/{NAME}/models/mlp.py").write_text('"""My MLP."""\n\nfrom torch import nn\n\nMLP = nn.Sequential\n')
+    (project / "src/mynet/models/mlp.py").write_text('"""My MLP."""\n\nfrom torch import nn\n\nMLP = nn.Sequential\n')
+    readme, pyproject = project / "README.md", project / "pyproject.toml"
+    readme.write_text(readme.read_text() + "\n## My notes\n\nWidth 24 is enough.\n")
+    pyproject.write_text(pyproject.read_text().replace('version = "0.1.0"', 'version = "0.4.2"'))
     commit(project, "My model")
-    python = venv_with(project, tmp_path)  # the project installed, as the README's flow does
-    env = project_env()
-    # The template's next version: a machinery fix and an example fix that names the project in a comment.
-    example_fix = f"# the example's fix; see also {NAME}\n"
-    for path, line in [(MACHINERY_FIX, "# the machinery's fix\n"), (EXAMPLE_FIX, example_fix)]:
-        (template / path).write_text((template / path).read_text() + line)
-    commit(template, "Next version", tag="v1.1.0")
 
-    sh(project, python, "-m", "copier", "update", "--trust", "--defaults", env=env)
-    assert (project / MACHINERY_FIX).read_text().endswith("# the machinery's fix\n")
-    assert (project / f"src/{NAME}/models/nets.py").read_text().endswith(example_fix)
-    assert "width: 24" in config.read_text() and (project / f"src/{NAME}/models/mlp.py").is_file()
-    assert "_commit: v1.1.0" in (project / ".copier-answers.yml").read_text()
-    status = sh(project, "git", "status", "--porcelain").stdout.splitlines()
-    assert sorted(status) == sorted(
-        [" M .copier-answers.yml", f" M {MACHINERY_FIX}", f" M src/{NAME}/models/nets.py"]
-    )  # no conflict, no .rej file, nothing else touched
-    assert not (project / "src/myproject").exists()
+    sh(project, sys.executable, "-m", "copier", "update", "--trust", "--defaults")
+    assert sorted(sh(project, "git", "status", "--porcelain").stdout.splitlines()) == [
+        " M .copier-answers.yml",
+        f" M {SKELETON_FIX}",
+        " M pyproject.toml",
+    ]  # no conflict, no .rej file, nothing else touched
+    assert "_commit: v1.1.0\n" in (project / ".copier-answers.yml").read_text()
+    assert (project / SKELETON_FIX).read_text().endswith(FIX)
+    assert (
+        pyproject.read_text().count(pin(made, "v1.1.0")) == 5 and commits(made)["v1.0.0"] not in pyproject.read_text()
+    )
+    assert 'version = "0.4.2"' in pyproject.read_text()
+    assert "width: 24" in config.read_text() and (project / "src/mynet/models/mlp.py").is_file()
+    assert readme.read_text().endswith("\n## My notes\n\nWidth 24 is enough.\n")
 
-    # The updated project: its tests, and the template's checkpoint and shards under the new name, side by side.
+    python = venv_with(tmp_path, project)
+    found = imported(python, project)
+    assert found["version"] == NEXT_VERSION
+    assert Path(found["scaleup"]).parent.joinpath("plan/batch.py").read_text().endswith(FIX)
+
+    # In the updated project, the template's checkpoint evaluates and resumes on the template's shards.
     best = next((trained / "checkpoints").glob("best-*.ckpt"))
-    resumed, net = tmp_path / "resumed", tmp_path / "net.pt"
+    resumed = tmp_path / "resumed"
     commands = {
-        "tests": [python, "-m", "pytest", *PROJECT_TESTS, "-m", "not slow", "-q", "-x", "-n", "0"],
         "eval": [python, "eval.py", f"ckpt_path={best}", f"hydra.run.dir={tmp_path / 'eval'}"],
-        "export": [python, "export.py", f"ckpt_path={best}", f"output_path={net}"],
         "resume": [python, "train.py", *common, f"ckpt_path={trained / 'checkpoints/last.ckpt'}",
                    "model.net.width=32", "trainer.max_epochs=2", f"hydra.run.dir={resumed}"],
     }  # fmt: skip
     procs = {
         name: subprocess.Popen(
-            command, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            command, cwd=project, env=project_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         for name, command in commands.items()
     }
     outputs = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
     for name, proc in procs.items():
         assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{outputs[name][-4000:]}"
-    assert re.search(r"\d+ passed", outputs["tests"])
     trained_metrics = read_json(trained / "metrics.json")
     assert read_json(tmp_path / "eval/metrics.json")["test/acc"] == trained_metrics["test/acc"]
-    assert torch.load(net, weights_only=True)  # a plain state_dict, not empty
-    metrics = json.loads((resumed / "metrics.json").read_text())
-    assert metrics["test/samples"] == trained_metrics["test/samples"] == 360
+    assert read_json(resumed / "metrics.json")["test/samples"] == trained_metrics["test/samples"] == 360
     assert "_target_: mynet.models.ImageClassifier" in (resumed / "config.yaml").read_text()
     assert "resuming from" in (resumed / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_made_projects_own_tests_pass_where_it_is_installed(installed):
+    """The README's `pytest` in the project, run by `installed` (in the background since it installed)."""
+    _, tests, output = installed
+    tests.wait(timeout=600)
+    assert tests.returncode == 0 and re.search(r"\b4 passed\b", output.read_text()), output.read_text()[-4000:]

@@ -175,6 +175,70 @@ def test_an_update_that_stops_part_way_says_how_to_restore_the_project(tmp_path,
     assert err.endswith("; the update stopped part-way: `git reset --hard && git clean -fd` restores the project\n")
 
 
+def test_a_made_project_pins_the_engine_to_the_template_commit_and_an_update_moves_the_pin(tmp_path, capsys):
+    """copier's task: the project's own files from project/ replace the template's, and every requirement on the
+    engine, extras too, becomes a direct reference to the engine of the template's commit; on an update, to the
+    new commit, whatever the rendered pyproject said before."""
+    name = rename.TEMPLATE_NAME
+    pyproject = (
+        f'[project]\nname = "{name}"\ndependencies = ["scaleup-engine", "numpy"]\n'
+        f'[project.optional-dependencies]\nray = ["scaleup-engine[ray]"]  # {name}\ndev = ["{name}[test]"]\n'
+    )
+    files = {
+        f"src/{name}/__init__.py": "",
+        "pyproject.toml": pyproject,
+        "README.md": f"# The template's own README, naming {name}\n",
+        "project/README.md": f"# {name}\n\nThe engine's documentation: ENGINE_DOCS\n",
+    }
+    template = write_project(tmp_path / "template", files)
+    first = git(template, "rev-parse", "HEAD").strip()
+    root = write_project(tmp_path / "project", {k: v for k, v in files.items() if "project/" not in k}, commit=False)
+    (root / rename.ANSWERS).write_text(f"_commit: v1.0.0\n_src_path: {template.name}\n")  # relative, as typed
+
+    def made(commit: str, operation: str) -> str:
+        args = ["new_pkg", "--template", str(template), "--commit", commit, "--operation", operation]
+        assert rename.main(args, root=root) == 0
+        return (root / "pyproject.toml").read_text()
+
+    pin = f"git+file://localhost{template}@{first}#subdirectory=engine"
+    assert made(first, "copy") == (
+        f'[project]\nname = "new_pkg"\ndependencies = ["scaleup-engine @ {pin}", "numpy"]\n'
+        f'[project.optional-dependencies]\nray = ["scaleup-engine[ray] @ {pin}"]  # new_pkg\ndev = ["new_pkg[test]"]\n'
+    )
+    assert f"pinned  2 scaleup-engine requirement(s) in pyproject.toml to {pin}\n" in capsys.readouterr().out
+    docs = f"file://localhost{template}/docs"
+    assert (root / "README.md").read_text() == f"# new_pkg\n\nThe engine's documentation: {docs}\n"
+    assert (root / rename.ANSWERS).read_text() == f"_commit: v1.0.0\n_src_path: {template}\n"
+    assert not (root / "project").exists()
+
+    # An update renders the next version's pyproject (unpinned) and, in copier's scratch copies, the old one again
+    # (pinned): both end pinned to the commit the task is given.
+    (template / "README.md").write_text("# The next version\n")
+    git(template, "commit", "-qam", "next")
+    second = git(template, "rev-parse", "HEAD").strip()
+    assert made(second, "update").count(f"@ git+file://localhost{template}@{second}#subdirectory=engine") == 2
+    (root / "pyproject.toml").write_text(pyproject)
+    assert made(second, "update").count(f"@ git+file://localhost{template}@{second}#subdirectory=engine") == 2
+    # Without --commit (a template run by hand), the commit its checkout is at
+    assert rename.main(["new_pkg", "--template", str(template), "--operation", "update"], root=root) == 0
+    assert f"@{second}#subdirectory=engine" in (root / "pyproject.toml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("source", "url"),
+    [
+        ("gh:someone/template", "https://github.com/someone/template.git"),
+        ("gl:someone/template.git", "https://gitlab.com/someone/template.git"),
+        ("https://example.com/someone/template.git", "https://example.com/someone/template.git"),
+        ("git+https://example.com/t.git", "https://example.com/t.git"),
+        ("git@github.com:someone/template.git", "ssh://git@github.com/someone/template.git"),
+        ("/srv/templates/scaleup", "file://localhost/srv/templates/scaleup"),
+    ],
+)
+def test_the_pin_names_the_template_as_a_url_pip_clones(source, url):
+    assert rename.git_url(source) == url
+
+
 def test_every_spelling_of_the_name_in_this_project_is_one_the_rename_replaces():
     """A spelling the rules miss (a second capital inside the name, the name glued to a word) would survive a rename."""
     missed = []

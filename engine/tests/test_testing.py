@@ -1,0 +1,70 @@
+"""scaleup.testing, the checks a project's own tests call: they pass on the example project (tests/test_project.py
+runs them all) and fail on code outside the contract, naming what is wrong."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+
+from conftest import ROOT
+from scaleup.api import GlobalBatchDataModule, UserError
+from scaleup.testing import check_contract
+
+LOADER_SETTINGS = inspect.signature(GlobalBatchDataModule.__init__).parameters
+
+
+class Stream(IterableDataset):
+    """A data set that can only be iterated: no sampler can order or shard it."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self):
+        return iter(self.data)
+
+
+class StreamedTraining(GlobalBatchDataModule):
+    """Digit-shaped random data whose training split streams: outside the contract (map-style splits)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**{key: value for key, value in settings.items() if key in LOADER_SETTINGS})
+
+    def model_settings(self) -> dict[str, Any]:
+        return {"net.num_classes": 10, "net.in_channels": 1}
+
+    def build_splits(self) -> dict[str, Dataset]:
+        generator = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(128, 1, 8, 8, generator=generator), torch.arange(128) % 10)
+        return {"train": Stream(data), "val": data, "test": data}
+
+
+def test_the_contract_check_refuses_what_train_py_refuses():
+    with pytest.raises(UserError, match=r"SchedulerClassifier\.configure_optimizers returns a learning-rate scheduler"):
+        check_contract(["model._target_=user_modules.SchedulerClassifier"], project=ROOT)
+
+
+def test_the_contract_check_names_a_streamed_split_and_a_network_export_cannot_find():
+    encoder = [
+        "model._target_=user_modules.EncoderModule",
+        "~model.net",
+        "~model.label_smoothing",
+        "~model.compile",
+        "~model.figures",
+        "+model.encoder._target_=myproject.models.DigitsCNN",
+        "+model.encoder.num_classes=10",
+    ]
+    with pytest.raises(AssertionError) as error:
+        check_contract(["data._target_=test_testing.StreamedTraining", *encoder], project=ROOT)
+    assert str(error.value).splitlines() == [
+        "StreamedTraining / EncoderModule:",
+        "  build_splits()['train'] is Stream, not a map-style dataset",
+        "  export.py's module=net: EncoderModule has no submodule 'net'; its children are encoder, metrics: pass "
+        "module=<one of them>",
+    ]

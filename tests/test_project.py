@@ -21,5 +21,6 @@ def test_a_short_run_evaluates_exports_and_resumes_to_the_same_weights(tmp_path)
     train_eval_resume(tmp_path, ["trainer.max_epochs=2"], project=PROJECT)
 
 
+@pytest.mark.slow  # 2 processes; `pytest -m "not slow"` leaves it out
 def test_the_model_trains_the_same_on_1_and_2_processes():
     check_equivalence(project=PROJECT)

@@ -16,10 +16,8 @@ Both take `hydra.run.dir=DIR` among the overrides; give one, or the run lands in
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import logging
 import math
 import multiprocessing
 import os
@@ -283,67 +281,14 @@ def run(
         return subprocess.CompletedProcess(command, proc.returncode, out.read(), err.read())
 
 
-@contextlib.contextmanager
-def _job_log(path: Path, fmt: str) -> Iterator[None]:
-    """What Hydra's job logging does for an entry point: INFO and up from every logger into the run's log file."""
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter(fmt))
-    root = logging.getLogger()
-    level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
-        handler.close()
-
-
 def in_process(args: list[str], *, job: str = "train") -> Any:
-    """Run `python <job>.py *args` in this process: compose the config, set up HydraConfig, call the job.
+    """Run `python <job>.py *args` in this process: `scaleup.testing.run_job` from the repository's project (Hydra's
+    runtime set up as `@hydra.main` sets it, the run's log file written, torch on one thread as the subprocesses).
+    Returns what the job returns (`train`/`eval`: the final metrics). A user mistake raises `UserError`."""
+    from scaleup.testing import run_job
 
-    Mirrors `@hydra.main` for a single run: the run directory is `hydra.run.dir` (pass one), `hydra.job.name` is
-    the job's name, the log goes to `<run dir>/<job>.log`, the `hydra` node is removed from the job's config.
-    Returns what the job returns (`train`/`eval`: the final metrics). Torch runs on one thread, as the
-    subprocesses do (OMP_NUM_THREADS=1), so an in-process run and a subprocess run compute the same bits.
-    """
-    import torch
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import OmegaConf, open_dict, read_write
-
-    from scaleup.distributed.run_dir import register_resolvers
-    from scaleup.evaluate import evaluate
-    from scaleup.export import export
-    from scaleup.train import train
-
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3", job_name=job):
-        cfg = compose(job, overrides=merged(args), return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.cwd = str(ROOT)
-        cfg.hydra.mode = RunMode.RUN
-    HydraConfig.instance().set_config(cfg)  # for the ${hydra:...} interpolations in hydra.run.dir
-    run_dir = ROOT / OmegaConf.select(cfg, "hydra.run.dir")  # absolute paths stay as they are
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with read_write(cfg.hydra.runtime):
-        cfg.hydra.runtime.output_dir = str(run_dir)
-    HydraConfig.instance().set_config(cfg)
-    file_log = OmegaConf.select(cfg, "hydra.job_logging.handlers.file")  # export logs to stdout only
-    log = _job_log(run_dir / f"{job}.log", cfg.hydra.job_logging.formatters.simple.format) if file_log else None
-    with read_write(cfg), open_dict(cfg):
-        del cfg["hydra"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     sigterm = signal.getsignal(signal.SIGTERM)
-    try:
-        with log or contextlib.nullcontext():
-            result = {"train": train, "eval": evaluate, "export": export}[job](cfg)
-    finally:
-        torch.set_num_threads(threads)
-        HydraConfig.instance().cfg = None
+    result = run_job(job, merged(args), project=ROOT)
     # A job leaves the process's SIGTERM handler as it found it (processes forked later must still die on it).
     assert signal.getsignal(signal.SIGTERM) == sigterm, f"{job} left SIGTERM to {signal.getsignal(signal.SIGTERM)}"
     return result

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import math
 import os
 import tempfile
@@ -34,6 +35,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.data import extract_batch_size
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from torch.utils.data import IterableDataset
@@ -97,13 +99,33 @@ def compose(job: str, overrides: Sequence[str] = ()) -> DictConfig:
     return cfg
 
 
+@contextlib.contextmanager
+def _job_log(job: str) -> Iterator[None]:
+    """What Hydra's job logging does for an entry point: INFO and up from every logger into <run dir>/<job>.log
+    (where the job's config writes one: export logs to stdout only)."""
+    hydra = HydraConfig.get()
+    if OmegaConf.select(hydra, "job_logging.handlers.file") is None:
+        yield
+        return
+    handler = logging.FileHandler(Path(hydra.runtime.output_dir) / f"{job}.log")
+    handler.setFormatter(logging.Formatter(hydra.job_logging.formatters.simple.format))
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        handler.close()
+
+
 def run_job(job: str, overrides: Sequence[str] = (), project: str | Path | None = None) -> Any:
     """`python <job>.py *overrides` (job: train, eval or export) in this process, from `project`; returns what the
     job returns (train and eval: the final metrics; export: the file written). Pass `hydra.run.dir=DIR` among the
     overrides, or the run lands in the project's outputs/. A user mistake raises `UserError` (the entry point
     would print it and exit 2). Torch runs on one thread, as a test's subprocesses do."""
-    from hydra.core.hydra_config import HydraConfig
-
     from scaleup.evaluate import evaluate
     from scaleup.export import export
     from scaleup.train import train
@@ -113,7 +135,8 @@ def run_job(job: str, overrides: Sequence[str] = (), project: str | Path | None 
         cfg = compose(job, overrides)
         torch.set_num_threads(1)
         try:
-            return {"train": train, "eval": evaluate, "export": export}[job](cfg)
+            with _job_log(job):
+                return {"train": train, "eval": evaluate, "export": export}[job](cfg)
         finally:
             torch.set_num_threads(threads)
             HydraConfig.instance().cfg = None

@@ -17,6 +17,7 @@ def test_the_task_keeps_the_contract(task):
     check_contract(task, project=PROJECT)
 
 
+@pytest.mark.slow  # an end-to-end run
 def test_a_short_run_evaluates_exports_and_resumes_to_the_same_weights(tmp_path):
     train_eval_resume(tmp_path, ["trainer.max_epochs=2"], project=PROJECT)
 

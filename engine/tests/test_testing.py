@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_contract import ENCODER
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from conftest import ROOT
@@ -51,15 +52,7 @@ def test_the_contract_check_refuses_what_train_py_refuses():
 
 
 def test_the_contract_check_names_a_streamed_split_and_a_network_export_cannot_find():
-    encoder = [
-        "model._target_=user_modules.EncoderModule",
-        "~model.net",
-        "~model.label_smoothing",
-        "~model.compile",
-        "~model.figures",
-        "+model.encoder._target_=myproject.models.DigitsCNN",
-        "+model.encoder.num_classes=10",
-    ]
+    encoder = [arg for arg in ENCODER if arg.startswith(("model.", "~model.", "+model."))]
     with pytest.raises(AssertionError) as error:
         check_contract(["data._target_=test_testing.StreamedTraining", *encoder], project=ROOT)
     assert str(error.value).splitlines() == [

@@ -165,20 +165,6 @@ def test_equivalence_check_catches_a_global_count_loss():
     print(out)
 
 
-def test_equivalence_check_passes_the_template_with_dropout_and_augmentation(capsys, monkeypatch):
-    """The template's default model (BatchNorm), randomness on: 2 processes equal 1 accumulating 2 in weights and
-    optimizer state (the same micro-batches draw the same masks and normalise by the same statistics), BatchNorm's
-    running statistics differ by design, and the whole batch differs only as BatchNorm and dropout explain."""
-    assert equivalence_check(monkeypatch, ["model.net.dropout=0.5", "data.augment=true"]) == 0
-    out = capsys.readouterr().out
-    assert "2 processes vs 1 accumulating 2: largest relative difference 0.00e+00" in out
-    assert "not compared, different by design: the running statistics of net.1, net.4, net.8 (BatchNorm)" in out
-    assert "the whole batch differs from its micro-batches by design: BatchNorm" in out
-    assert "; dropout (model.net.dropout=0.5)" in out
-    assert out.rstrip().endswith("EQUIVALENT in float64: moving to more devices changes the speed, not the result")
-    print(out)
-
-
 def runs(one, split, two, optimizers=({}, {}, {})):
     """The three runs' checkpoints, from their state_dicts and optimizer states (`{param index: {name: tensor}}`)."""
     states = (one, split, two)

@@ -25,7 +25,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench
 # What a command runs -> the config it composes (check_equivalence passes its overrides to train.py).
 JOBS = {"train.py": "train", "eval.py": "eval", "export.py": "export", "scaleup.check_equivalence": "train"}
 
-TEST_CITE = re.compile(r"(engine/tests/\w+\.py)(?:::(\w+))?")
+TEST_CITE = re.compile(r"((?:engine/)?tests/\w+\.py)(?:::(\w+))?")
 # A test named alone: `::test_x` after a cited file, or `test_a_b` (two underscores at least: `test_size` is a key).
 BARE_TEST = re.compile(r"`(::)?(test_\w+_\w+|(?<=::)test_\w+)(?:\[[^\]`]*\])?`")
 REPO_PATH = re.compile(r"(?<![\w./~-])((?:configs|src|benchmarks|scripts|docs|notebooks|tests|engine)/[\w./-]*)")
@@ -70,10 +70,11 @@ def texts() -> Iterator[tuple[str, int, str, bool]]:
 
 @functools.cache
 def known_tests() -> dict[str, set[str]]:
-    """The test functions and methods of each file under engine/tests/ (a parametrized test under its plain name)."""
+    """The test functions and methods of each file under engine/tests/ and tests/ (a parametrized test under its
+    plain name)."""
     names = {}
-    for path in sorted((ROOT / "engine" / "tests").glob("*.py")):
-        names[f"engine/tests/{path.name}"] = {
+    for path in sorted([*(ROOT / "engine" / "tests").glob("*.py"), *(ROOT / "tests").glob("*.py")]):
+        names[str(path.relative_to(ROOT))] = {
             node.name
             for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test_")

@@ -236,4 +236,5 @@ def test_a_made_projects_own_tests_pass_where_it_is_installed(installed):
     _, tests, output = installed
     tests.wait(timeout=600)
     text = output.read_text()
-    assert tests.returncode == 0 and re.search(r"\b2 passed, 2 deselected\b", text), text[-4000:]
+    # its 2 fast tests (under xdist, the summary does not count the 2 deselected)
+    assert tests.returncode == 0 and re.search(r"\b2 passed in\b", text), text[-4000:]

@@ -111,7 +111,7 @@ def accumulated(mesh: object, x: torch.Tensor, y: torch.Tensor, whole: bool | No
     for micro_batch in range(3):
         paused = whole is not None and micro_batch < 2
         # A CommDebugMode per forward: torch 2.13's stacks its module hooks on a module that runs twice inside one
-        # (an IndexError on the second forward: pytorch/pytorch#191392, fixed by 2.14.1)
+        # (an IndexError on the second forward with torch 2.12 and 2.13; not with 2.14.1)
         sync = gradient_sync_paused([model["net"]], whole=bool(whole)) if paused else contextlib.nullcontext()
         with CommDebugMode() as comm, sync:
             F.cross_entropy(model["net"](x), y).backward()

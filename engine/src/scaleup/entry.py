@@ -7,29 +7,25 @@ value the schema refuses, is one `error:` line and exit code 2.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import hydra
+from omegaconf import DictConfig
 
 from scaleup.distributed.run_dir import register_resolvers
 from scaleup.errors import exit_on_user_error, one_line_composition_errors
 
-JOBS = ("train", "eval", "export")
+# Each job's function, imported when it runs (eval.py need not import the training code).
+JOBS = {"train": "scaleup.train:train", "eval": "scaleup.evaluate:evaluate", "export": "scaleup.export:export"}
 
 
-def job_function(job: str):
-    """The engine's function for `job`, imported when it runs (eval.py need not import the training code)."""
-    if job == "train":
-        from scaleup.train import train
-
-        return train
-    if job == "eval":
-        from scaleup.evaluate import evaluate
-
-        return evaluate
-    from scaleup.export import export
-
-    return export
+def job_function(job: str) -> Callable[[DictConfig], Any]:
+    """The engine's function that runs `job`."""
+    module, name = JOBS[job].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def main(job: str, configs: str | Path) -> None:

@@ -288,7 +288,7 @@ def in_process(args: list[str], *, job: str = "train") -> Any:
     from scaleup.testing import run_job
 
     sigterm = signal.getsignal(signal.SIGTERM)
-    result = run_job(job, merged(args), project=ROOT)
+    result = run_job(job, args, project=ROOT)  # run_job merges repeated keys, the last one winning
     # A job leaves the process's SIGTERM handler as it found it (processes forked later must still die on it).
     assert signal.getsignal(signal.SIGTERM) == sigterm, f"{job} left SIGTERM to {signal.getsignal(signal.SIGTERM)}"
     return result

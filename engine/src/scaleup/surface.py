@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import scaleup
+from scaleup.config.project import project_configs
+from scaleup.errors import UserError
 
 PACKAGE = Path(__file__).resolve().parent  # engine/src/scaleup
 RECORD = PACKAGE / "surface.json"
@@ -344,9 +346,10 @@ def record(current: dict[str, Any], version: str, path: Path = RECORD) -> str | 
 
 def main(argv: list[str]) -> int:
     """0: the surface holds (or was recorded), 1: it does not (or the record was refused), 2: not a project folder."""
-    configs = Path.cwd() / "configs"
-    if not (configs / "train.yaml").is_file():
-        print(f"error: no configs/train.yaml in {Path.cwd()}: run it from the project's folder", file=sys.stderr)
+    try:
+        configs = project_configs()
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     current = surface(configs)
     if "--record" in argv:

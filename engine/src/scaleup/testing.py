@@ -42,6 +42,7 @@ from torch.utils.data import IterableDataset
 
 from scaleup import check_equivalence as equivalence
 from scaleup.config.plain import to_plain
+from scaleup.config.project import project_configs
 from scaleup.config.schema import validate_config
 from scaleup.distributed.run_dir import register_resolvers
 from scaleup.export import submodule
@@ -83,7 +84,7 @@ def compose(job: str, overrides: Sequence[str] = ()) -> DictConfig:
 
     register_resolvers()
     by_key = {arg.split("=", 1)[0]: arg for arg in overrides}
-    with initialize_config_dir(config_dir=str(Path.cwd() / "configs"), version_base="1.3", job_name=job):
+    with initialize_config_dir(config_dir=str(project_configs()), version_base="1.3", job_name=job):
         cfg = hydra_compose(job, overrides=list(by_key.values()), return_hydra_config=True)
     with open_dict(cfg):
         cfg.hydra.runtime.cwd = os.getcwd()

@@ -234,10 +234,11 @@ def _preloaded_server() -> tuple[subprocess.Popen, str]:
 
 
 def _preloadable(command: list[str], env: dict[str, str]) -> bool:
+    """A `python <script>.py ...` or `python -m <module> ...` of this interpreter, in the environment it starts in."""
     served = clean_env()
     return (
         command[0] == sys.executable
-        and command[1].endswith(".py")
+        and (command[1].endswith(".py") or command[1] == "-m")
         and all(env.get(name) == served.get(name) for name in STARTUP_VARIABLES)
     )
 
@@ -264,9 +265,17 @@ def run(
     """Run an entry point the way a user would: from the repo root, or from `cwd` (then outputs/ lands there).
 
     The process is forked from a server that has imported torch and Lightning already (engine/tests/preloaded.py)."""
+    return run_command([sys.executable, str(ROOT / script), *merged(args)], timeout=timeout, env=env, cwd=cwd)
+
+
+def run_command(
+    command: list[str], *, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
+    """`command` to its end, its output captured: forked from the preloaded server where it is `python <script>.py`
+    or `python -m <module>` (see `run`), otherwise a subprocess."""
     import tempfile
 
-    command, env = [sys.executable, str(ROOT / script), *merged(args)], env or clean_env()
+    env = env or clean_env()
     if not _preloadable(command, env):
         return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, open(os.devnull) as stdin:
@@ -294,17 +303,22 @@ def in_process(args: list[str], *, job: str = "train") -> Any:
     return result
 
 
-def start(command: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT) -> Any:
-    """Start a command (from the repo root, or `cwd`) in the background, stdout and stderr merged; a Popen, or for
-    `[sys.executable, <script>.py, ...]` the same run forked from the preloaded server (see `run`)."""
+def start(command: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT, log: Path | None = None) -> Any:
+    """Start a command (from the repo root, or `cwd`) in the background, stdout and stderr merged into a pipe, or
+    appended to the file `log` (a pipe nobody reads while the test waits could fill and stall the process); a
+    Popen, or for `python <script>.py ...` and `python -m <module> ...` the same run forked from the preloaded server
+    (see `run`)."""
     env = env or clean_env()
-    if not _preloadable(command, env):
-        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    read, write = os.pipe()
-    with open(os.devnull) as stdin:
-        conn = _fork(command, cwd, env, (stdin.fileno(), write, write))
-    os.close(write)
-    return PreloadedProcess(command, conn, open(read))
+    with open(log or os.devnull, "a") as out:
+        if not _preloadable(command, env):
+            output = out if log else subprocess.PIPE
+            return subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+        read, write = (None, out.fileno()) if log else os.pipe()
+        with open(os.devnull) as stdin:
+            conn = _fork(command, cwd, env, (stdin.fileno(), write, write))
+    if not log:
+        os.close(write)
+    return PreloadedProcess(command, conn, None if log else open(read))
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

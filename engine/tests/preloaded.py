@@ -2,9 +2,10 @@
 
 Every `python train.py ...` costs about 5 s of CPU importing torch and Lightning before the job starts; on 2 cores
 those imports were most of the suite's time. `run()` and `start()` (engine/tests/conftest.py) send their command here
-instead: the server forks, and the child runs the script as `python <script> <args>` would, with the command's
-sys.argv, `__main__`, sys.path, working directory, environment and standard streams, from a process that has the
-modules already imported. Processes the run starts itself (a DDP rank 1, torchrun's or ddp_spawn's workers) are
+instead: the server forks, and the child runs the script as `python <script> <args>` (or the module as `python -m
+<module> <args>`: torchrun's agent, the Ray driver, the equivalence check) would, with the command's sys.argv,
+`__main__`, sys.path, working directory, environment and standard streams, from a process that has the modules
+already imported. Processes the run starts itself (a DDP rank 1, torchrun's or ddp_spawn's workers) are
 fresh interpreters, as they are for a user.
 
 `python engine/tests/preloaded.py SOCKET` serves until its stdin closes (its pytest worker exited). Each request is one
@@ -59,8 +60,9 @@ def serve(path: str) -> tuple[dict, list[int]]:
             os.close(fd)
 
 
-def become(request: dict, fds: list[int]) -> str:
-    """Turn this forked child into `python <script> <args>` started with the request's cwd, env and streams."""
+def become(request: dict, fds: list[int]) -> tuple[str, str]:
+    """Turn this forked child into `python <script> <args>` or `python -m <module> <args>` started with the
+    request's cwd, env and streams; returns ("path", script) or ("module", module)."""
     for fd, standard in zip(fds, (0, 1, 2), strict=True):
         os.dup2(fd, standard)
         os.close(fd)
@@ -68,17 +70,24 @@ def become(request: dict, fds: list[int]) -> str:
     served_path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     os.environ.clear()
     os.environ.update(request["env"])
-    script, *_ = sys.argv = request["argv"]
-    # sys.path as the interpreter makes it: the script's folder, then PYTHONPATH, then the installed packages.
+    argv = request["argv"]
+    kind, name = ("module", argv[1]) if argv[0] == "-m" else ("path", argv[0])
+    sys.argv = argv[1:] if kind == "module" else argv  # runpy puts the module's file in sys.argv[0]
+    # sys.path as the interpreter makes it: the script's folder (for -m, the working directory), then PYTHONPATH,
+    # then the installed packages.
     added = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     installed = [p for p in sys.path[1:] if p not in served_path]
-    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *added, *installed]
+    sys.path[:] = [os.getcwd() if kind == "module" else os.path.dirname(os.path.abspath(name)), *added, *installed]
     import numpy as np
 
     np.random.seed()  # a fresh interpreter draws its own unseeded state; forked ones would share the server's
-    return script
+    return kind, name
 
 
 if __name__ == "__main__":
     request, fds = serve(sys.argv[1])
-    runpy.run_path(become(request, fds), run_name="__main__")
+    kind, name = become(request, fds)
+    if kind == "module":
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(name, run_name="__main__")

@@ -8,7 +8,6 @@ global batch of 64.
 """
 
 import math
-import subprocess
 import sys
 
 import pytest
@@ -30,6 +29,7 @@ from conftest import (
     clean_env,
     in_process,
     read_json,
+    run_command,
     warmup_cosine,
     weights,
 )
@@ -157,7 +157,7 @@ def test_equivalence_check_catches_a_global_count_loss():
     `python -m`: the callback it hands its runs must be importable there (not `__main__.DrawnGenerators`)."""
     command = [sys.executable, "-m", "scaleup.check_equivalence", "model.net.norm=group"]
     command.append("model._target_=probes.GlobalCountLoss")
-    proc = subprocess.run(command, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    proc = run_command(command)
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr
     assert out.startswith("comparing 2 CPU processes, 1 accumulating 2 micro-batches and 1 with the whole batch")

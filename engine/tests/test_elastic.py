@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from test_launchers import free_port
 
-from conftest import EXACT, EXACT_TEST, ROOT, TOLERANCE, assert_same_weights, clean_env, merged, read_json, weights
+from conftest import EXACT, EXACT_TEST, TOLERANCE, assert_same_weights, merged, read_json, start, weights
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +30,7 @@ def agent(port: int, is_host: bool, args: list[str], log: Path) -> subprocess.Po
         *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic", f"--rdzv-conf={rdzv_conf}"),
         *("--monitor-interval=0.2", "train.py", *merged(args)),
     ]
-    with log.open("w") as out:
-        return subprocess.Popen(command, cwd=ROOT, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
+    return start(command, log=log)
 
 
 def lose_node(agent_pid: int) -> None:

@@ -8,7 +8,6 @@ downloaded: all of them in one interpreter (engine/tests/entry_point_cases.py), 
 """
 
 import json
-import subprocess
 import sys
 from enum import Enum
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import torch
 from pydantic import Field
 
-from conftest import ROOT, TESTS, clean_env, in_process
+from conftest import TESTS, check, in_process, run_command
 from scaleup.config.schema import validate_config
 from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error
 from user_modules import SCHEDULER_REFUSED
@@ -545,7 +544,7 @@ def entry_point_results(paths) -> dict[str, tuple[dict[str, Any], Path]]:
         cases[name] = (script, overrides_in(run_dir, script, args), run_dir)
     (tmp / "cases.json").write_text(json.dumps([[script, args] for script, args, _ in cases.values()]))
     driver = [sys.executable, str(TESTS / "entry_point_cases.py"), str(tmp / "cases.json"), str(tmp / "results.json")]
-    subprocess.run(driver, cwd=ROOT, env=clean_env(), check=True, timeout=600)
+    check(run_command(driver, timeout=600))
     results = json.loads((tmp / "results.json").read_text())
     return {name: (result, run_dir) for (name, (_, _, run_dir)), result in zip(cases.items(), results, strict=True)}
 

@@ -29,6 +29,7 @@ from conftest import (
     in_process,
     merged,
     read_json,
+    start,
     weights,
 )
 from kubeflow_operators import command, load, pytorchjob_pods, trainjob_pods, validation_errors
@@ -105,16 +106,8 @@ def start_pods(pods, shared: Path, port: int, extra: list[str], logs: Path) -> l
         program = [arg.replace("/shared", str(shared)) for arg in command(spec)]
         assert program[:2] == ["python", "train.py"]
         local = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "HOSTNAME": name}
-        with (logs / f"{name}.log").open("a") as out:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, *merged([*program[1:], *extra])],
-                    cwd=ROOT,
-                    env=clean_env(**local),
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+        pod = [sys.executable, *merged([*program[1:], *extra])]
+        procs.append(start(pod, env=clean_env(**local), log=logs / f"{name}.log"))
     return procs
 
 

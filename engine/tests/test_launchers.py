@@ -13,13 +13,13 @@ import torch
 from conftest import (
     EXACT_TEST,
     QUICK,
-    ROOT,
     check,
     clean_env,
     in_process,
     merged,
     read_json,
     run,
+    run_command,
     start,
 )
 from scaleup.errors import UserError
@@ -50,13 +50,8 @@ def bindable(port: int) -> bool:
 def torchrun(
     *torchrun_args: str, args: list[str], env=None, timeout=300, module="torch.distributed.run"
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", module, *torchrun_args, "train.py", *merged(args)],
-        cwd=ROOT,
-        env=env or clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    return run_command(
+        [sys.executable, "-m", module, *torchrun_args, "train.py", *merged(args)], env=env, timeout=timeout
     )
 
 

@@ -32,6 +32,7 @@ from conftest import (
     clean_env,
     merged,
     read_json,
+    start,
     weights,
 )
 from kubeflow_operators import load, validation_errors
@@ -45,10 +46,7 @@ RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
 def ray_train(args: list[str], log: Path) -> subprocess.Popen:
     """The Ray entry point as a user runs it, from the repository; its output (the driver's, and the workers' that
     Ray forwards to it) in `log`."""
-    with log.open("w") as out:
-        return subprocess.Popen(
-            [*RAY_TRAIN, *merged(args)], cwd=ROOT, env=clean_env(**RAY_ENV), stdout=out, stderr=subprocess.STDOUT
-        )
+    return start([*RAY_TRAIN, *merged(args)], env=clean_env(**RAY_ENV), log=log)
 
 
 @pytest.fixture(scope="module")

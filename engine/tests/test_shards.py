@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,7 @@ from scaleup.data.index import main as index_main
 from scaleup.data.samplers import resumed_steps
 from scaleup.data.sharded import ShardedDataModule
 from scaleup.data.shards import remote
+from scaleup.data.shards.cache import RESERVED, ShardCache
 from scaleup.data.shards.index import ShardIndex, shard_list_checksum
 from scaleup.data.shards.order import ShardWindowOrder
 from scaleup.data.shards.prefetch import Prefetcher, Spool
@@ -322,6 +324,25 @@ def test_the_prefetcher_yields_the_samplers_indices_keeps_five_units_and_clears_
     assert list(map(bytes, Spool(prefetcher.directory, 2).members(115))) == list(map(bytes, expected))
     assert Spool(prefetcher.directory, 2).members(5) is None  # its unit was deleted: the caller reads it
 
+
+def test_shards_another_process_is_fetching_count_against_the_cache_limit(shards, tmp_path):
+    """Loader workers fetching at the same time stay within data.cache_gb together: each reserves its shard's bytes
+    before it fetches, and the others' eviction counts them; a reservation a killed process left counts for nothing."""
+    fsspec.filesystem("memory").put(str(shards), "/reserving-digits", recursive=True)
+    index = ShardIndex.load("memory://reserving-digits/train")
+    cache = ShardCache(index, str(tmp_path), cache_bytes=int(2.5 * max(index.sizes)), keep_open=1)
+    cache.shard(0)
+    fetcher = subprocess.Popen(["sleep", "60"])  # another worker, fetching shard 5 now
+    reserved = cache.dir / f"{RESERVED}{fetcher.pid}-shard-000005.tar.size"
+    with open(reserved, "wb") as sparse:
+        sparse.truncate(index.sizes[5])
+    cache.shard(1)  # shard 0 + shard 5 being fetched + shard 1 > 2.5 shards: shard 0 goes
+    assert sorted(p.name for p in cache.dir.glob("*.tar")) == ["shard-000001.tar"]
+    fetcher.kill()
+    fetcher.wait()
+    cache.shard(2)  # the killed fetcher's reservation is deleted, not counted: shard 1 stays
+    assert sorted(p.name for p in cache.dir.glob("*.tar")) == ["shard-000001.tar", "shard-000002.tar"]
+    assert not list(cache.dir.glob(f"{RESERVED}*"))  # this process's own reservations ended with its fetches
 
 def test_a_changed_shard_set_is_refused_mid_epoch(shards, tmp_path):
     dm = module(shards)

@@ -4,7 +4,8 @@ Every process (rank or loader worker) keeps the shards of its current shuffle wi
 page cache, not the process, holds their bytes, and the ranks and workers of a node share it. A remote shard is
 copied once per node into `cache_dir` (a lock per shard: the first process fetches, the others wait and find it),
 its sha256 checked against the index; the least recently used shards are deleted to keep the whole cache
-directory (every split and shard set in it) within `cache_bytes`.
+directory (every split and shard set in it) within `cache_bytes`, counting the shards other processes are fetching
+at the same time (each reserves its bytes before it fetches).
 A full disk evicts the rest of the cache and tries again, then reads the shard into memory: bounded, never a crash.
 """
 
@@ -36,6 +37,7 @@ from scaleup.errors import UserError
 log = logging.getLogger(__name__)
 
 COPY_BYTES = 8 << 20  # a remote shard is copied in pieces of 8 MiB
+RESERVED = ".reserved-"  # `.reserved-<pid>-<shard>.size`: a sparse file as large as the shard that pid is fetching
 
 
 def default_cache_dir() -> str:
@@ -142,8 +144,8 @@ class ShardCache:
 
     def _fetch_cached(self, shard: int, url: str, path: Path) -> bool:
         """Fetch the shard into the cache, making room first; False when even an emptied cache's disk is full."""
+        reservation = self._evict(keep=path, incoming=self.index.sizes[shard])
         try:
-            self._evict(keep=path, incoming=self.index.sizes[shard])
             self._fetch(shard, url, path)
         except OSError as err:
             if err.errno != errno.ENOSPC:
@@ -156,6 +158,8 @@ class ShardCache:
                     raise
                 self._warn_memory(f"the disk under {self.dir} is full")
                 return False
+        finally:
+            reservation.unlink(missing_ok=True)
         return True
 
     def _warn_memory(self, why: str) -> None:
@@ -163,21 +167,27 @@ class ShardCache:
             log.warning(f"{why}: shards are read into memory instead of the cache (data.cache_dir, data.cache_gb)")
             self._warned_memory = True
 
-    def _evict(self, keep: Path, incoming: int) -> None:
+    def _evict(self, keep: Path, incoming: int) -> Path:
         """Delete the least recently used cached shards, of any split or shard set in the cache directory, until
-        `incoming` more bytes fit within the limit."""
+        `incoming` more bytes fit within the limit beside what other processes are fetching; returns this process's
+        reservation of those bytes (delete it once the shard is in place, or given up)."""
         with FileLock(str(self.cache_root / ".evict.lock")):
             cached = sorted(
                 (p.stat().st_mtime_ns, p)
                 for p in self.cache_root.glob("*/*.tar")
                 if p.suffix == ".tar" and p != keep and not p.name.startswith(".partial-")
             )
-            used = sum(p.stat().st_size for _, p in cached)
+            reservation = keep.with_name(f"{RESERVED}{os.getpid()}-{keep.name}.size")
+            fetching = [p for p in self.cache_root.glob(f"*/{RESERVED}*") if p != reservation and fetching_now(p)]
+            used = sum(p.stat().st_size for p in fetching) + sum(p.stat().st_size for _, p in cached)
             for _, victim in cached:
                 if used + incoming <= self.cache_bytes:
                     break
                 used -= victim.stat().st_size
                 victim.unlink(missing_ok=True)  # a process that has it mapped keeps reading it
+            with open(reservation, "wb") as sparse:
+                sparse.truncate(incoming)
+        return reservation
 
     def _fetch(self, shard: int, url: str, path: Path) -> None:
         part = path.with_name(f".partial-{os.getpid()}-{path.name}")
@@ -216,3 +226,16 @@ class ShardCache:
     def _check_digest(self, shard: int, url: str, digest: str) -> None:
         if digest != self.index.sha256[shard]:
             raise UserError(self._changed(url, f"sha256 {digest[:12]}, the index says {self.index.sha256[shard][:12]}"))
+
+
+def fetching_now(reservation: Path) -> bool:
+    """Whether the process that made `reservation` still runs; a reservation left by a killed process is deleted."""
+    pid = int(reservation.name[len(RESERVED) :].split("-", 1)[0])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        reservation.unlink(missing_ok=True)
+        return False
+    except PermissionError:
+        pass  # another user's process: running
+    return True

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from preloaded import STARTUP_VARIABLES
 
 if TYPE_CHECKING:
     import torch
@@ -166,11 +167,6 @@ def merged(args: list[str]) -> list[str]:
     """Overrides with repeated keys collapsed, the last one winning (Hydra itself would not say which wins)."""
     by_key = {arg.split("=", 1)[0]: arg for arg in args}
     return list(by_key.values())
-
-
-# Variables read once, when torch or Python starts: a command that sets them differently from the preloaded server
-# runs in a fresh interpreter instead.
-STARTUP_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTHONHASHSEED", "PYTHONUNBUFFERED")
 
 
 class PreloadedProcess:

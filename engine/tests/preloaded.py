@@ -5,8 +5,14 @@ those imports were most of the suite's time. `run()` and `start()` (engine/tests
 instead: the server forks, and the child runs the script as `python <script> <args>` (or the module as `python -m
 <module> <args>`: torchrun's agent, the Ray driver, the equivalence check) would, with the command's sys.argv,
 `__main__`, sys.path, working directory, environment and standard streams, from a process that has the modules
-already imported. Processes the run starts itself (a DDP rank 1, torchrun's or ddp_spawn's workers) are
-fresh interpreters, as they are for a user.
+already imported.
+
+The processes a script run starts with `sys.executable` (Lightning's launcher starting ranks 1..N-1) are served the
+same way: in a script run, `sys.executable` is a relay (RELAY below, a Python without site-packages that starts in
+milliseconds) that sends its command here and then stands for the forked process: it passes signals on, exits with
+its exit code, and a SIGKILL of the relay kills the process too. Everything else is a fresh interpreter, as for a
+user: torchrun's workers (they find their agent as their parent process), ddp_spawn's and Ray's workers, a command
+with interpreter flags, and a command whose start-up variables (conftest.STARTUP_VARIABLES) differ from the server's.
 
 `python engine/tests/preloaded.py SOCKET` serves until its stdin closes (its pytest worker exited). Each request is one
 packet: the command as JSON plus three file descriptors (stdin, stdout, stderr). A waiter process forked per
@@ -23,14 +29,51 @@ import select
 import signal
 import socket
 import sys
+import threading
 
 PRELOAD = ("torch", "lightning", "hydra", "scaleup.train", "scaleup.evaluate", "scaleup.export")
+# Variables read once, when Python, glibc or torch starts: a command that sets them differently runs in a fresh
+# interpreter.
+STARTUP_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "PYTHONHASHSEED",
+    "PYTHONUNBUFFERED",
+    "MALLOC_MMAP_THRESHOLD_",
+    "LD_PRELOAD",
+)
+SOCKET_VARIABLE = "SCALEUP_TEST_PRELOADED"  # the server's socket, for the relay
+RELAY = """
+import json, os, signal, socket, sys
+
+PYTHON, STARTUP = %r, %r
+if sys.argv[1].startswith("-") and sys.argv[1] != "-m" or {v: os.environ.get(v) for v in STARTUP} != STARTUP:
+    os.execv(PYTHON, [PYTHON, *sys.argv[1:]])  # interpreter flags, or other start-up variables: a fresh one
+conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+conn.connect(os.environ[%r])
+request = {"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ), "relay": os.getpid()}
+socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+pid = int(conn.recv(64))
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(sig, lambda sig, frame: os.kill(pid, sig))
+code = int(conn.recv(64))
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
 
 
 def serve(path: str) -> tuple[dict, list[int]]:
     """Accept requests until stdin closes; returns only in a forked child, with the request it is to run."""
     for name in PRELOAD:
         importlib.import_module(name)
+    relay = os.path.join(os.path.dirname(path), "python")
+    startup = {name: os.environ.get(name) for name in STARTUP_VARIABLES}
+    with open(relay, "w") as out:
+        out.write(f"#!{sys.executable} -IS\n" + RELAY % (sys.executable, startup, SOCKET_VARIABLE))
+    os.chmod(relay, 0o755)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(path)
@@ -48,7 +91,7 @@ def serve(path: str) -> tuple[dict, list[int]]:
             pid = os.fork()
             if pid == 0:
                 conn.close()
-                return json.loads(message), fds
+                return {**json.loads(message), "socket": path, "relay_path": relay}, fds
             for fd in fds:
                 os.close(fd)
             conn.send(str(pid).encode())
@@ -60,6 +103,17 @@ def serve(path: str) -> tuple[dict, list[int]]:
             os.close(fd)
 
 
+def die_with(pid: int) -> None:
+    """SIGKILL this process when process `pid` (its relay) ends, as a fresh interpreter dies with a SIGKILL."""
+    watch = os.pidfd_open(pid)
+
+    def wait() -> None:
+        select.select([watch], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, daemon=True).start()
+
+
 def become(request: dict, fds: list[int]) -> tuple[str, str]:
     """Turn this forked child into `python <script> <args>` or `python -m <module> <args>` started with the
     request's cwd, env and streams; returns ("path", script) or ("module", module)."""
@@ -67,12 +121,17 @@ def become(request: dict, fds: list[int]) -> tuple[str, str]:
         os.dup2(fd, standard)
         os.close(fd)
     os.chdir(request["cwd"])
+    argv, env = request["argv"], request["env"]
+    if "relay" in request:
+        die_with(request["relay"])
     served_path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     os.environ.clear()
-    os.environ.update(request["env"])
-    argv = request["argv"]
+    os.environ.update(env)
     kind, name = ("module", argv[1]) if argv[0] == "-m" else ("path", argv[0])
     sys.argv = argv[1:] if kind == "module" else argv  # runpy puts the module's file in sys.argv[0]
+    if kind == "path":  # the processes Lightning's launcher starts come here through the relay
+        sys.executable = request["relay_path"]
+        os.environ[SOCKET_VARIABLE] = request["socket"]
     # sys.path as the interpreter makes it: the script's folder (for -m, the working directory), then PYTHONPATH,
     # then the installed packages.
     added = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import PERFORMANCE, engine_option
 from scaleup.config.plain import build_model
 from scaleup.distributed.launch import build_strategy
 from scaleup.errors import UserError
@@ -28,9 +29,14 @@ DDP_OPTIONS = {
 def plan(accelerator="gpu", devices=4, global_batch=64, rule="linear", base_batch=64, precision="32-true", **kw):
     return build_plan(
         topology=Topology(accelerator, devices, 1),
-        trainer_cfg={"max_epochs": 2, "precision": precision, "sync_batchnorm": kw.get("sync_batchnorm", "auto")},
+        trainer_cfg=engine_option(
+            "trainer/default", max_epochs=2, precision=precision, sync_batchnorm=kw.get("sync_batchnorm", "auto")
+        ),
         data_cfg={"global_batch_size": global_batch},
-        lr_cfg={"base_batch_size": base_batch, "rule": rule, "warmup_epochs": kw.get("warmup_epochs", 0)},
+        lr_cfg=engine_option(
+            "lr_schedule/linear", base_batch_size=base_batch, rule=rule, warmup_epochs=kw.get("warmup_epochs", 0)
+        ),
+        performance=PERFORMANCE,
         base_lrs={"SGD/decay": 0.1},
         seed=0,
         dataset_sizes={"train": 1000, "val": 100, "test": 100},

@@ -32,6 +32,7 @@ from conftest import (
     WIDE,
     assert_same_weights,
     check,
+    engine_option,
     files_written,
     in_process,
     kill_writer_at_random,
@@ -324,7 +325,9 @@ def test_kill_9_during_sharded_saves_leaves_a_whole_checkpoint(tmp_path, writer)
 def test_async_save_is_on_where_checkpoints_are_sharded(strategy, devices, setting, in_background):
     """`checkpoint.async_save=auto`: sharded checkpoints (strategy=fsdp on 2+ processes) are written in the
     background; one process, and DDP, keep ModelCheckpoint's one-file save."""
-    built, _ = build_strategy({"name": strategy}, world_size=devices, multirun=False, async_save=setting)
+    built, _ = build_strategy(
+        engine_option(f"strategy/{strategy}"), world_size=devices, multirun=False, async_save=setting
+    )
     assert getattr(built, "async_save", False) is in_background
 
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from conftest import in_process, read_json
+from conftest import ENGINE_CONF, PERFORMANCE, engine_option, in_process, read_json
 from scaleup.checkpoints.resume import log_changes
 from scaleup.errors import UserError
 from scaleup.plan.batch import resolve_batch, total_steps
@@ -97,7 +97,9 @@ def plan_for(**overrides):
         strategy="ddp",
     )
     kwargs.update(overrides)
-    return build_plan(**kwargs)
+    kwargs["trainer_cfg"] = engine_option("trainer/default", **kwargs["trainer_cfg"])
+    kwargs["lr_cfg"] = engine_option("lr_schedule/linear", **kwargs["lr_cfg"])
+    return build_plan(**kwargs, performance=PERFORMANCE)
 
 
 def test_plan_numbers():
@@ -303,3 +305,30 @@ def test_early_stopping_is_in_the_plan():
         "val/acc (max, patience 4): may end the run before step 57; the LR schedule still spans all 57"
     )
     assert "early stopping" not in dict(plan_for().rows())
+    # What the entry leaves out is the callback's own default (Lightning's EarlyStopping: min, patience 3).
+    plan = plan_for(early_stopping={"_target_": "lightning.pytorch.callbacks.EarlyStopping", "monitor": "val/loss"})
+    assert dict(plan.rows())["early stopping"].startswith("val/loss (min, patience 3)")
+
+
+def test_a_group_of_your_own_takes_the_engines_yaml_defaults_and_a_missing_key_is_one_line(tmp_path):
+    """The engine's YAML groups are the one source of defaults. A changed default (here the decay of
+    lr_schedule/linear.yaml, shadowed on the search path) reaches the plan through a group of the user's own that
+    starts from it, with no second default in the code to change; a group that leaves a key out is refused by name."""
+    groups = tmp_path / "lr_schedule"
+    groups.mkdir()
+    (groups / "linear.yaml").write_text(
+        (ENGINE_CONF / "lr_schedule" / "linear.yaml").read_text().replace("decay: cosine", "decay: step")
+    )
+    (groups / "mine.yaml").write_text("defaults: [linear, _self_]\nrule: sqrt\n")
+    (groups / "partial.yaml").write_text("base_batch_size: 64\nrule: sqrt\n")
+    searchpath = f"hydra.searchpath=[file://{tmp_path},pkg://scaleup.conf]"
+    in_process([searchpath, "lr_schedule=mine", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"])
+    plan = read_json(tmp_path / "run" / "plan.json")
+    assert (plan["decay"], plan["milestones"], plan["scaling_rule"]) == ("step", [30, 60, 80], "sqrt")
+    with pytest.raises(UserError) as refused:
+        in_process([searchpath, "lr_schedule=partial", "dry_run=true", f"hydra.run.dir={tmp_path / 'partial'}"])
+    assert str(refused.value).startswith(
+        "lr_schedule.base_bn_batch_size is missing: the engine's lr_schedule options set it; start a group of your "
+        "own from one of them (`defaults: [<option>, _self_]` at its top) or set it; "
+        "lr_schedule.warmup_epochs is missing"
+    )

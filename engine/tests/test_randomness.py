@@ -15,11 +15,13 @@ import torch
 
 from conftest import (
     EXACT_EPOCHS,
+    PERFORMANCE,
     QUICK,
     TOLERANCE,
     WIDE,
     assert_same_weights,
     check,
+    engine_option,
     in_process,
     read_json,
     run,
@@ -121,9 +123,10 @@ def test_the_equivalence_check_names_a_generator_of_the_users_own(tmp_path):
 def test_the_plan_says_which_random_numbers_are_topology_invariant(cap, micro):
     plan = build_plan(
         topology=Topology("cpu", 1, 1),
-        trainer_cfg={"max_epochs": 1},
+        trainer_cfg=engine_option("trainer/default", max_epochs=1),
         data_cfg={"global_batch_size": 64, "max_per_device_batch_size": cap},
-        lr_cfg={},
+        lr_cfg=engine_option("lr_schedule/linear"),
+        performance=PERFORMANCE,
         base_lrs={"SGD": 0.1},
         seed=0,
         dataset_sizes={"train": 64},

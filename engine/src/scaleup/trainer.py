@@ -159,7 +159,7 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
         callbacks += instantiate_each(config.get("callbacks"))
     # Lightning refuses a progress bar it was told not to show; and given none, it adds its TQDM bar, which redraws
     # after every step: the throttled one instead.
-    if not config["trainer"].get("enable_progress_bar", True):
+    if not config["trainer"]["enable_progress_bar"]:
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     elif not any(isinstance(cb, ProgressBar) for cb in callbacks):
         callbacks.append(ThrottledRichProgressBar())
@@ -177,7 +177,7 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
         *([SPAWN_LAUNCHER] if isinstance(strategy, SpawnDDPStrategy) else []),
         *([FSDP_OPTIMIZER_KEYS] if isinstance(strategy, FSDPStrategy) else []),
         *([EMA_DEVICE] if any(isinstance(cb, EMA) for cb in callbacks) else []),
-        *([EPOCH_END_RESUME] if config["trainer"].get("max_steps", -1) != -1 else []),
+        *([EPOCH_END_RESUME] if config["trainer"]["max_steps"] != -1 else []),
     )
     trainer_kwargs = {
         **config["trainer"],

@@ -15,8 +15,9 @@ also stand for what strings name, a `Path` or an enum member, and a list for a t
 wrong value is `key=value must be <what is allowed>`, all of them in one UserError. An unknown key in a section
 the template reads alone (trainer, monitor, checkpoint, performance, lr_schedule, strategy, loader) is a
 misspelling, refused with the closest known key; elsewhere (data, model) keys a section does not declare pass
-to the constructor. A declared key that is absent is not checked (the code has its default). What depends on several
-keys (exactly one batch size, divisibility, warmup in epochs or steps) is checked where it is derived:
+to the constructor. In those sections every declared key without a default here must be there: the YAML groups are
+their one source of defaults, and the code reads no fallback of its own. What depends on several keys (exactly one
+batch size, divisibility, warmup in epochs or steps) is checked where it is derived:
 plan/resolve.py, plan/batch.py.
 """
 
@@ -324,6 +325,9 @@ def section_problems(config: Mapping[str, Any], path: str, schema: type[Section]
     unknown = unknown_keys(section, path, schema)
     if unknown:
         return unknown
+    missing = missing_keys(section, path, schema)
+    if missing:
+        return missing
     try:
         schema.model_validate(section)
     except ValidationError as err:
@@ -341,6 +345,23 @@ def unknown_keys(section: Mapping[str, Any], path: str, schema: type[Section]) -
         return []
     known = schema.known_keys(section)
     return [(dotted(path, name), schema.unknown_key(path, str(name), section)) for name in section if name not in known]
+
+
+def missing_keys(section: Mapping[str, Any], path: str, schema: type[Section]) -> list[tuple[str, str]]:
+    """(key, message) for each key of a closed section that has no default and is not there: a group of the user's
+    own that leaves a key out gets no value that no document states."""
+    if not schema.closed:
+        return []
+    required = [name for name, field in schema.model_fields.items() if field.is_required()]
+    return [
+        (
+            dotted(path, name),
+            f"{dotted(path, name)} is missing: the engine's {path} options set it; start a group of your own from "
+            f"one of them (`defaults: [<option>, _self_]` at its top) or set it",
+        )
+        for name in schema.known_keys(section)
+        if name in required and name not in section
+    ]
 
 
 def unknown_key_message(job: str | None, path: str, name: str, section: Mapping[str, Any]) -> str | None:

@@ -96,7 +96,7 @@ def build_strategy(
     """
     options = dict(strategy_cfg)
     name = str(options.pop("name"))
-    timeout = timedelta(minutes=float(options.pop("timeout_minutes", 30)))
+    timeout = timedelta(minutes=float(options.pop("timeout_minutes")))
     in_background = resolve_async_save(async_save, sharded=name == "fsdp" and world_size > 1)
     if name == "fsdp":
         from scaleup.distributed.fsdp import FSDPStrategy

@@ -6,6 +6,8 @@ the per-device batch for the topology. Moving to more devices then changes the s
 
 from __future__ import annotations
 
+import inspect
+import pkgutil
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -178,7 +180,7 @@ def check_plan_inputs(
     range is checked before the job starts: config/schema.py)."""
     if data_cfg.get("max_per_device_batch_size") == "auto":
         check_auto_cap(data_cfg.get("per_device_batch_size"), trainer_cfg.get("accumulate_grad_batches"), strategy)
-    warmup_epochs, warmup_steps = lr_cfg.get("warmup_epochs"), lr_cfg.get("warmup_steps")
+    warmup_epochs, warmup_steps = lr_cfg["warmup_epochs"], lr_cfg["warmup_steps"]
     if warmup_epochs and warmup_steps:
         raise UserError(
             "set lr_schedule.warmup_epochs or lr_schedule.warmup_steps, not both "
@@ -204,7 +206,7 @@ def check_split_sizes(dataset_sizes: Mapping[str, int], global_batch: int, world
 
 def warmup_steps_for(lr_cfg: Mapping[str, Any], steps_per_epoch: int | None) -> int | None:
     """`warmup_steps`, or `warmup_epochs` in optimizer steps (None until the epoch length is known)."""
-    warmup_epochs, warmup_steps = lr_cfg.get("warmup_epochs"), lr_cfg.get("warmup_steps")
+    warmup_epochs, warmup_steps = lr_cfg["warmup_epochs"], lr_cfg["warmup_steps"]
     if warmup_steps or not warmup_epochs:
         return int(warmup_steps or 0)
     return None if steps_per_epoch is None else round(float(warmup_epochs) * steps_per_epoch)
@@ -222,12 +224,12 @@ def build_plan(
     has_batchnorm: bool,
     strategy: str,
     early_stopping: Mapping[str, Any] | None = None,
-    performance: Mapping[str, Any] | None = None,
+    performance: Mapping[str, Any],
     launcher: str = "",
 ) -> Plan:
     """Check the settings, then derive the batch split, the LR schedule, BatchNorm and precision for `topology`."""
     check_plan_inputs(trainer_cfg=trainer_cfg, data_cfg=data_cfg, lr_cfg=lr_cfg, strategy=strategy)
-    accumulation = trainer_cfg.get("accumulate_grad_batches")
+    accumulation = trainer_cfg["accumulate_grad_batches"]
     cap = data_cfg.get("max_per_device_batch_size")
     batch = resolve_batch(
         data_cfg.get("global_batch_size"),
@@ -239,19 +241,18 @@ def build_plan(
     check_split_sizes(dataset_sizes, batch.global_, topology.world_size)
     steps_per_epoch, epoch_limit = epoch_steps(dataset_sizes.get("train"), batch, trainer_cfg)
 
-    rule = str(lr_cfg.get("rule", "linear"))
-    base_batch = int(lr_cfg.get("base_batch_size", batch.global_))
+    rule = str(lr_cfg["rule"])
+    base_batch = int(lr_cfg["base_batch_size"])
     factor = lr_factor(batch.global_, base_batch, rule)
     distinct_lrs = set(base_lrs.values())
     shared_lr = distinct_lrs.pop() if len(distinct_lrs) == 1 else None
     # With an auto cap the micro-batch is known only after the probe; SyncBN is decided before it (Lightning
     # converts the layers during setup) on the largest micro-batch the probe can pick.
     sync, sync_reason = resolve_sync_batchnorm(
-        trainer_cfg.get("sync_batchnorm", "auto"), topology, has_batchnorm, batch.per_device, strategy
+        trainer_cfg["sync_batchnorm"], topology, has_batchnorm, batch.per_device, strategy
     )
     if cap == "auto" and has_batchnorm:
         sync_reason += " (decided before the probe, on its largest split)"
-    performance = performance or {}
 
     return Plan(
         world_size=topology.world_size,
@@ -269,15 +270,15 @@ def build_plan(
         lr_factor=factor,
         lr=None if shared_lr is None else shared_lr * factor,
         warmup_steps=warmup_steps_for(lr_cfg, steps_per_epoch),
-        decay=str(lr_cfg.get("decay", "none")),
-        milestones=tuple(lr_cfg.get("milestones") or ()),
-        gamma=float(lr_cfg.get("gamma", 0.1)),
+        decay=str(lr_cfg["decay"]),
+        milestones=tuple(lr_cfg["milestones"] or ()),
+        gamma=float(lr_cfg["gamma"]),
         steps_per_epoch=steps_per_epoch,
         total_steps=run_steps(steps_per_epoch, trainer_cfg),
         sync_batchnorm=sync,
-        precision=resolve_precision(trainer_cfg.get("precision", "auto"), topology.accelerator),
-        tf32=bool(performance.get("tf32", True)) and topology.accelerator == "gpu",
-        channels_last=bool(performance.get("channels_last", False)),
+        precision=resolve_precision(trainer_cfg["precision"], topology.accelerator),
+        tf32=bool(performance["tf32"]) and topology.accelerator == "gpu",
+        channels_last=bool(performance["channels_last"]),
         strategy=strategy,
         seed=int(seed),
         dataset_sizes=dict(dataset_sizes),
@@ -285,11 +286,11 @@ def build_plan(
         max_per_device_batch_size=cap,
         has_batchnorm=has_batchnorm,
         bn_batch_size=None if cap == "auto" else bn_batch(batch.per_device, topology.world_size, sync, has_batchnorm),
-        base_bn_batch_size=int(lr_cfg.get("base_bn_batch_size") or base_batch),
+        base_bn_batch_size=int(lr_cfg["base_bn_batch_size"] or base_batch),
         sync_batchnorm_reason=sync_reason,
         early_stopping=describe_early_stopping(early_stopping),
         launcher=launcher,
-        log_every_n_steps=resolve_log_every_n_steps(trainer_cfg.get("log_every_n_steps", "auto"), steps_per_epoch),
+        log_every_n_steps=resolve_log_every_n_steps(trainer_cfg["log_every_n_steps"], steps_per_epoch),
     )
 
 
@@ -311,9 +312,12 @@ def early_stopping_entry(callbacks_cfg: Mapping[str, Any]) -> Mapping[str, Any] 
 
 
 def describe_early_stopping(cfg: Mapping[str, Any] | None) -> str | None:
+    """`metric (mode, patience N)`; a setting the config leaves out is the callback's own default."""
     if not cfg:
         return None
-    return f"{cfg.get('monitor')} ({cfg.get('mode', 'min')}, patience {cfg.get('patience', 3)})"
+    callback = pkgutil.resolve_name(str(cfg["_target_"]))
+    settings = {name: p.default for name, p in inspect.signature(callback).parameters.items()} | dict(cfg)
+    return f"{settings['monitor']} ({settings['mode']}, patience {settings['patience']})"
 
 
 LOG_EVERY_N_STEPS = 50  # Lightning's default

@@ -24,7 +24,7 @@ class Topology:
 
 def resolve_topology(trainer_cfg: dict[str, Any], *, dry_run: bool = False) -> Topology:
     """Turn `trainer.accelerator/devices/num_nodes` into numbers, and refuse what this machine cannot run."""
-    accelerator = str(trainer_cfg.get("accelerator", "auto"))
+    accelerator = str(trainer_cfg["accelerator"])
     if accelerator in ("cuda", "gpu"):
         accelerator = "gpu"
     elif accelerator == "auto":
@@ -33,7 +33,7 @@ def resolve_topology(trainer_cfg: dict[str, Any], *, dry_run: bool = False) -> T
     elif accelerator != "cpu":
         raise UserError(f"trainer.accelerator={accelerator} is not supported here; use auto, gpu or cpu")
 
-    devices = trainer_cfg.get("devices", 1)
+    devices = trainer_cfg["devices"]
     if isinstance(devices, str) and devices not in ("auto", "-1"):
         devices = [d for d in devices.split(",") if d.strip()]
     if isinstance(devices, list | tuple):
@@ -41,7 +41,7 @@ def resolve_topology(trainer_cfg: dict[str, Any], *, dry_run: bool = False) -> T
     elif devices in ("auto", "-1", -1):
         devices = torch.cuda.device_count() if accelerator == "gpu" and not dry_run else 1
     devices = int(devices)
-    num_nodes = trainer_cfg.get("num_nodes", 1)
+    num_nodes = trainer_cfg["num_nodes"]
     # auto: as many nodes as the launcher started, e.g. an elastic torchrun job's after it lost one.
     num_nodes = launched_nodes() if num_nodes == "auto" else int(num_nodes)
     if accelerator == "gpu" and not dry_run:

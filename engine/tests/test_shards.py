@@ -344,6 +344,7 @@ def test_shards_another_process_is_fetching_count_against_the_cache_limit(shards
     assert sorted(p.name for p in cache.dir.glob("*.tar")) == ["shard-000001.tar", "shard-000002.tar"]
     assert not list(cache.dir.glob(f"{RESERVED}*"))  # this process's own reservations ended with its fetches
 
+
 def test_a_changed_shard_set_is_refused_mid_epoch(shards, tmp_path):
     dm = module(shards)
     dm.setup()

@@ -56,8 +56,9 @@ def test_early_stopping_ends_the_run_and_says_so(uninterrupted):
     checkpoint = load_checkpoint(uninterrupted / "checkpoints/last.ckpt")
     assert checkpoint["global_step"] == STOPPED_AT
     assert early_stopping_state(checkpoint)["wait_count"] == 2
+    plan = read_json(uninterrupted / "plan.json")
+    assert (plan["early_stopping"], plan["total_steps"]) == ("val/acc (max, patience 2)", 48)
     log = (uninterrupted / "train.log").read_text()
-    assert "early stopping        val/acc (max, patience 2): may end the run before step 48" in log
     assert f"early stopping ended the run at step {STOPPED_AT} of the 48 planned (epoch 2)" in log
 
 

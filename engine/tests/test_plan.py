@@ -286,6 +286,13 @@ def test_one_gpu_with_accumulation_warns_that_batchnorm_sees_less_than_the_synce
     assert "Options: trainer.sync_batchnorm=true (256 per statistic)" in batchnorm_warning(eight_unsynced)
 
 
+def test_a_plan_made_before_the_data_is_there_says_what_is_unknown():
+    plan = plan_for(dataset_sizes={})
+    assert (plan.steps_per_epoch, plan.total_steps, plan.warmup_steps) == (None, None, None)
+    rows = dict(plan.rows())
+    assert (rows["steps per epoch"], rows["data"]) == ("unknown", "unknown until the data is there")
+
+
 def test_no_batchnorm_no_bn_batch():
     plan = plan_for(has_batchnorm=False)
     assert plan.bn_batch_size is None and batchnorm_warning(plan) is None

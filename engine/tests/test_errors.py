@@ -8,7 +8,9 @@ downloaded: all of them in one interpreter (engine/tests/entry_point_cases.py), 
 """
 
 import json
+import os
 import sys
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,7 +19,7 @@ import pytest
 import torch
 from pydantic import Field
 
-from conftest import TESTS, check, in_process, run_command
+from conftest import ROOT, TESTS, check, in_process, run_command
 from scaleup.config.schema import validate_config
 from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error
 from user_modules import SCHEDULER_REFUSED
@@ -619,6 +621,32 @@ class Widget:
         pass
 
 
+@pytest.fixture(scope="module")
+def complete(tmp_path_factory) -> Callable[[dict[str, Any], str], dict[str, Any]]:
+    """`complete(config, job)`: `config` with each section the engine reads alone (trainer, lr_schedule, strategy,
+    ...) filled in from the job's composed config, the test's keys on top: the section as a run has it, where every
+    key must be there (config/schema.py)."""
+    from scaleup.config.plain import to_plain
+    from scaleup.config.schema import SECTIONS
+    from scaleup.testing import compose
+
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        full = {
+            job: to_plain(compose(job, [f"hydra.run.dir={tmp_path_factory.mktemp(job)}", "ckpt_path=x.ckpt"]))
+            for job in ("train", "eval")
+        }
+    finally:
+        os.chdir(here)
+
+    def fill(config: dict[str, Any], job: str) -> dict[str, Any]:
+        given = [name for name, schema in SECTIONS[job].items() if schema.closed and isinstance(config.get(name), dict)]
+        return {**config, **{name: {**full[job][name], **config[name]} for name in given}}
+
+    return fill
+
+
 @pytest.mark.parametrize(
     ("config", "job", "message"),
     [
@@ -776,9 +804,9 @@ class Widget:
         ),
     ],
 )
-def test_schema_messages(config, job, message):
+def test_schema_messages(config, job, message, complete):
     with pytest.raises(UserError) as raised:
-        validate_config(config, job)
+        validate_config(complete(config, job), job)
     assert str(raised.value) == message
 
 
@@ -798,5 +826,5 @@ ACCEPTED = [
 
 
 @pytest.mark.parametrize("config", ACCEPTED)
-def test_schema_accepts(config):
-    validate_config(config)
+def test_schema_accepts(config, complete):
+    validate_config(complete(config, "train"))

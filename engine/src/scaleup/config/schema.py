@@ -85,6 +85,15 @@ class Section(BaseModel):
         return list(cls.model_fields)
 
     @classmethod
+    def required_keys(cls, section: Mapping[str, Any]) -> list[str]:
+        """The known keys of `section` that must be there: those without a default here."""
+        return [
+            name
+            for name in cls.known_keys(section)
+            if name in cls.model_fields and cls.model_fields[name].is_required()
+        ]
+
+    @classmethod
     def unknown_key(cls, path: str, name: str, section: Mapping[str, Any]) -> str:
         """Why `name` has no place in the closed section at `path` holding `section`, with the closest known key."""
         return f"{dotted(path, name)} is not a key of {path}{did_you_mean(name, cls.known_keys(section), f'{path}.')}"
@@ -158,6 +167,13 @@ class Strategy(ClosedSection):
         fsdp = [key for key in cls.model_fields if key not in ("name", "timeout_minutes", *DDP_KEYS)]
         own = {"ddp": DDP_KEYS, "ddp_spawn": DDP_KEYS, "fsdp": fsdp}.get(section.get("name"), [*DDP_KEYS, *fsdp])
         return ["name", "timeout_minutes", *own]
+
+    @classmethod
+    def required_keys(cls, section: Mapping[str, Any]) -> list[str]:
+        """Without a valid name, only the keys every option has (the name's own message says what is wrong)."""
+        if section.get("name") not in ("ddp", "ddp_spawn", "fsdp"):
+            return ["name", "timeout_minutes"]
+        return super().required_keys(section)
 
     @classmethod
     def unknown_key(cls, path: str, name: str, section: Mapping[str, Any]) -> str:
@@ -352,15 +368,14 @@ def missing_keys(section: Mapping[str, Any], path: str, schema: type[Section]) -
     own that leaves a key out gets no value that no document states."""
     if not schema.closed:
         return []
-    required = [name for name, field in schema.model_fields.items() if field.is_required()]
     return [
         (
             dotted(path, name),
             f"{dotted(path, name)} is missing: the engine's {path} options set it; start a group of your own from "
             f"one of them (`defaults: [<option>, _self_]` at its top) or set it",
         )
-        for name in schema.known_keys(section)
-        if name in required and name not in section
+        for name in schema.required_keys(section)
+        if name not in section
     ]
 
 

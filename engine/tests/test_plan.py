@@ -290,7 +290,8 @@ def test_a_plan_made_before_the_data_is_there_says_what_is_unknown():
     plan = plan_for(dataset_sizes={})
     assert (plan.steps_per_epoch, plan.total_steps, plan.warmup_steps) == (None, None, None)
     rows = dict(plan.rows())
-    assert (rows["steps per epoch"], rows["data"]) == ("unknown", "unknown until the data is there")
+    assert rows["steps per epoch"] == "unknown"
+    assert rows["data"] == "unknown until the data is there (the data module cannot state its sizes)"
 
 
 def test_no_batchnorm_no_bn_batch():

@@ -124,24 +124,29 @@ def warmup_cosine(step: int, base: float, peak: float, warmup: int, total: int) 
     return peak * (1 + math.cos(math.pi * (step - warmup) / (total - warmup))) / 2
 
 
-# Variables a parent launcher may have left behind; a stray LOCAL_RANK makes Lightning wait for ranks that never come.
 # The files that take longest (multi-process runs), longest first, collected before all others: the 2 workers,
 # each taking whole files as it frees up (`--dist loadfile`), then end at about the same time, instead of one
-# starting a long file while the other has nothing left. Rough order, measured on a 2-core machine.
+# starting a long file while the other has nothing left. Order by each file's total, measured on a 2-core machine.
 LONGEST_FILES = (
     "test_launchers.py",
-    "test_ddp.py",
+    "test_ray.py",
     "test_shards.py",
     "test_fsdp.py",
-    "test_preemption.py",
-    "test_any_device_count.py",
+    "test_ddp.py",
     "test_resume.py",
-    "test_ray.py",
+    "test_any_device_count.py",
+    "test_copier.py",
+    "test_preemption.py",
+    "test_config.py",
+    "test_elastic.py",
+    "test_notebooks.py",
+    "test_errors.py",
+    "test_project.py",
+    "test_kubernetes.py",
+    "test_plain_logging.py",
+    "test_randomness.py",
     "test_second_task.py",
     "test_train_e2e.py",
-    "test_plain_logging.py",
-    "test_copier.py",
-    "test_kubernetes.py",
 )
 
 
@@ -150,6 +155,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: files keep their order
 
 
+# Variables a parent launcher may have left behind; a stray LOCAL_RANK makes Lightning wait for ranks that never come.
 LAUNCHER_VARIABLES = (
     "RANK",
     "LOCAL_RANK",

@@ -7,12 +7,13 @@ instead: the server forks, and the child runs the script as `python <script> <ar
 `__main__`, sys.path, working directory, environment and standard streams, from a process that has the modules
 already imported.
 
-The processes a script run starts with `sys.executable` (Lightning's launcher starting ranks 1..N-1) are served the
-same way: in a script run, `sys.executable` is a relay (RELAY below, a Python without site-packages that starts in
-milliseconds) that sends its command here and then stands for the forked process: it passes signals on, exits with
-its exit code, and a SIGKILL of the relay kills the process too. Everything else is a fresh interpreter, as for a
-user: torchrun's workers (they find their agent as their parent process), ddp_spawn's and Ray's workers, a command
-with interpreter flags, and a command whose start-up variables (conftest.STARTUP_VARIABLES) differ from the server's.
+The processes a run starts with `sys.executable` (Lightning's launcher starting ranks 1..N-1, the equivalence check
+starting its runs) are served the same way: in a run, `sys.executable` is a relay (RELAY below, a Python without
+site-packages that starts in milliseconds) that sends its command here and then stands for the forked process: it
+passes signals on, exits with its exit code, and a SIGKILL of the relay kills the process too. Everything else is a
+fresh interpreter, as for a user: torchrun's workers (they find their agent as their parent process), ddp_spawn's and
+Ray's workers, a command with interpreter flags, and a command whose start-up variables (STARTUP_VARIABLES) differ
+from the server's.
 
 `python engine/tests/preloaded.py SOCKET` serves until its stdin closes (its pytest worker exited). Each request is one
 packet: the command as JSON plus three file descriptors (stdin, stdout, stderr). A waiter process forked per
@@ -48,8 +49,10 @@ RELAY = """
 import json, os, signal, socket, sys
 
 PYTHON, STARTUP = %r, %r
-if sys.argv[1].startswith("-") and sys.argv[1] != "-m" or {v: os.environ.get(v) for v in STARTUP} != STARTUP:
-    os.execv(PYTHON, [PYTHON, *sys.argv[1:]])  # interpreter flags, or other start-up variables: a fresh one
+flags = sys.argv[1].startswith("-") and sys.argv[1] != "-m"
+torchrun_worker = "TORCHELASTIC_RUN_ID" in os.environ  # it finds its agent as its parent process
+if flags or torchrun_worker or {v: os.environ.get(v) for v in STARTUP} != STARTUP:
+    os.execv(PYTHON, [PYTHON, *sys.argv[1:]])  # a fresh interpreter
 conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 conn.connect(os.environ[%r])
 request = {"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ), "relay": os.getpid()}
@@ -129,9 +132,8 @@ def become(request: dict, fds: list[int]) -> tuple[str, str]:
     os.environ.update(env)
     kind, name = ("module", argv[1]) if argv[0] == "-m" else ("path", argv[0])
     sys.argv = argv[1:] if kind == "module" else argv  # runpy puts the module's file in sys.argv[0]
-    if kind == "path":  # the processes Lightning's launcher starts come here through the relay
-        sys.executable = request["relay_path"]
-        os.environ[SOCKET_VARIABLE] = request["socket"]
+    sys.executable = request["relay_path"]  # the processes the run starts come here through the relay
+    os.environ[SOCKET_VARIABLE] = request["socket"]
     # sys.path as the interpreter makes it: the script's folder (for -m, the working directory), then PYTHONPATH,
     # then the installed packages.
     added = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -261,6 +261,8 @@ def test_bf16_and_compiled_checkpoint_evaluates_on_cpu(tmp_path):
             "trainer.max_epochs=1",
             "trainer.precision=bf16-mixed",
             "model.compile=true",
+            "data.val_size=192",  # whole batches of 64 everywhere: one compiled shape per stage, no recompile
+            "data.test_size=320",
             f"hydra.run.dir={tmp_path}",
         ]
     )

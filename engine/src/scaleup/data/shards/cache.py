@@ -144,13 +144,14 @@ class ShardCache:
 
     def _fetch_cached(self, shard: int, url: str, path: Path) -> bool:
         """Fetch the shard into the cache, making room first; False when even an emptied cache's disk is full."""
-        reservation = self._evict(keep=path, incoming=self.index.sizes[shard])
+        size = self.index.sizes[shard]
+        reservation = self._evict(keep=path, incoming=size, reserve=size)
         try:
             self._fetch(shard, url, path)
         except OSError as err:
             if err.errno != errno.ENOSPC:
                 raise
-            self._evict(keep=path, incoming=self.cache_bytes)  # the disk is fuller than our limit says
+            self._evict(keep=path, incoming=self.cache_bytes, reserve=size)  # the disk is fuller than our limit says
             try:
                 self._fetch(shard, url, path)
             except OSError as again:
@@ -167,10 +168,10 @@ class ShardCache:
             log.warning(f"{why}: shards are read into memory instead of the cache (data.cache_dir, data.cache_gb)")
             self._warned_memory = True
 
-    def _evict(self, keep: Path, incoming: int) -> Path:
+    def _evict(self, keep: Path, incoming: int, reserve: int) -> Path:
         """Delete the least recently used cached shards, of any split or shard set in the cache directory, until
         `incoming` more bytes fit within the limit beside what other processes are fetching; returns this process's
-        reservation of those bytes (delete it once the shard is in place, or given up)."""
+        reservation of the `reserve` bytes it fetches (delete it once the shard is in place, or given up)."""
         with FileLock(str(self.cache_root / ".evict.lock")):
             cached = sorted(
                 (p.stat().st_mtime_ns, p)
@@ -186,7 +187,7 @@ class ShardCache:
                 used -= victim.stat().st_size
                 victim.unlink(missing_ok=True)  # a process that has it mapped keeps reading it
             with open(reservation, "wb") as sparse:
-                sparse.truncate(incoming)
+                sparse.truncate(reserve)
         return reservation
 
     def _fetch(self, shard: int, url: str, path: Path) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import yaml
 from preloaded import STARTUP_VARIABLES
 
 if TYPE_CHECKING:
@@ -60,12 +61,10 @@ def config_groups() -> dict[str, list[Path]]:
 def engine_option(option: str, **overrides: Any) -> dict[str, Any]:
     """An engine config option as its YAML file holds it (`lr_schedule/linear`, `trainer/default`), with `overrides`:
     what a test does not set is what a run gets, from the one place that states it."""
-    import yaml
-
     return {**yaml.safe_load((ENGINE_CONF / f"{option}.yaml").read_text()), **overrides}
 
 
-PERFORMANCE = {"tf32": True, "channels_last": False, "fast_paths": True}  # configs/train.yaml's performance section
+PERFORMANCE = yaml.safe_load((ROOT / "configs" / "train.yaml").read_text())["performance"]  # as a run has it
 
 # A short run: 2 epochs of digits, no progress bar, no model summary.
 QUICK = [

@@ -8,7 +8,6 @@ downloaded: all of them in one interpreter (engine/tests/entry_point_cases.py), 
 """
 
 import json
-import os
 import sys
 from collections.abc import Callable
 from enum import Enum
@@ -637,15 +636,10 @@ def complete(tmp_path_factory) -> Callable[[dict[str, Any], str], dict[str, Any]
     from scaleup.config.schema import SECTIONS
     from scaleup.testing import compose
 
-    here = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        full = {
-            job: to_plain(compose(job, [f"hydra.run.dir={tmp_path_factory.mktemp(job)}", "ckpt_path=x.ckpt"]))
-            for job in ("train", "eval")
-        }
-    finally:
-        os.chdir(here)
+    full = {
+        job: to_plain(compose(job, [f"hydra.run.dir={tmp_path_factory.mktemp(job)}", "ckpt_path=x.ckpt"], ROOT))
+        for job in ("train", "eval")
+    }
 
     def fill(config: dict[str, Any], job: str) -> dict[str, Any]:
         given = [name for name, schema in SECTIONS[job].items() if schema.closed and isinstance(config.get(name), dict)]

@@ -73,10 +73,11 @@ def _in_folder(project: str | Path | None) -> Iterator[Path]:
         os.chdir(before)
 
 
-def compose(job: str, overrides: Sequence[str] = ()) -> DictConfig:
-    """configs/<job>.yaml of the project in the current directory, as `python <job>.py *overrides` composes it (the
-    last override of a key wins), with Hydra's runtime set up as `@hydra.main` sets it: `HydraConfig.get()` answers,
-    the run directory (`hydra.run.dir`) exists. The `hydra` node is removed, as the job receives the config."""
+def compose(job: str, overrides: Sequence[str] = (), project: str | Path | None = None) -> DictConfig:
+    """configs/<job>.yaml of `project` (the folder of train.py; by default the current directory), as `python <job>.py
+    *overrides` composes it there (the last override of a key wins), with Hydra's runtime set up as `@hydra.main`
+    sets it: `HydraConfig.get()` answers, the run directory (`hydra.run.dir`) exists. The `hydra` node is removed, as
+    the job receives the config."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
@@ -84,13 +85,14 @@ def compose(job: str, overrides: Sequence[str] = ()) -> DictConfig:
 
     register_resolvers()
     by_key = {arg.split("=", 1)[0]: arg for arg in overrides}
-    with initialize_config_dir(config_dir=str(project_configs()), version_base="1.3", job_name=job):
-        cfg = hydra_compose(job, overrides=list(by_key.values()), return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.cwd = os.getcwd()
-        cfg.hydra.mode = RunMode.RUN
-    HydraConfig.instance().set_config(cfg)  # for the ${hydra:...} interpolations in hydra.run.dir
-    run_dir = Path(OmegaConf.select(cfg, "hydra.run.dir")).resolve()
+    with _in_folder(project):
+        with initialize_config_dir(config_dir=str(project_configs()), version_base="1.3", job_name=job):
+            cfg = hydra_compose(job, overrides=list(by_key.values()), return_hydra_config=True)
+        with open_dict(cfg):
+            cfg.hydra.runtime.cwd = os.getcwd()
+            cfg.hydra.mode = RunMode.RUN
+        HydraConfig.instance().set_config(cfg)  # for the ${hydra:...} interpolations in hydra.run.dir
+        run_dir = Path(OmegaConf.select(cfg, "hydra.run.dir")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     with read_write(cfg.hydra.runtime):
         cfg.hydra.runtime.output_dir = str(run_dir)

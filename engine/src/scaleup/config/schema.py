@@ -171,7 +171,7 @@ class Strategy(ClosedSection):
     @classmethod
     def required_keys(cls, section: Mapping[str, Any]) -> list[str]:
         """Without a valid name, only the keys every option has (the name's own message says what is wrong)."""
-        if section.get("name") not in ("ddp", "ddp_spawn", "fsdp"):
+        if section.get("name") not in typing.get_args(cls.model_fields["name"].annotation):
             return ["name", "timeout_minutes"]
         return super().required_keys(section)
 

@@ -42,7 +42,7 @@ from torch.utils.data import IterableDataset
 
 from scaleup import check_equivalence as equivalence
 from scaleup.config.plain import to_plain
-from scaleup.config.project import project_configs
+from scaleup.config.project import project_configs, set_up_run
 from scaleup.config.schema import validate_config
 from scaleup.distributed.run_dir import register_resolvers
 from scaleup.export import submodule
@@ -80,23 +80,13 @@ def compose(job: str, overrides: Sequence[str] = (), project: str | Path | None 
     the job receives the config."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
     register_resolvers()
     by_key = {arg.split("=", 1)[0]: arg for arg in overrides}
     with _in_folder(project):
         with initialize_config_dir(config_dir=str(project_configs()), version_base="1.3", job_name=job):
             cfg = hydra_compose(job, overrides=list(by_key.values()), return_hydra_config=True)
-        with open_dict(cfg):
-            cfg.hydra.runtime.cwd = os.getcwd()
-            cfg.hydra.mode = RunMode.RUN
-        HydraConfig.instance().set_config(cfg)  # for the ${hydra:...} interpolations in hydra.run.dir
-        run_dir = Path(OmegaConf.select(cfg, "hydra.run.dir")).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with read_write(cfg.hydra.runtime):
-        cfg.hydra.runtime.output_dir = str(run_dir)
-    HydraConfig.instance().set_config(cfg)
+        set_up_run(cfg).mkdir(parents=True, exist_ok=True)
     with read_write(cfg), open_dict(cfg):
         del cfg["hydra"]
     return cfg
@@ -158,8 +148,6 @@ def check_contract(
     splits; the first batch of its train loader (as one device loads it) has a batch size Lightning can read; the
     module has the submodule that export.py saves (`module=net` by default, configs/export.yaml).
     """
-    from hydra.core.hydra_config import HydraConfig
-
     from scaleup.components import build_data_and_model
 
     overrides = [*QUICK, *overrides]

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from scaleup.checkpoints.io import exists
 from scaleup.config.arguments import split_arguments
-from scaleup.config.project import project_configs
+from scaleup.config.project import project_configs, set_up_run
 from scaleup.distributed.ray_worker import last_checkpoint, train_worker
 from scaleup.distributed.run_dir import register_resolvers
 from scaleup.errors import (
@@ -76,9 +76,6 @@ def compose_train(overrides: list[str]) -> DictConfig:
 def compose(overrides: list[str], accelerator: str, num_workers: int) -> DictConfig:
     """The job's config, composed once; the run directory stamped, Hydra's runtime set as `@hydra.main` sets it.
     Planned for one node of num_workers devices (each worker replaces it by where Ray put the workers)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     register_resolvers()
     topology = [f"trainer.accelerator={accelerator}", f"trainer.devices={num_workers}", "trainer.num_nodes=1"]
     try:
@@ -88,14 +85,7 @@ def compose(overrides: list[str], accelerator: str, num_workers: int) -> DictCon
         if user_error is None:
             raise
         raise user_error from err
-    with open_dict(cfg):
-        cfg.hydra.runtime.cwd = os.getcwd()
-        cfg.hydra.mode = RunMode.RUN
-    HydraConfig.instance().set_config(cfg)  # for the ${hydra:...} interpolations in hydra.run.dir
-    run_dir = Path(cfg.hydra.run.dir).resolve()
-    with read_write(cfg.hydra):
-        cfg.hydra.run.dir = cfg.hydra.runtime.output_dir = str(run_dir)  # stamped once, here
-    HydraConfig.instance().set_config(cfg)
+    set_up_run(cfg)  # the run directory stamped once, here
     return cfg
 
 

@@ -237,3 +237,18 @@ class OwnGeneratorNoise(ImageClassifier):
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         scale = 1 + 0.1 * torch.rand((), generator=self.noise)
         return torch.nn.functional.cross_entropy(logits, target) * scale.to(logits.dtype)
+
+
+class KillJobOnce(L.Callback):
+    """SIGKILLs this process at optimizer step `step` of sweep job `job` (a search's trial `job`), once: the marker
+    file remembers, so that the same command, run again, goes through. A crash no handler sees (kill -9, OOM)."""
+
+    def __init__(self, job: int, step: int, marker: str) -> None:
+        self.job, self.step, self.marker = job, step, Path(marker)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.get().job.num == self.job and trainer.global_step == self.step and not self.marker.exists():
+            self.marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -20,11 +20,12 @@ CONFIGS = ROOT / "configs"
 PATHS = ["paths.root_dir=/tmp/scaleup-root", "paths.output_dir=/tmp/scaleup-out"]
 
 
-# Every config group a user can swap, and its options (paths and hydra hold the run directory, not a choice).
+# Every config group a user can swap, and its options (paths and hydra hold the run directory, not a choice;
+# hparams_search turns a run into a search: test_search.py runs it).
 GROUPS = {
     group: [path.stem for path in files]
     for group, files in config_groups().items()
-    if group.split("/")[0] not in ("paths", "hydra")  # hydra/launcher: how a sweep starts, not a choice of run
+    if group.split("/")[0] not in ("paths", "hydra", "hparams_search")  # hydra/launcher: how a sweep starts
 }
 
 

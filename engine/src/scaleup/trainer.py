@@ -50,6 +50,7 @@ from scaleup.plan.batch_probe import AutoBatchSize
 from scaleup.plan.checks import MonitorCheck, TrainLoaderCheck
 from scaleup.plan.resolve import Plan
 from scaleup.plan.topology import Topology
+from scaleup.search.trial import ReportToStudy, trial_callbacks
 
 
 def checkpoint_callbacks(config: dict[str, Any], checkpoint_dir: str) -> list[LeanModelCheckpoint]:
@@ -92,6 +93,7 @@ ORDER = (
     (ExactEvalMetrics, Checkpoint, "eval metrics are exact before a checkpoint reads its monitor"),
     (ExactEvalMetrics, EarlyStopping, "eval metrics are exact before early stopping reads them"),
     (ExactEvalMetrics, MetricsFile, "eval metrics are exact before metrics.json is written"),
+    (ExactEvalMetrics, ReportToStudy, "eval metrics are exact before a search's trial reports them"),
     (MetricsFile, PlanHParams, "PlanHParams reads the metric names MetricsFile wrote"),
 )
 
@@ -144,6 +146,7 @@ def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> lis
         BatchProgressRescale(),
         LoaderWorkersStop(),
         MetricsFile(run_dir / "metrics.json"),
+        *trial_callbacks(config["monitor"]["metric"], str(run_dir)),
         PlanHParams(plan.to_dict(), run_dir / "metrics.json"),
         PerformanceSettings(plan.tf32, plan.channels_last),
     ]

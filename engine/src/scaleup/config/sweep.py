@@ -45,15 +45,23 @@ class SweepCheck(Callback):
         if config_name not in SECTIONS or not str(config.hydra.sweeper._target_).endswith(".BasicSweeper"):
             return
         jobs, swept = sweep_jobs(config)
-        before = HydraConfig.instance().cfg
-        try:
-            for num, overrides in enumerate(jobs):
-                if (user_error := job_mistake(config_name, overrides, num)) is not None:
-                    values = " ".join(o for o in overrides if o.partition("=")[0].lstrip("+~") in swept)
-                    print(f"error: sweep job {num} ({values}): {user_error}", file=sys.stderr, flush=True)
-                    sys.exit(EXIT_USER_ERROR)
-        finally:
-            HydraConfig.instance().cfg = before
+        if (found := first_mistake(config_name, jobs)) is not None:
+            num, user_error = found
+            values = " ".join(o for o in jobs[num] if o.partition("=")[0].lstrip("+~") in swept)
+            print(f"error: sweep job {num} ({values}): {user_error}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+
+
+def first_mistake(config_name: str, jobs: list[list[str]]) -> tuple[int, UserError] | None:
+    """The first job (its index) whose overrides hold a user mistake, and the mistake; None when all are right."""
+    before = HydraConfig.instance().cfg
+    try:
+        for num, overrides in enumerate(jobs):
+            if (user_error := job_mistake(config_name, overrides, num)) is not None:
+                return num, user_error
+    finally:
+        HydraConfig.instance().cfg = before
+    return None
 
 
 def job_mistake(config_name: str, overrides: list[str], num: int) -> UserError | None:

@@ -1,0 +1,127 @@
+"""The search's loop: open (or reopen) the study, finish the trials a crash interrupted, launch new ones until the
+study holds `n_trials`, and report. Each trial is an ordinary training job launched by Hydra's launcher."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.plugins.launcher import Launcher
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from scaleup.config.plain import log_rows
+from scaleup.config.sweep import first_mistake
+from scaleup.errors import EXIT_USER_ERROR, UserError
+from scaleup.search.results import report
+from scaleup.search.space import SearchSpace, parse_space
+from scaleup.search.study import OVERRIDES, PRUNED_AT_STEP, best_value, open_storage, storage_url
+
+log = logging.getLogger("scaleup")
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """`hydra.sweeper`'s keys (engine's conf/hydra/sweeper/search.yaml documents each)."""
+
+    study_name: str
+    storage: str | None
+    n_trials: int
+    n_jobs: int
+    sampler: DictConfig
+    pruner: DictConfig | None
+    params: DictConfig
+
+    def check(self) -> None:
+        if not isinstance(self.study_name, str) or not self.study_name:
+            raise UserError("hydra.sweeper.study_name: name the study (it names the sweep directory too)")
+        for key in ("n_trials", "n_jobs"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise UserError(f"hydra.sweeper.{key}={getattr(self, key)} must be an integer >= 1")
+
+
+class Search:
+    def __init__(self, settings: SearchSettings, config: DictConfig, launcher: Launcher) -> None:
+        self.settings, self.config, self.launcher = settings, config, launcher
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+        self.maximize = config.monitor.mode == "max"
+
+    def run(self, arguments: list[str]) -> Any:
+        try:
+            self.settings.check()
+            space = parse_space(OmegaConf.to_container(self.settings.params) or {}, arguments)
+            self.check(space)
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+        if self.config.dry_run:
+            rows = [(key, repr(dist)) for key, dist in space.distributions.items()]
+            log_rows("search space (dry run: no trial starts; each would be a run of its own)", rows)
+            return None
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
+        study = optuna.create_study(
+            study_name=self.settings.study_name,
+            storage=open_storage(storage_url(self.settings.storage, self.sweep_dir)),
+            direction="maximize" if self.maximize else "minimize",
+            load_if_exists=True,  # the same command resumes the study
+        )
+        for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            log.info(f"search: trial {trial.number} was interrupted; resuming it from its last checkpoint")
+            self.launch(study, [trial.number], [[*trial.user_attrs[OVERRIDES], "ckpt_path=last"]])
+        while (left := self.settings.n_trials - len(study.get_trials(deepcopy=False))) > 0:
+            trials = [self.ask(study, space) for _ in range(min(self.settings.n_jobs, left))]
+            self.launch(study, [t.number for t in trials], [t.user_attrs[OVERRIDES] for t in trials])
+        return report(study, self.sweep_dir, space, self.config.hydra.job.config_name)
+
+    def check(self, space: SearchSpace) -> None:
+        """Compose and validate a trial at each corner of the space: a key that does not exist or a value of the
+        wrong type is found before any trial starts."""
+        jobs = [space.overrides(corner) for corner in space.corners()]
+        if (found := first_mistake(self.config.hydra.job.config_name, jobs)) is not None:
+            raise UserError(f"search space: {found[1]}")  # it names the key and the value
+
+    def ask(self, study: optuna.Study, space: SearchSpace) -> optuna.trial.FrozenTrial:
+        """A new trial. The sampler's seed for trial n is its `seed` + n: the same search draws the same values,
+        also when a crash cut it in two (a sampler's random state is not in the database)."""
+        number = len(study.get_trials(deepcopy=False))
+        seed = self.settings.sampler.get("seed") or 0
+        study.sampler = instantiate(self.settings.sampler, seed=seed + number)
+        trial = study.ask(space.distributions)
+        trial.set_user_attr(OVERRIDES, space.overrides(trial.params))
+        return study.get_trials(deepcopy=False)[trial.number]
+
+    def launch(self, study: optuna.Study, numbers: list[int], overrides: list[list[str]]) -> None:
+        """Run trials as jobs numbered as the trials (their run directories: <sweep dir>/<number>); tell the study
+        how each ended. Trials launched together run at once where the launcher runs jobs in parallel."""
+        runs: list[list[int]] = []  # positions in `numbers` of consecutive trial numbers: one launch each
+        for i, number in enumerate(numbers):
+            if runs and number == numbers[runs[-1][-1]] + 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            returns = self.launcher.launch([overrides[i] for i in run], initial_job_idx=numbers[run[0]])
+            for i, ret in zip(run, returns, strict=True):
+                self.tell(study, numbers[i], ret)
+
+    def tell(self, study: optuna.Study, number: int, ret: JobReturn) -> None:
+        trial = study.get_trials(deepcopy=False)[number]
+        if ret.status != JobStatus.COMPLETED:
+            try:
+                ret.return_value  # raises the trial's error
+            except Exception as err:
+                log.warning(f"search: trial {number} failed: {(str(err).splitlines() or [repr(err)])[0]}")
+            study.tell(number, state=optuna.trial.TrialState.FAIL)
+        elif PRUNED_AT_STEP in trial.user_attrs:
+            study.tell(number, state=optuna.trial.TrialState.PRUNED)
+        elif (value := best_value(trial, self.maximize)) is None:
+            log.warning(f"search: trial {number} reported no value: it ran no validation")
+            study.tell(number, state=optuna.trial.TrialState.FAIL)
+        else:
+            study.tell(number, value)

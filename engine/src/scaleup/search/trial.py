@@ -1,0 +1,89 @@
+"""A training run that is a search's trial: it reports `monitor.metric` to the study after each validation and
+stops when the pruner says so."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+SWEEPER = "hydra_plugins.scaleup_search.sweeper.SearchSweeper"
+
+
+def trial_callbacks(metric: str, run_dir: str) -> list[L.Callback]:
+    """`[ReportToStudy]` in a job the search launched (its sweeper is in Hydra's config), else none."""
+    if not HydraConfig.initialized():
+        return []
+    hydra = HydraConfig.get()
+    if hydra.sweeper.get("_target_") != SWEEPER:
+        return []
+    from scaleup.search.study import storage_url
+
+    return [
+        ReportToStudy(
+            storage=storage_url(hydra.sweeper.storage, hydra.sweep.dir),
+            study_name=hydra.sweeper.study_name,
+            number=hydra.job.num,  # the search launches trial n as job n
+            metric=metric,
+            pruner=OmegaConf.to_container(hydra.sweeper.pruner, resolve=True) if hydra.sweeper.pruner else None,
+            run_dir=run_dir,
+        )
+    ]
+
+
+class ReportToStudy(L.Callback):
+    """Rank 0 reports the monitored metric at each validation (by optimizer step) and asks the pruner; every rank
+    stops at the same step when it prunes. Holds only plain values until `setup`, so that a spawning launcher can
+    send it to its processes; the database is opened by rank 0 alone."""
+
+    def __init__(
+        self, storage: str, study_name: str, number: int, metric: str, pruner: dict[str, Any] | None, run_dir: str
+    ) -> None:
+        self.storage, self.study_name, self.number = storage, study_name, number
+        self.metric, self.pruner, self.run_dir = metric, pruner, run_dir
+        self.trial: Any = None
+        self.reported: set[int] = set()
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit" or not trainer.is_global_zero:
+            return
+        import optuna
+        from hydra.utils import instantiate
+
+        from scaleup.search.study import RUN_DIR, open_storage
+
+        pruner = instantiate(self.pruner) if self.pruner else optuna.pruners.NopPruner()
+        study = optuna.load_study(study_name=self.study_name, storage=open_storage(self.storage), pruner=pruner)
+        frozen = study.get_trials(deepcopy=False)[self.number]
+        # Optuna gives a trial to report to only by its storage id (`Trial(study, trial_id)`): FrozenTrial's.
+        self.trial = optuna.trial.Trial(study, frozen._trial_id)
+        self.trial.set_user_attr(RUN_DIR, self.run_dir)
+        self.reported = set(frozen.intermediate_values)  # a resumed trial reported these steps before
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        prune = False
+        if trainer.is_global_zero:
+            prune = self.report(trainer)
+        # Every rank stops at the same step: rank 0's decision, sent to all.
+        if trainer.strategy.broadcast(prune, src=0):
+            trainer.should_stop = True
+
+    def report(self, trainer: L.Trainer) -> bool:
+        from scaleup.search.study import PRUNED_AT_STEP
+
+        value = trainer.callback_metrics.get(self.metric)
+        step = trainer.global_step
+        if value is None or step in self.reported:
+            return False
+        value = float(value)
+        self.trial.report(value if math.isfinite(value) else float("nan"), step)
+        self.reported.add(step)
+        if not self.trial.should_prune():
+            return False
+        self.trial.set_user_attr(PRUNED_AT_STEP, step)
+        return True

@@ -1,0 +1,109 @@
+"""The hyperparameter search (`python train.py hparams_search=digits_lr`, scaleup.search): an Optuna study in SQLite,
+trials that are ordinary runs, resumed after kill -9, pruned on every rank at once, and the same trial for trial on
+1 and 2 processes (float64)."""
+
+import json
+
+import optuna
+import pytest
+import torch
+
+from conftest import QUICK, in_process, read_json, run
+
+# 2 epochs of 8 steps; val/loss (continuous: equal values mean equal runs); GroupNorm, so that the batch's split
+# over devices changes nothing. Trial 1 draws its values from trial 0's result (TPE after 1 random trial), and
+# the threshold prunes it at its first validation (its val/loss 2.335 there, trial 0's 2.300).
+SEARCH = [
+    "hparams_search=digits_lr",
+    *QUICK,
+    "trainer.precision=64-true",
+    "model.net.norm=group",
+    "data.val_size=129",
+    "data.test_size=1155",
+    "monitor.metric=val/loss",
+    "monitor.mode=min",
+    "checkpoint.every_n_train_steps=5",
+    "+hydra.sweeper.sampler.n_startup_trials=1",
+    "hydra.sweeper.pruner={_target_: optuna.pruners.ThresholdPruner, upper: 2.32}",
+]
+KILL = [  # kill -9 during trial 3 (number 2), at step 11: its last.ckpt is step 10's
+    "+callbacks.kill._target_=probes.KillJobOnce",
+    "+callbacks.kill.job=2",
+    "+callbacks.kill.step=11",
+]
+
+
+def trials(sweep_dir):
+    study = optuna.load_study(study_name="digits_lr", storage=f"sqlite:///{sweep_dir / 'study.db'}")
+    return study.get_trials(deepcopy=False)
+
+
+@pytest.fixture(scope="module")
+def searches(tmp_path_factory):
+    """A 4-trial search on 1 process, killed during trial 3 and run again; the first 2 trials on 2 processes."""
+    root = tmp_path_factory.mktemp("search")
+    one = [*SEARCH, *KILL, f"+callbacks.kill.marker={root}/killed", f"paths.log_dir={root}/one", "hydra.sweeper.n_trials=4"]
+    killed = run(one, cwd=root)
+    states = [(t.number, t.state.name) for t in trials(root / "one" / "search" / "digits_lr")]
+    resumed = run(one, cwd=root)
+    two = [*SEARCH, f"paths.log_dir={root}/two", "hydra.sweeper.n_trials=2", "trainer.devices=2"]
+    return {"killed": killed, "states_after_kill": states, "resumed": resumed, "two": run(two, timeout=400, cwd=root), "root": root}
+
+
+@pytest.mark.slow
+def test_a_killed_search_resumes_its_trial_and_ends_with_the_trials_asked(searches):
+    assert searches["killed"].returncode == -9
+    assert searches["states_after_kill"] == [(0, "COMPLETE"), (1, "PRUNED"), (2, "RUNNING")]
+    assert searches["resumed"].returncode == 0, searches["resumed"].stderr[-3000:]
+    sweep = searches["root"] / "one" / "search" / "digits_lr"
+    assert [t.state.name for t in trials(sweep)] == ["COMPLETE", "PRUNED", "COMPLETE", "COMPLETE"]
+    assert f"resuming from {sweep / '2' / 'checkpoints' / 'last.ckpt'}" in (sweep / "2" / "train.log").read_text()
+    assert torch.load(sweep / "2" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 16
+    summary = read_json(sweep / "search.json")
+    assert [t["run_dir"] for t in summary["trials"]] == [str(sweep / str(n)) for n in range(4)]
+    best = min((t for t in summary["trials"] if t["state"] == "complete"), key=lambda t: t["value"])
+    assert summary["best"]["number"] == best["number"]
+    assert (sweep / "history.png").stat().st_size > 0 and (sweep / "importance.png").stat().st_size > 0
+    # The best trial's command trains its settings (here planned only).
+    command = summary["best"]["command"]
+    assert command.startswith("python train.py ") and "hparams_search" not in command
+    plan = in_process([*command.split()[2:], "dry_run=true", "~callbacks.kill", f"paths.log_dir={searches['root']}"])
+    assert plan["global_batch_size"] == 64
+
+
+@pytest.mark.slow
+def test_a_search_on_two_processes_is_the_same_trial_for_trial(searches):
+    """The transfer: the same values (float64), the same states (the pruner decided the same) and the same drawn
+    settings; each trial a ddp_spawn job with its own clean run directory. The pruned trial stopped on both ranks
+    at the step it was pruned at, and ran its test."""
+    assert searches["two"].returncode == 0, searches["two"].stderr[-3000:]
+    root = searches["root"]
+    one, two = (trials(root / name / "search" / "digits_lr") for name in ("one", "two"))
+    assert [(t.state, t.params) for t in two] == [(t.state, t.params) for t in one[:2]]
+    for a, b in zip(one, two):
+        assert a.intermediate_values.keys() == b.intermediate_values.keys()
+        assert max(abs(a.intermediate_values[s] - b.intermediate_values[s]) for s in a.intermediate_values) < 1e-9
+    sweep = root / "two" / "search" / "digits_lr"
+    for n in (0, 1):
+        assert read_json(sweep / str(n) / "plan.json")["strategy"] == "ddp_spawn"
+        assert [p.name for p in (sweep / str(n)).glob("*.log")] == ["train.log"]
+        assert read_json(sweep / str(n) / "metrics.json")["test/samples"] == 1155
+    assert two[1].user_attrs["pruned_at_step"] == 8
+    assert torch.load(sweep / "1" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 8
+    assert not (root / "outputs").exists()  # no stray run directory of a spawned process
+
+
+@pytest.mark.parametrize(
+    ("space", "message"),
+    [
+        ("model.optimizer.lrr=interval(0.01,1.0)", "error: search space: model.optimizer.lrr: there is no such key"),
+        ("trainer.max_epochs=interval(1,3)", "error: search space: trainer.max_epochs=1.0 must be an integer"),
+        ("model.optimizer.lr=interval(1.0,0.1)", "error: search space: model.optimizer.lr=interval(1.0,0.1): the"),
+    ],
+    ids=["unknown-key", "wrong-type", "empty-interval"],
+)
+def test_a_bad_search_space_is_one_line_before_any_trial(space, message, tmp_path):
+    result = run(["hparams_search=digits_lr", space, f"paths.log_dir={tmp_path}"], cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "search").exists()

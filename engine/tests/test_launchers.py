@@ -134,22 +134,6 @@ def test_slurm_task_count_mismatch_is_one_clear_message(tmp_path, monkeypatch):
     assert str(raised.value) == message
 
 
-def test_multirun_sweep_with_two_devices_runs_ddp_spawn(tmp_path):
-    """`python train.py -m trainer.devices=2,1` (no sweep directory given: it lands in ./outputs) runs the 2-device
-    job with ddp_spawn (plain ddp would re-run the sweep in the child): one clean run directory per job, none
-    stray, and the next job (here 1 device) runs after it."""
-    args = ["-m", "trainer.devices=2,1", *ONE_EPOCH, probe_dir_arg(tmp_path)]
-    result = check(run(args, timeout=600, cwd=tmp_path))
-    (sweep,) = (tmp_path / "outputs" / "train-sweep").iterdir()
-    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
-    assert [read_json(sweep / job / "plan.json")["strategy"] for job in ("0", "1")] == ["ddp_spawn", "auto"]
-    ranks = assert_one_clean_run(sweep / "0")
-    assert [r["local_rank"] for r in ranks] == [0, 1]
-    assert_one_clean_run(sweep / "1", world_size=1)
-    assert not (tmp_path / "outputs" / "train").exists()  # no stray per-child run directories
-    assert result.stdout.count("Launching") <= 2
-
-
 @pytest.mark.parametrize(
     ("sweep", "plans"),
     [

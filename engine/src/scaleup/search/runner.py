@@ -114,7 +114,7 @@ class Search:
         trial = study.get_trials(deepcopy=False)[number]
         if ret.status != JobStatus.COMPLETED:
             try:
-                ret.return_value  # raises the trial's error
+                _ = ret.return_value  # raises the trial's error
             except Exception as err:
                 log.warning(f"search: trial {number} failed: {(str(err).splitlines() or [repr(err)])[0]}")
             study.tell(number, state=optuna.trial.TrialState.FAIL)

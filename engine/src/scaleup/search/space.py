@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, QuotedString, RangeSweep
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
+from scaleup.config.plain import flatten
 from scaleup.errors import UserError
 
 
@@ -40,12 +41,8 @@ class SearchSpace:
 
 def parse_space(params: dict[str, str], arguments: list[str]) -> SearchSpace:
     """The space of `hydra.sweeper.params` and the command line's overrides (a sweep there joins the space)."""
-    parser = OverridesParser.create()
-    lines = [f"{key}={value}" for key, value in params.items()] + list(arguments)
-    try:
-        overrides = parser.parse_overrides(lines)
-    except Exception as err:  # Hydra's grammar errors name the override and the position
-        raise UserError(f"search space: {str(err).splitlines()[0]}") from None
+    lines = [f"{key}={value}" for key, value in flatten(params).items()] + list(arguments)
+    overrides = [parsed(line) for line in lines]
     distributions = {o.get_key_element(): distribution(o) for o in overrides if o.is_sweep_override()}
     fixed = [o.input_line for o in overrides if not o.is_sweep_override()]
     if not distributions:
@@ -56,13 +53,20 @@ def parse_space(params: dict[str, str], arguments: list[str]) -> SearchSpace:
     return SearchSpace(distributions, fixed)
 
 
+def parsed(line: str) -> Override:
+    try:
+        return OverridesParser.create().parse_override(line)
+    except Exception as err:  # Hydra's grammar error: where in the line it stopped
+        raise UserError(f"search space: {line}: {str(err).splitlines()[0]}") from None
+
+
 def distribution(override: Override) -> BaseDistribution:
     """The Optuna distribution of one sweep override."""
     value, where = override.value(), override.input_line
     if isinstance(value, RangeSweep) and all(isinstance(v, int) for v in (value.start, value.stop, value.step)):
         return IntDistribution(value.start, value.stop - 1, step=value.step)
     if isinstance(value, (ChoiceSweep, RangeSweep)):
-        choices = list(override.sweep_iterator())
+        choices = [v.text if isinstance(v, QuotedString) else v for v in override.sweep_iterator()]
         if not all(v is None or isinstance(v, (bool, int, float, str)) for v in choices):
             raise UserError(f"search space: {where}: a choice is a number, a string, true, false or null")
         return CategoricalDistribution(choices)

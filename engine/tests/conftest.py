@@ -133,6 +133,7 @@ LONGEST_FILES = (
     "test_fsdp.py",
     "test_ddp.py",
     "test_resume.py",
+    "test_search.py",
     "test_any_device_count.py",
     "test_copier.py",
     "test_preemption.py",

@@ -139,7 +139,7 @@ def test_a_made_project_holds_its_own_code_and_pins_the_engine(made):
     assert sorted(p.name for p in (project / "src").iterdir()) == ["mynet"]
     assert "_target_: mynet.models.ImageClassifier" in (project / "configs/model/digits_cnn.yaml").read_text()
     pyproject = (project / "pyproject.toml").read_text()
-    extras = ("", "[loggers]", "[shards]", "[slurm]", "[ray]")
+    extras = ("", "[loggers]", "[shards]", "[slurm]", "[ray]", "[search]")
     pinned = [f'"scaleup-engine{extra} @ {pin(made, "v1.0.0")}"' for extra in extras]
     assert re.findall(r'"scaleup-engine[^"]*"', pyproject) == pinned
     answers = (project / ".copier-answers.yml").read_text()
@@ -195,7 +195,7 @@ def test_copier_project_takes_the_next_version_and_keeps_old_checkpoints_and_sha
     assert "_commit: v1.1.0\n" in (project / ".copier-answers.yml").read_text()
     assert (project / SKELETON_FIX).read_text().endswith(FIX)
     assert (
-        pyproject.read_text().count(pin(made, "v1.1.0")) == 5 and commits(made)["v1.0.0"] not in pyproject.read_text()
+        pyproject.read_text().count(pin(made, "v1.1.0")) == 6 and commits(made)["v1.0.0"] not in pyproject.read_text()
     )
     assert 'version = "0.4.2"' in pyproject.read_text()
     assert "width: 24" in config.read_text() and (project / "src/mynet/models/mlp.py").is_file()

@@ -97,16 +97,21 @@ def test_a_search_on_two_processes_is_the_same_trial_for_trial(searches):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("space", "message"),
+    ("override", "message"),
     [
         ("model.optimizer.lrr=interval(0.01,1.0)", "error: search space: model.optimizer.lrr: there is no such key"),
         ("trainer.max_epochs=interval(1,3)", "error: search space: trainer.max_epochs=1.0 must be an integer"),
+        (
+            "hydra.sweeper.storage=postgresql://nobody@127.0.0.1:1/db",
+            "error: hydra.sweeper.storage: cannot open postgresql://nobody@127.0.0.1:1/db: ",
+        ),
     ],
-    ids=["unknown-key", "wrong-type"],
+    ids=["unknown-key", "wrong-type", "storage"],
 )
-def test_a_bad_search_space_is_one_line_before_any_trial(space, message, tmp_path):
-    """Found by composing and validating a trial at each corner of the space, before the sweep directory exists."""
-    result = run(["hparams_search=digits_lr", space, f"paths.log_dir={tmp_path}"], cwd=tmp_path)
+def test_a_bad_search_space_is_one_line_before_any_trial(override, message, tmp_path):
+    """The space: found by composing and validating a trial at each corner of the space. The storage: a database
+    that cannot be opened (here: no driver installed for it). Nothing is left behind."""
+    result = run(["hparams_search=digits_lr", override, f"paths.log_dir={tmp_path}"], cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "search").exists()

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from scaleup.config.plain import log_rows
 from scaleup.config.sweep import first_mistake
-from scaleup.errors import EXIT_USER_ERROR, UserError
+from scaleup.errors import EXIT_USER_ERROR, UserError, new_directories, remove_refused_run
 from scaleup.search.results import report
 from scaleup.search.space import SearchSpace, parse_space
 from scaleup.search.study import OVERRIDES, PRUNED_AT_STEP, best_value, open_storage, storage_url
@@ -46,6 +46,8 @@ class SearchSettings:
 
 
 class Search:
+    """One search command: the study in `settings.storage`, the trials through `launcher`."""
+
     def __init__(self, settings: SearchSettings, config: DictConfig, launcher: Launcher) -> None:
         self.settings, self.config, self.launcher = settings, config, launcher
         self.sweep_dir = Path(config.hydra.sweep.dir)
@@ -63,14 +65,10 @@ class Search:
             rows = [(key, repr(dist)) for key, dist in space.distributions.items()]
             log_rows("search space (dry run: no trial starts; each would be a run of its own)", rows)
             return None
+        created = new_directories(self.sweep_dir)
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
+        study = self.open_study(created)
         OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
-        study = optuna.create_study(
-            study_name=self.settings.study_name,
-            storage=open_storage(storage_url(self.settings.storage, self.sweep_dir)),
-            direction="maximize" if self.maximize else "minimize",
-            load_if_exists=True,  # the same command resumes the study
-        )
         for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             log.info(f"search: trial {trial.number} was interrupted; resuming it from its last checkpoint")
             self.launch(study, [trial.number], [[*trial.user_attrs[OVERRIDES], "ckpt_path=last"]])
@@ -78,6 +76,22 @@ class Search:
             trials = [self.ask(study, space) for _ in range(min(self.settings.n_jobs, left))]
             self.launch(study, [t.number for t in trials], [t.user_attrs[OVERRIDES] for t in trials])
         return report(study, self.sweep_dir, space, self.config.hydra.job.config_name)
+
+    def open_study(self, created: list[Path]) -> optuna.Study:
+        """The study, created on the first run and loaded on the next ones (the same command resumes it). Where the
+        database cannot be opened, one line, and the directories made for it removed."""
+        url = storage_url(self.settings.storage, self.sweep_dir)
+        try:
+            return optuna.create_study(
+                study_name=self.settings.study_name,
+                storage=open_storage(url),
+                direction="maximize" if self.maximize else "minimize",
+                load_if_exists=True,
+            )
+        except Exception as err:  # a URL that is wrong or unreachable, a database driver that is not installed
+            remove_refused_run(created)
+            print(f"error: hydra.sweeper.storage: cannot open {url}: {str(err).splitlines()[0]}", file=sys.stderr)
+            sys.exit(EXIT_USER_ERROR)
 
     def check(self, space: SearchSpace) -> None:
         """Compose and validate a trial at each corner of the space: a key that does not exist or a value of the
@@ -121,7 +135,7 @@ class Search:
         elif PRUNED_AT_STEP in trial.user_attrs:
             study.tell(number, state=optuna.trial.TrialState.PRUNED)
         elif (value := best_value(trial, self.maximize)) is None:
-            log.warning(f"search: trial {number} reported no value: it ran no validation")
+            log.warning(f"search: trial {number} reported no finite value of {self.config.monitor.metric}")
             study.tell(number, state=optuna.trial.TrialState.FAIL)
         else:
             study.tell(number, value)

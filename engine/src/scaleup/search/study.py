@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
 
 
 def best_value(trial: optuna.trial.FrozenTrial, maximize: bool) -> float | None:
-    """A trial's result: the best of the values it reported (the best checkpoint's `monitor.metric`)."""
-    values = list(trial.intermediate_values.values())
+    """A trial's result: the best of the finite values it reported (the best checkpoint's `monitor.metric`); None
+    where it reported none (a run that diverged at once)."""
+    values = [value for value in trial.intermediate_values.values() if math.isfinite(value)]
     return (max if maximize else min)(values) if values else None

@@ -3,7 +3,6 @@ stops when the pruner says so."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import lightning as L
@@ -80,8 +79,7 @@ class ReportToStudy(L.Callback):
         step = trainer.global_step
         if value is None or step in self.reported:
             return False
-        value = float(value)
-        self.trial.report(value if math.isfinite(value) else float("nan"), step)
+        self.trial.report(float(value), step)
         self.reported.add(step)
         if not self.trial.should_prune():
             return False

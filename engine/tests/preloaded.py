@@ -16,8 +16,9 @@ user: torchrun's workers (they find their agent as their parent process), Ray's 
 flags of its own, and a command whose start-up variables (STARTUP_VARIABLES) differ from the server's.
 
 `python engine/tests/preloaded.py SOCKET` serves until its stdin closes (its pytest worker exited). Each request is one
-packet: the command as JSON plus its file descriptors (stdin, stdout, stderr, then any other it was given). A waiter process forked per
-request answers with the run's pid, then with its exit code (negative: the signal that ended it), as Popen does.
+packet: the command as JSON plus its file descriptors (stdin, stdout, stderr, then any other it was given). A waiter
+process forked per request answers with the run's pid, then with its exit code (negative: the signal that ended it),
+as Popen does.
 """
 
 from __future__ import annotations

@@ -5,10 +5,12 @@ trials that are ordinary runs, resumed after kill -9, pruned on every rank at on
 import optuna
 import pytest
 import torch
+from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from conftest import QUICK, in_process, read_json, run
+from conftest import QUICK, engine_option, in_process, read_json, run
 from scaleup.errors import UserError
+from scaleup.search.runner import SearchSettings
 from scaleup.search.space import parse_space
 
 # 2 epochs of 8 steps; val/loss (continuous: equal values mean equal runs); GroupNorm, so that the batch's split
@@ -151,3 +153,28 @@ def test_the_space_is_drawn_as_written_and_each_draw_reads_back_as_drawn():
     assert space.fixed == ["+e=1"]
     assert space.overrides({"a": 0.001, "d": "1"}) == ["+e=1", "a=0.001", "d='1'"]  # the string "1", not the int
     assert space.corners()[:2] == [{"a": 1e-4, "b": 8, "c": 0, "d": "x"}, {"a": 1e-1, "b": 64, "c": 3, "d": None}]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"study_name": None}, "hydra.sweeper.study_name: name the study"),
+        ({"n_trials": 0}, "hydra.sweeper.n_trials=0 must be an integer >= 1"),
+        ({"sampler": {"_target_": "optuna.samplers.Nope"}}, "hydra.sweeper.sampler: Are you sure that 'Nope' is"),
+        (
+            {"pruner": {"_target_": "optuna.pruners.MedianPruner", "n_warmup_steps": -1}},
+            "hydra.sweeper.pruner: ValueError: Number of warmup steps cannot be negative",
+        ),
+    ],
+    ids=["no-name", "no-trials", "unknown-sampler", "bad-pruner"],
+)
+def test_search_settings_that_cannot_work_are_refused(change, message):
+    """Checked before the space and before anything is written (the sampler and the pruner built once here)."""
+    settings = {
+        **engine_option("hydra/sweeper/search", study_name="digits_lr", params={}),
+        **change,
+    }
+    fields = {key: OmegaConf.create(v) if isinstance(v, dict) else v for key, v in settings.items() if key[0] != "_"}
+    with pytest.raises(UserError) as raised:
+        SearchSettings(**fields).check()
+    assert str(raised.value).startswith(message)

@@ -43,6 +43,15 @@ class SearchSettings:
         for key in ("n_trials", "n_jobs"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise UserError(f"hydra.sweeper.{key}={getattr(self, key)} must be an integer >= 1")
+        for key, node, arguments in (("sampler", self.sampler, {"seed": 0}), ("pruner", self.pruner, {})):
+            try:
+                if node is not None:
+                    instantiate(node, **arguments)  # as each trial builds it
+            except Exception as err:  # an unknown class or argument, a value the class refuses
+                cause = err.__cause__ or err
+                lines = str(cause).splitlines() or [""]
+                reason = lines[-1] if isinstance(cause, ImportError) else f"{type(cause).__name__}: {lines[0]}"
+                raise UserError(f"hydra.sweeper.{key}: {reason}") from err
 
 
 class Search:

@@ -2,6 +2,8 @@
 trials that are ordinary runs, resumed after kill -9, pruned on every rank at once, and the same trial for trial on
 1 and 2 processes (float64)."""
 
+import re
+
 import optuna
 import pytest
 import torch
@@ -178,3 +180,20 @@ def test_search_settings_that_cannot_work_are_refused(change, message):
     with pytest.raises(UserError) as raised:
         SearchSettings(**fields).check()
     assert str(raised.value).startswith(message)
+
+
+@pytest.mark.slow
+def test_trials_launched_together_run_at_once_through_submitit(tmp_path):
+    """`hydra/launcher=submitit_local hydra.sweeper.n_jobs=2`: both trials are submitit jobs running at the same
+    time, each reporting to the one SQLite database; each its own run directory, numbered as its trial."""
+    args = ["hparams_search=digits_lr", *QUICK, "trainer.max_epochs=1", f"paths.log_dir={tmp_path}"]
+    result = run([*args, "hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    sweep = tmp_path / "search" / "digits_lr"
+    first, second = trials(sweep)
+    assert [t.state.name for t in (first, second)] == ["COMPLETE", "COMPLETE"]
+    assert [t.user_attrs["run_dir"] for t in (first, second)] == [str(sweep / "0"), str(sweep / "1")]
+    assert len(list((sweep / ".submitit").glob("*/*_result.pkl"))) == 2
+    # At once: each trial's log begins before the other's ends (its lines' timestamps: "[2026-12-03 16:45:02,818]").
+    stamps = [re.findall(r"^\[(\d{4}-[\d-]+ [\d:,]+)\]", (sweep / n / "train.log").read_text(), re.M) for n in "01"]
+    assert stamps[1][0] < stamps[0][-1] and stamps[0][0] < stamps[1][-1], stamps

@@ -106,8 +106,8 @@ def test_a_search_on_two_processes_is_the_same_trial_for_trial(searches):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("model.optimizer.lrr=interval(0.01,1.0)", "error: search space: model.optimizer.lrr: there is no such key"),
-        ("trainer.max_epochs=interval(1,3)", "error: search space: trainer.max_epochs=1.0 must be an integer"),
+        ("model.optimizer.lrr=interval(0.01,1.0)", "error: search: model.optimizer.lrr: there is no such key"),
+        ("trainer.max_epochs=interval(1,3)", "error: search: trainer.max_epochs=1.0 must be an integer"),
         (
             "hydra.sweeper.storage=postgresql://nobody@127.0.0.1:1/db",
             "error: hydra.sweeper.storage: cannot open postgresql://nobody@127.0.0.1:1/db: ",

@@ -25,6 +25,7 @@ from scaleup.plan.checks import pitfall_warnings
 from scaleup.plan.resolve import Plan
 from scaleup.plan.run import plan_run
 from scaleup.plan.topology import resolve_topology
+from scaleup.search.trial import in_search
 from scaleup.trainer import build_trainer
 
 log = logging.getLogger("scaleup")
@@ -70,6 +71,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run = build_trainer(config, plan, topology, launch.strategy, run_dir)
     trainer = run.trainer
     hint = f"resume with: python train.py ckpt_path=last hydra.run.dir={run_dir} (plus your overrides)"
+    if in_search():
+        hint = "resume the search with the same command: it resumes this trial from its last.ckpt"
     with run.running(hint):
         if resume.finished:
             log.info(f"{resume.path} finished training at step {resume.step}: running its test")

@@ -107,7 +107,7 @@ class Search:
         wrong type is found before any trial starts."""
         jobs = [space.overrides(corner) for corner in space.corners()]
         if (found := first_mistake(self.config.hydra.job.config_name, jobs)) is not None:
-            raise UserError(f"search space: {found[1]}")  # it names the key and the value
+            raise UserError(f"search: {found[1]}")  # it names the key and the value
 
     def ask(self, study: optuna.Study, space: SearchSpace) -> optuna.trial.FrozenTrial:
         """A new trial. The sampler's seed for trial n is its `seed` + n: the same search draws the same values,

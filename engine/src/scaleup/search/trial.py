@@ -12,13 +12,16 @@ from omegaconf import OmegaConf
 SWEEPER = "hydra_plugins.scaleup_search.sweeper.SearchSweeper"
 
 
+def in_search() -> bool:
+    """Whether this job is a search's trial (its sweeper is in Hydra's config)."""
+    return HydraConfig.initialized() and HydraConfig.get().sweeper.get("_target_") == SWEEPER
+
+
 def trial_callbacks(metric: str, run_dir: str) -> list[L.Callback]:
-    """`[ReportToStudy]` in a job the search launched (its sweeper is in Hydra's config), else none."""
-    if not HydraConfig.initialized():
+    """`[ReportToStudy]` in a search's trial, else none."""
+    if not in_search():
         return []
     hydra = HydraConfig.get()
-    if hydra.sweeper.get("_target_") != SWEEPER:
-        return []
     from scaleup.search.study import storage_url
 
     return [

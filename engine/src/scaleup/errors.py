@@ -201,11 +201,10 @@ def one_line_composition_errors(config_dir: Path, config_name: str) -> Callable[
 
 def exit_on_composition_error(config_dir: Path, config_name: str, overrides: list[str]) -> None:
     """Compose `config_name` with `overrides`; on an unknown key or group option, `error: <message>`, exit 2."""
-    from hydra import compose, initialize_config_dir
+    from scaleup.config.project import compose_project  # it imports this module
 
     def composed(given: list[str]) -> DictConfig:
-        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3", job_name=config_name):
-            return compose(config_name, overrides=given, return_hydra_config=True)
+        return compose_project(config_name, given, configs=config_dir)
 
     try:
         composed(overrides)

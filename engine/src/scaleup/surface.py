@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import scaleup
-from scaleup.config.project import project_configs
+from scaleup.config.project import compose_project, project_configs
 from scaleup.errors import UserError
 
 PACKAGE = Path(__file__).resolve().parent  # engine/src/scaleup
@@ -177,7 +177,6 @@ def config(configs: Path) -> dict[str, Any]:
     anywhere for a `# @package _global_` file), its `defaults` list left out. `jobs`: each job -> the keys of the
     project's configs/<job>.yaml composed with its default choices (Hydra's own config and the project's groups left
     out: the engine's `hydra` group is among the groups)."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     conf, groups = PACKAGE / "conf", {}
@@ -190,12 +189,11 @@ def config(configs: Path) -> dict[str, Any]:
                 tree = {part: tree}
         groups[f"{group}/{path.stem}"] = _leaf_keys(tree)
     jobs = {}
-    with initialize_config_dir(config_dir=str(configs.resolve()), version_base="1.3"):
-        for job in JOBS:
-            tree = OmegaConf.to_container(compose(job), resolve=False)
-            for group in PROJECT_GROUPS if job == "train" else ():
-                tree.pop(group, None)
-            jobs[job] = _leaf_keys(tree)
+    for job in JOBS:
+        tree = OmegaConf.to_container(compose_project(job, configs=configs, hydra=False), resolve=False)
+        for group in PROJECT_GROUPS if job == "train" else ():
+            tree.pop(group, None)
+        jobs[job] = _leaf_keys(tree)
     return {"groups": groups, "jobs": jobs}
 
 

@@ -42,7 +42,7 @@ from torch.utils.data import IterableDataset
 
 from scaleup import check_equivalence as equivalence
 from scaleup.config.plain import to_plain
-from scaleup.config.project import project_configs, set_up_run
+from scaleup.config.project import compose_project, set_up_run
 from scaleup.config.schema import validate_config
 from scaleup.distributed.run_dir import register_resolvers
 from scaleup.export import submodule
@@ -78,14 +78,10 @@ def compose(job: str, overrides: Sequence[str] = (), project: str | Path | None 
     *overrides` composes it there (the last override of a key wins), with Hydra's runtime set up as `@hydra.main`
     sets it: `HydraConfig.get()` answers, the run directory (`hydra.run.dir`) exists. The `hydra` node is removed, as
     the job receives the config."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
     register_resolvers()
     by_key = {arg.split("=", 1)[0]: arg for arg in overrides}
     with _in_folder(project):
-        with initialize_config_dir(config_dir=str(project_configs()), version_base="1.3", job_name=job):
-            cfg = hydra_compose(job, overrides=list(by_key.values()), return_hydra_config=True)
+        cfg = compose_project(job, by_key.values())
         set_up_run(cfg).mkdir(parents=True, exist_ok=True)
     with read_write(cfg), open_dict(cfg):
         del cfg["hydra"]

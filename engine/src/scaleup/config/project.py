@@ -4,6 +4,7 @@ composed from them set up as the run `@hydra.main` would start."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from omegaconf import DictConfig, open_dict, read_write
@@ -17,6 +18,24 @@ def project_configs() -> Path:
     if not (configs / "train.yaml").is_file():
         raise UserError(f"no configs/train.yaml in {Path.cwd()}: run it from your project's folder (train.py's)")
     return configs
+
+
+def compose_project(
+    job: str,
+    overrides: Iterable[str] = (),
+    *,
+    configs: Path | None = None,
+    job_name: str | None = None,
+    hydra: bool = True,
+) -> DictConfig:
+    """configs/<job>.yaml of the project (`configs`, by default `project_configs()`) with `overrides`, as `python
+    <job>.py` composes it: with Hydra's own config under `hydra` (for `hydra.job.name`: `job_name`, by default
+    `job`), unless `hydra=False`."""
+    from hydra import compose, initialize_config_dir
+
+    where = str((configs or project_configs()).resolve())
+    with initialize_config_dir(config_dir=where, version_base="1.3", job_name=job_name or job):
+        return compose(job, overrides=list(overrides), return_hydra_config=hydra)
 
 
 def set_up_run(cfg: DictConfig) -> Path:

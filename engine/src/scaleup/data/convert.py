@@ -16,6 +16,7 @@ module applies its own `train_transform` when it loads a sample, drawn per (seed
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -32,7 +33,7 @@ from typing import Any
 from torch.utils.data import Dataset, Subset
 
 from scaleup.config.arguments import split_arguments
-from scaleup.config.project import project_configs
+from scaleup.config.project import compose_project
 from scaleup.data.index import SPLITS
 from scaleup.data.shards.format import IMAGE_TYPES, encode_field, end_of_archive, member_spans, sample_bytes
 from scaleup.data.shards.index import INDEX, index_document
@@ -148,14 +149,6 @@ class _InProcess:
         return [fn(task) for task in tasks]
 
 
-def compose_train(overrides: list[str]) -> Any:
-    """configs/train.yaml with the overrides, as `python train.py` would compose it."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(project_configs()), version_base="1.3", job_name="convert"):
-        return compose("train", overrides=overrides)
-
-
 def build_source(overrides: list[str]) -> tuple[dict[str, Dataset], dict[str, Any]]:
     """The data module the overrides choose (as `python train.py` would build it): its splits and model settings."""
     from omegaconf import OmegaConf
@@ -164,6 +157,7 @@ def build_source(overrides: list[str]) -> tuple[dict[str, Dataset], dict[str, An
     from scaleup.distributed.run_dir import register_resolvers
 
     register_resolvers()
+    compose_train = functools.partial(compose_project, "train", job_name="convert", hydra=False)
     try:
         cfg = compose_train(overrides)
     except Exception as err:  # a misspelled key or data option: one line naming the closest

@@ -22,6 +22,7 @@ num_workers devices here, without Ray.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -32,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from scaleup.checkpoints.io import exists
 from scaleup.config.arguments import split_arguments
-from scaleup.config.project import project_configs, set_up_run
+from scaleup.config.project import compose_project, set_up_run
 from scaleup.distributed.ray_worker import last_checkpoint, train_worker
 from scaleup.distributed.run_dir import register_resolvers
 from scaleup.errors import (
@@ -65,22 +66,15 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     return options, overrides
 
 
-def compose_train(overrides: list[str]) -> DictConfig:
-    """configs/train.yaml with the overrides and Hydra's own config, as `python train.py` composes it."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(project_configs()), version_base="1.3", job_name="train"):
-        return compose("train", overrides=overrides, return_hydra_config=True)
-
-
 def compose(overrides: list[str], accelerator: str, num_workers: int) -> DictConfig:
     """The job's config, composed once; the run directory stamped, Hydra's runtime set as `@hydra.main` sets it.
     Planned for one node of num_workers devices (each worker replaces it by where Ray put the workers)."""
     register_resolvers()
     topology = [f"trainer.accelerator={accelerator}", f"trainer.devices={num_workers}", "trainer.num_nodes=1"]
     try:
-        cfg = compose_train([*overrides, *topology])
+        cfg = compose_project("train", [*overrides, *topology])
     except Exception as err:  # a misspelled key or group option: one line naming the closest
+        compose_train = functools.partial(compose_project, "train")
         user_error = composition_error(err, compose_train, overrides, extra=OPTIONS, job="train")
         if user_error is None:
             raise

@@ -168,7 +168,7 @@ def check_contract(
                 extract_batch_size(batch)
             except Exception as err:
                 problems.append(f"a training batch ({type(batch).__name__}) has no batch size Lightning reads: {err}")
-        export_module = OmegaConf.load("configs/export.yaml").get("module", "net")
+        export_module = compose_project("export", hydra=False).module  # as `python export.py` composes it
         try:
             submodule(model, export_module)
         except Exception as err:

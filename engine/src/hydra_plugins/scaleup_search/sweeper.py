@@ -5,6 +5,7 @@ Hydra imports every module here whenever it starts: this one imports nothing hea
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from hydra.plugins.sweeper import Sweeper
@@ -19,7 +20,13 @@ class SearchSweeper(Sweeper):
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
 
-        from scaleup.search.runner import Search, SearchSettings
+        try:
+            from scaleup.search.runner import Search, SearchSettings
+        except ModuleNotFoundError as err:
+            if err.name != "optuna":
+                raise
+            print('error: a search needs Optuna: python -m pip install -e ".[search]"', file=sys.stderr)
+            sys.exit(2)
 
         launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config

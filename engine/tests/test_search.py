@@ -53,7 +53,7 @@ def searches(tmp_path_factory):
     states = [(t.number, t.state.name) for t in trials(root / "one" / "search" / "digits_lr")]
     resumed = run(one, cwd=root)
     two = run([*SEARCH, f"paths.log_dir={root}/two", "hydra.sweeper.n_trials=2", "trainer.devices=2"], cwd=root)
-    return {"root": root, "killed": killed, "states_after_kill": states, "resumed": resumed, "two": two}
+    return {"root": root, "one": one, "killed": killed, "states_after_kill": states, "resumed": resumed, "two": two}
 
 
 @pytest.mark.slow
@@ -75,6 +75,16 @@ def test_a_killed_search_resumes_its_trial_and_ends_with_the_trials_asked(search
     assert command.startswith("python train.py ") and "hparams_search" not in command
     plan = in_process([*command.split()[2:], "dry_run=true", "~callbacks.kill", f"paths.log_dir={searches['root']}"])
     assert plan["global_batch_size"] == 64
+    # Run again: a finished study reports again and starts nothing; asked the other way round, it is refused.
+    again = run(searches["one"], cwd=searches["root"])
+    assert again.returncode == 0 and "trial 3" in again.stderr + again.stdout
+    assert [t.state.name for t in trials(sweep)] == ["PRUNED", "COMPLETE", "COMPLETE", "PRUNED"]
+    refused = run([*searches["one"], "monitor.mode=max"], cwd=searches["root"])
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        f"error: the study digits_lr in sqlite:///{sweep / 'study.db'} was made to minimize; monitor.mode=max would "
+        "maximize: name another hydra.sweeper.study_name"
+    ]
 
 
 @pytest.mark.slow

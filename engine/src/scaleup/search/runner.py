@@ -63,6 +63,7 @@ class Search:
         self.maximize = config.monitor.mode == "max"
 
     def run(self, arguments: list[str]) -> Any:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # the search says what it does, and the table at the end
         try:
             self.settings.check()
             space = parse_space(OmegaConf.to_container(self.settings.params) or {}, arguments)
@@ -89,18 +90,23 @@ class Search:
     def open_study(self, created: list[Path]) -> optuna.Study:
         """The study, created on the first run and loaded on the next ones (the same command resumes it). Where the
         database cannot be opened, one line, and the directories made for it removed."""
-        url = storage_url(self.settings.storage, self.sweep_dir)
+        url, direction = storage_url(self.settings.storage, self.sweep_dir), "maximize" if self.maximize else "minimize"
         try:
-            return optuna.create_study(
-                study_name=self.settings.study_name,
-                storage=open_storage(url),
-                direction="maximize" if self.maximize else "minimize",
-                load_if_exists=True,
+            study = optuna.create_study(
+                study_name=self.settings.study_name, storage=open_storage(url), direction=direction, load_if_exists=True
             )
         except Exception as err:  # a URL that is wrong or unreachable, a database driver that is not installed
             remove_refused_run(created)
             print(f"error: hydra.sweeper.storage: cannot open {url}: {str(err).splitlines()[0]}", file=sys.stderr)
             sys.exit(EXIT_USER_ERROR)
+        if study.direction.name.lower() != direction:  # an earlier command's study, for the other monitor.mode
+            print(
+                f"error: the study {study.study_name} in {url} was made to {study.direction.name.lower()}; "
+                f"monitor.mode={self.config.monitor.mode} would {direction}: name another hydra.sweeper.study_name",
+                file=sys.stderr,
+            )
+            sys.exit(EXIT_USER_ERROR)
+        return study
 
     def check(self, space: SearchSpace) -> None:
         """Compose and validate a trial at each corner of the space: a key that does not exist or a value of the

@@ -165,6 +165,9 @@ def test_the_space_is_drawn_as_written_and_each_draw_reads_back_as_drawn():
     assert space.fixed == ["+e=1"]
     assert space.overrides({"a": 0.001, "d": "1"}) == ["+e=1", "a=0.001", "d='1'"]  # the string "1", not the int
     assert space.corners()[:2] == [{"a": 1e-4, "b": 8, "c": 0, "d": "x"}, {"a": 1e-1, "b": 64, "c": 3, "d": None}]
+    # The command line over the config: a range replaced, a key pinned (out of the space).
+    space = parse_space({"a": "interval(0.1,1.0)", "b": "choice(1,2)"}, ["a=interval(0.2,0.5)", "b=2"])
+    assert space.distributions == {"a": FloatDistribution(0.2, 0.5)} and space.fixed == ["b=2"]
 
 
 @pytest.mark.parametrize(

@@ -40,11 +40,17 @@ class SearchSpace:
 
 
 def parse_space(params: dict[str, str], arguments: list[str]) -> SearchSpace:
-    """The space of `hydra.sweeper.params` and the command line's overrides (a sweep there joins the space)."""
+    """The space of `hydra.sweeper.params` and the command line's overrides: a sweep there joins the space (or
+    replaces a key's range), a plain value there takes its key out of the space."""
     lines = [f"{key}={value}" for key, value in flatten(params).items()] + list(arguments)
-    overrides = [parsed(line) for line in lines]
-    distributions = {o.get_key_element(): distribution(o) for o in overrides if o.is_sweep_override()}
-    fixed = [o.input_line for o in overrides if not o.is_sweep_override()]
+    distributions: dict[str, BaseDistribution] = {}
+    fixed = []
+    for override in (parsed(line) for line in lines):
+        if override.is_sweep_override():
+            distributions[override.get_key_element()] = distribution(override)
+        else:
+            distributions.pop(override.get_key_element(), None)
+            fixed.append(override.input_line)
     if not distributions:
         raise UserError(
             "search space: nothing to search; set hydra.sweeper.params, e.g. "

@@ -187,49 +187,42 @@ def test_a_failing_rank_stops_every_process_quickly(tmp_path):
     print(f"all processes stopped {elapsed:.1f} s after start, exit {result.returncode}")
 
 
-def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path):
-    """torchrun on one node with a restart: rank 1 fails once at step 25 (epoch 1), torchrun stops rank 0 and
-    restarts both workers, they find the same run directory and resume from its last.ckpt (step 19); in the end
-    one clean run, one log."""
+def test_torchrun_restarts_failed_workers_and_its_agent_exits_143_on_sigterm(tmp_path):
+    """scaleup.distributed.torchrun on one node, 2 workers, `--max-restarts=1`, 2 epochs of 19 steps:
+    - rank 1 fails once at step 25: torchrun stops rank 0 and restarts both, which find the same run directory and
+      resume from its last.ckpt (step 19);
+    - SIGTERM to the agent at step 30 (as Kubernetes signals a pod's torchrun) stops both workers with last.ckpt
+      written, and the agent exits 143 (torchrun's own exits 1), so `restartPolicy: ExitCode` restarts the pod;
+    - the command run again resumes from that last.ckpt and ends: one clean run, one log."""
+    run_dir = tmp_path / "run"
     args = [
         *ONE_EPOCH,
         "trainer.max_epochs=2",
         "trainer.devices=2",
         "ckpt_path=last",
-        f"paths.log_dir={tmp_path}",
+        f"hydra.run.dir={run_dir}",
         probe_dir_arg(tmp_path),
         "+callbacks.fail._target_=probes.FailOnRank",
         "+callbacks.fail.rank=1",
         "+callbacks.fail.step=25",
         "+callbacks.fail.first_attempt_only=true",
     ]
+    signal_agent = ["+callbacks.sigterm._target_=probes.SigtermParentAtStep", "+callbacks.sigterm.step=30"]
     # One node, its rendezvous at a port chosen here (--standalone would take an ephemeral one, which another
     # process's connection may hold by then).
-    node = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
-    result = check(torchrun(*node, "--nproc_per_node=2", "--max-restarts=1", args=args))
-    run_dir = only_run_dir(tmp_path)  # the restarted workers found the same run directory
-    log = (run_dir / "train.log").read_text()
-    assert "resuming from" in log and "last.ckpt" in log
-    assert_one_clean_run(run_dir)
-    assert "injected failure" in result.stdout + result.stderr
-
-
-def test_sigterm_to_the_torchrun_agent_exits_143_and_the_run_resumes(tmp_path):
-    """scaleup.distributed.torchrun: SIGTERM to the agent of `--standalone` with 2 workers (as Kubernetes signals a
-    pod's torchrun) stops both workers with last.ckpt written, and the agent exits 143 (torchrun's own exits 1),
-    so `restartPolicy: ExitCode` restarts the pod; the restarted command resumes from last.ckpt."""
-    run_dir = tmp_path / "run"
-    args = [*ONE_EPOCH, "trainer.devices=2", "ckpt_path=last", f"hydra.run.dir={run_dir}", probe_dir_arg(tmp_path)]
-    signal_agent = ["+callbacks.sigterm._target_=probes.SigtermParentAtStep", "+callbacks.sigterm.step=10"]
+    node = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nproc_per_node=2"]
     wrapper = {"module": "scaleup.distributed.torchrun"}
-    stopped = torchrun("--standalone", "--nproc_per_node=2", args=[*args, *signal_agent], **wrapper)
-    assert stopped.returncode == 143, stopped.stdout[-3000:] + stopped.stderr[-3000:]
-    assert "torchrun: pre-empted (the agent got SIGTERM)" in stopped.stderr
+    stopped = torchrun(*node, "--max-restarts=1", args=[*args, *signal_agent], **wrapper)
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 143, output[-6000:]
+    assert "injected failure" in output and "torchrun: pre-empted (the agent got SIGTERM)" in stopped.stderr
     step = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
-    assert 10 < step < 19  # mid-epoch: soon after the agent passed the signal on, as the workers agreed
+    assert 30 < step < 38  # soon after the agent passed the signal on, as the workers agreed
     assert not (run_dir / "metrics.json").exists()
-    check(torchrun("--standalone", "--nproc_per_node=2", args=args, **wrapper))
-    assert "resuming from" in (run_dir / "train.log").read_text()
+    node[2] = f"--rdzv-endpoint=127.0.0.1:{free_port()}"
+    check(torchrun(*node, args=args, **wrapper))
+    log = (run_dir / "train.log").read_text()
+    assert log.count(f"resuming from {run_dir / 'checkpoints' / 'last.ckpt'}") == 2  # the restart, the rerun
     assert_one_clean_run(run_dir)
 
 

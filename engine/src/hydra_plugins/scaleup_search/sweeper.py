@@ -25,8 +25,10 @@ class SearchSweeper(Sweeper):
         except ModuleNotFoundError as err:
             if err.name != "optuna":
                 raise
+            from scaleup.errors import EXIT_USER_ERROR
+
             print('error: a search needs Optuna: python -m pip install -e ".[search]"', file=sys.stderr)
-            sys.exit(2)
+            sys.exit(EXIT_USER_ERROR)
 
         launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config

@@ -71,10 +71,10 @@ def compose(overrides: list[str], accelerator: str, num_workers: int) -> DictCon
     Planned for one node of num_workers devices (each worker replaces it by where Ray put the workers)."""
     register_resolvers()
     topology = [f"trainer.accelerator={accelerator}", f"trainer.devices={num_workers}", "trainer.num_nodes=1"]
+    compose_train = functools.partial(compose_project, "train")
     try:
-        cfg = compose_project("train", [*overrides, *topology])
+        cfg = compose_train([*overrides, *topology])
     except Exception as err:  # a misspelled key or group option: one line naming the closest
-        compose_train = functools.partial(compose_project, "train")
         user_error = composition_error(err, compose_train, overrides, extra=OPTIONS, job="train")
         if user_error is None:
             raise

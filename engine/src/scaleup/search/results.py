@@ -13,7 +13,7 @@ import matplotlib
 import optuna
 
 from scaleup.config.plain import log_rows
-from scaleup.search.space import SearchSpace, override_value
+from scaleup.search.space import SearchSpace, as_overrides
 from scaleup.search.study import RUN_DIR
 
 log = logging.getLogger("scaleup")
@@ -29,8 +29,7 @@ def report(study: optuna.Study, sweep_dir: Path, space: SearchSpace, job: str) -
     if complete:
         trial = study.best_trial
         shared = [o for o in space.fixed if o.partition("=")[0].lstrip("+~") != SEARCH_GROUP]
-        settings = [f"{key}={override_value(value)}" for key, value in trial.params.items()]
-        best = {**trial_row(trial), "command": " ".join([f"python {job}.py", *shared, *settings])}
+        best = {**trial_row(trial), "command": " ".join([f"python {job}.py", *shared, *as_overrides(trial.params)])}
     summary = {"study": study.study_name, "direction": study.direction.name.lower(), "best": best, "trials": trials}
     (sweep_dir / "search.json").write_text(json.dumps(summary, indent=2) + "\n")
     log_rows(
@@ -57,8 +56,7 @@ def trial_row(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
 
 def describe(row: dict[str, Any]) -> str:
     value = "" if row["value"] is None else f"{row['value']:.6g}"
-    settings = " ".join(f"{key}={override_value(v)}" for key, v in row["params"].items())
-    return f"{row['state']:<8} {value:<10} {settings}  {row['run_dir'] or ''}"
+    return f"{row['state']:<8} {value:<10} {' '.join(as_overrides(row['params']))}  {row['run_dir'] or ''}"
 
 
 def draw_figures(study: optuna.Study, sweep_dir: Path) -> None:

@@ -68,28 +68,28 @@ class Search:
             self.settings.check()
             space = parse_space(OmegaConf.to_container(self.settings.params) or {}, arguments)
             self.check(space)
+            if self.config.dry_run:
+                rows = [(key, repr(dist)) for key, dist in space.distributions.items()]
+                log_rows("search space (dry run: no trial starts; each would be a run of its own)", rows)
+                return None
+            study = self.open_study()
         except UserError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
-        if self.config.dry_run:
-            rows = [(key, repr(dist)) for key, dist in space.distributions.items()]
-            log_rows("search space (dry run: no trial starts; each would be a run of its own)", rows)
-            return None
-        created = new_directories(self.sweep_dir)
-        self.sweep_dir.mkdir(parents=True, exist_ok=True)
-        study = self.open_study(created)
         OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
         for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             log.info(f"search: trial {trial.number} was interrupted; resuming it from its last checkpoint")
-            self.launch(study, [trial.number], [[*trial.user_attrs[OVERRIDES], "ckpt_path=last"]])
+            self.launch(study, [(trial.number, [*trial.user_attrs[OVERRIDES], "ckpt_path=last"])])
         while (left := self.settings.n_trials - len(study.get_trials(deepcopy=False))) > 0:
-            trials = [self.ask(study, space) for _ in range(min(self.settings.n_jobs, left))]
-            self.launch(study, [t.number for t in trials], [t.user_attrs[OVERRIDES] for t in trials])
+            self.launch(study, [self.ask(study, space) for _ in range(min(self.settings.n_jobs, left))])
         return report(study, self.sweep_dir, space, self.config.hydra.job.config_name)
 
-    def open_study(self, created: list[Path]) -> optuna.Study:
-        """The study, created on the first run and loaded on the next ones (the same command resumes it). Where the
-        database cannot be opened, one line, and the directories made for it removed."""
+    def open_study(self) -> optuna.Study:
+        """The study in the sweep directory's database (or `storage`), created on the first run and loaded on the
+        next ones (the same command resumes it). Where the database cannot be opened, the directories made for it
+        are removed."""
+        created = new_directories(self.sweep_dir)
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)
         url, direction = storage_url(self.settings.storage, self.sweep_dir), "maximize" if self.maximize else "minimize"
         try:
             study = optuna.create_study(
@@ -97,15 +97,12 @@ class Search:
             )
         except Exception as err:  # a URL that is wrong or unreachable, a database driver that is not installed
             remove_refused_run(created)
-            print(f"error: hydra.sweeper.storage: cannot open {url}: {str(err).splitlines()[0]}", file=sys.stderr)
-            sys.exit(EXIT_USER_ERROR)
+            raise UserError(f"hydra.sweeper.storage: cannot open {url}: {str(err).splitlines()[0]}") from err
         if study.direction.name.lower() != direction:  # an earlier command's study, for the other monitor.mode
-            print(
-                f"error: the study {study.study_name} in {url} was made to {study.direction.name.lower()}; "
-                f"monitor.mode={self.config.monitor.mode} would {direction}: name another hydra.sweeper.study_name",
-                file=sys.stderr,
+            raise UserError(
+                f"the study {study.study_name} in {url} was made to {study.direction.name.lower()}; "
+                f"monitor.mode={self.config.monitor.mode} would {direction}: name another hydra.sweeper.study_name"
             )
-            sys.exit(EXIT_USER_ERROR)
         return study
 
     def check(self, space: SearchSpace) -> None:
@@ -115,29 +112,32 @@ class Search:
         if (found := first_mistake(self.config.hydra.job.config_name, jobs)) is not None:
             raise UserError(f"search: {found[1]}")  # it names the key and the value
 
-    def ask(self, study: optuna.Study, space: SearchSpace) -> optuna.trial.FrozenTrial:
-        """A new trial. The sampler's seed for trial n is its `seed` + n: the same search draws the same values,
-        also when a crash cut it in two (a sampler's random state is not in the database)."""
+    def ask(self, study: optuna.Study, space: SearchSpace) -> tuple[int, list[str]]:
+        """A new trial: its number and command line (kept in the study, for a resume). The sampler's seed for trial
+        n is its `seed` + n: the same search draws the same values, also when a crash cut it in two (a sampler's
+        random state is not in the database)."""
         number = len(study.get_trials(deepcopy=False))
         seed = self.settings.sampler.get("seed") or 0
         study.sampler = instantiate(self.settings.sampler, seed=seed + number)
         trial = study.ask(space.distributions)
-        trial.set_user_attr(OVERRIDES, space.overrides(trial.params))
-        return study.get_trials(deepcopy=False)[trial.number]
+        overrides = space.overrides(trial.params)
+        trial.set_user_attr(OVERRIDES, overrides)
+        return trial.number, overrides
 
-    def launch(self, study: optuna.Study, numbers: list[int], overrides: list[list[str]]) -> None:
-        """Run trials as jobs numbered as the trials (their run directories: <sweep dir>/<number>); tell the study
-        how each ended. Trials launched together run at once where the launcher runs jobs in parallel."""
-        runs: list[list[int]] = []  # positions in `numbers` of consecutive trial numbers: one launch each
-        for i, number in enumerate(numbers):
-            if runs and number == numbers[runs[-1][-1]] + 1:
-                runs[-1].append(i)
+    def launch(self, study: optuna.Study, trials: list[tuple[int, list[str]]]) -> None:
+        """Run trials (number, command line) as jobs numbered as the trials (their run directories: <sweep
+        dir>/<number>); tell the study how each ended. Trials launched together run at once where the launcher runs
+        jobs in parallel."""
+        batches: list[list[tuple[int, list[str]]]] = []  # consecutive trial numbers: one launch each
+        for trial in trials:
+            if batches and trial[0] == batches[-1][-1][0] + 1:
+                batches[-1].append(trial)
             else:
-                runs.append([i])
-        for run in runs:
-            returns = self.launcher.launch([overrides[i] for i in run], initial_job_idx=numbers[run[0]])
-            for i, ret in zip(run, returns, strict=True):
-                self.tell(study, numbers[i], ret)
+                batches.append([trial])
+        for batch in batches:
+            returns = self.launcher.launch([overrides for _, overrides in batch], initial_job_idx=batch[0][0])
+            for (number, _), ret in zip(batch, returns, strict=True):
+                self.tell(study, number, ret)
 
     def tell(self, study: optuna.Study, number: int, ret: JobReturn) -> None:
         trial = study.get_trials(deepcopy=False)[number]

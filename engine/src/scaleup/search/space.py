@@ -28,7 +28,7 @@ class SearchSpace:
 
     def overrides(self, params: dict[str, Any]) -> list[str]:
         """A trial's command line: the shared overrides, then its drawn values."""
-        return [*self.fixed, *(f"{key}={override_value(value)}" for key, value in params.items())]
+        return [*self.fixed, *as_overrides(params)]
 
     def corners(self) -> list[dict[str, Any]]:
         """Values that span the space: every key at its low end, every key at its high end, and each choice. A key
@@ -92,6 +92,11 @@ def bounds(dist: BaseDistribution) -> list[Any]:
     if isinstance(dist, CategoricalDistribution):
         return list(dist.choices)
     return [dist.low, dist.high]
+
+
+def as_overrides(params: dict[str, Any]) -> list[str]:
+    """`key=value` for each drawn value, as Hydra reads it back."""
+    return [f"{key}={override_value(value)}" for key, value in params.items()]
 
 
 def override_value(value: Any) -> str:

@@ -338,10 +338,15 @@ def test_shards_another_process_is_fetching_count_against_the_cache_limit(shards
         sparse.truncate(index.sizes[5])
     cache.shard(1)  # shard 0 + shard 5 being fetched + shard 1 > 2.5 shards: shard 0 goes
     assert sorted(p.name for p in cache.dir.glob("*.tar")) == ["shard-000001.tar"]
+    # A reservation listed, then deleted by its fetcher before it is sized (a dangling link holds that moment still).
+    (cache.dir / f"{RESERVED}{fetcher.pid}-shard-000004.tar.size").symlink_to(tmp_path / "fetched")
+    cache.shard(3)  # it counts for nothing, not a crash; shard 5 being fetched + shard 3 leave no room for shard 1
+    assert sorted(p.name for p in cache.dir.glob("*.tar")) == ["shard-000003.tar"]
+    (cache.dir / f"{RESERVED}{fetcher.pid}-shard-000004.tar.size").unlink()
     fetcher.kill()
     fetcher.wait()
-    cache.shard(2)  # the killed fetcher's reservation is deleted, not counted: shard 1 stays
-    assert sorted(p.name for p in cache.dir.glob("*.tar")) == ["shard-000001.tar", "shard-000002.tar"]
+    cache.shard(2)  # the killed fetcher's reservation is deleted, not counted: shard 3 stays
+    assert sorted(p.name for p in cache.dir.glob("*.tar")) == ["shard-000002.tar", "shard-000003.tar"]
     assert not list(cache.dir.glob(f"{RESERVED}*"))  # this process's own reservations ended with its fetches
 
 

@@ -134,7 +134,8 @@ class ShardCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         for _ in range(3):  # another process may evict the shard between its fetch and its opening here
             with FileLock(str(path) + ".lock"):
-                if not (path.is_file() and path.stat().st_size == size) and not self._fetch_cached(shard, url, path):
+                cached = stat_or_none(path)  # another process's eviction does not take this lock
+                if not (cached and cached.st_size == size) and not self._fetch_cached(shard, url, path):
                     return memoryview(self._fetch_to_memory(shard, url))
                 with contextlib.suppress(FileNotFoundError):
                     os.utime(path)  # most recently used
@@ -173,18 +174,17 @@ class ShardCache:
         `incoming` more bytes fit within the limit beside what other processes are fetching; returns this process's
         reservation of the `reserve` bytes it fetches (delete it once the shard is in place, or given up)."""
         with FileLock(str(self.cache_root / ".evict.lock")):
-            cached = sorted(
-                (p.stat().st_mtime_ns, p)
-                for p in self.cache_root.glob("*/*.tar")
-                if p.suffix == ".tar" and p != keep and not p.name.startswith(".partial-")
-            )
+            shards = (p for p in self.cache_root.glob("*/*.tar") if p != keep and not p.name.startswith(".partial-"))
+            cached = sorted((stat.st_mtime_ns, stat.st_size, p) for p in shards if (stat := stat_or_none(p)))
             reservation = keep.with_name(f"{RESERVED}{os.getpid()}-{keep.name}.size")
-            fetching = [p for p in self.cache_root.glob(f"*/{RESERVED}*") if p != reservation and fetching_now(p)]
-            used = sum(p.stat().st_size for p in fetching) + sum(p.stat().st_size for _, p in cached)
-            for _, victim in cached:
+            # A fetcher deletes its reservation outside this lock, once its shard is in place: one listed here may be
+            # gone by the time it is sized.
+            fetching = (p for p in self.cache_root.glob(f"*/{RESERVED}*") if p != reservation and fetching_now(p))
+            used = sum(stat.st_size for p in fetching if (stat := stat_or_none(p))) + sum(s for _, s, _ in cached)
+            for _, size, victim in cached:
                 if used + incoming <= self.cache_bytes:
                     break
-                used -= victim.stat().st_size
+                used -= size
                 victim.unlink(missing_ok=True)  # a process that has it mapped keeps reading it
             with open(reservation, "wb") as sparse:
                 sparse.truncate(reserve)
@@ -227,6 +227,14 @@ class ShardCache:
     def _check_digest(self, shard: int, url: str, digest: str) -> None:
         if digest != self.index.sha256[shard]:
             raise UserError(self._changed(url, f"sha256 {digest[:12]}, the index says {self.index.sha256[shard][:12]}"))
+
+
+def stat_or_none(path: Path) -> os.stat_result | None:
+    """`path`'s stat, or None when there is no such file (another process may delete it at any moment)."""
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        return None
 
 
 def fetching_now(reservation: Path) -> bool:

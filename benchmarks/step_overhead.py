@@ -69,18 +69,13 @@ from overhead import (
     printed_numbers,
     seconds_per_step,
 )
+from scaleup.callbacks.exact_metrics import ExactEvalMetrics
 from scaleup.callbacks.lr_scaling import LRScaling
 from scaleup.callbacks.metric_states import PrivateMetricStates
 from scaleup.callbacks.performance import PerformanceSettings
 from scaleup.callbacks.run_files import ConfigInCheckpoint, MetricsFile
 from scaleup.compat import fast_paths
-from scaleup.compat.workarounds import (
-    BatchProgressRescale,
-    EpochEndResume,
-    EpochProgressRepair,
-    ExactEvalMetrics,
-    LoaderWorkersStop,
-)
+from scaleup.compat.loops import BatchProgressRescale, EpochEndResume, EpochProgressRepair, LoaderWorkersStop
 from scaleup.data.seeding import StepSeed
 from scaleup.distributed.preemption import PreemptionCheckpoint, StopOnSigterm
 from scaleup.observability.diagnostics import TrainingDiagnostics

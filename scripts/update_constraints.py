@@ -2,8 +2,8 @@
 
 1. `pip install -U -e ".[test]"` in this environment, without constraints: the newest versions within
    pyproject.toml's bounds (Lightning and torchmetrics stay below their next minor release).
-2. The canaries first (tests/test_lightning_workarounds.py, tests/test_compat.py): a Lightning that changed what
-   a workaround relies on fails there, with the workaround's name, before anything else runs.
+2. The canaries first (engine/tests/test_lightning_workarounds.py, engine/tests/test_compat.py): a Lightning that
+   changed what a workaround relies on fails there, with the workaround's name, before anything else runs.
 3. constraints.txt: the exact version of every package the test install needs, as installed now.
 
 Then run the whole suite (`pytest`), and commit constraints.txt with the tested range in CHANGELOG.md.
@@ -22,7 +22,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
-CANARIES = ["tests/test_lightning_workarounds.py", "tests/test_compat.py"]
+CANARIES = ["engine/tests/test_lightning_workarounds.py", "engine/tests/test_compat.py"]
 HEADER = """\
 # The exact versions the suite last passed on (scripts/update_constraints.py writes this file).
 # Install with them: python -m pip install -c constraints.txt -e ".[test]"  (or ".[dev]")

@@ -31,7 +31,7 @@ from conftest import (
 )
 from probes import limited
 from scaleup.checkpoints.io import load_checkpoint
-from scaleup.compat.workarounds import rescale_batch_progress
+from scaleup.compat.loops import rescale_batch_progress
 from scaleup.config.plain import build_model
 from scaleup.plan.batch_probe import (
     AUTO_MARGIN,

@@ -1,5 +1,5 @@
-"""Canaries of engine/src/scaleup/compat/workarounds.py and fast_paths.py: one per workaround, each on plain Lightning
-WITHOUT it, and each workaround against Lightning's own code.
+"""Canaries of engine/src/scaleup/compat/ and of the features that read Lightning's private state: one per
+workaround, each on plain Lightning WITHOUT it, and each workaround against Lightning's own code.
 
 Each canary asserts the Lightning 2.6.6 behaviour (or private API) that made its workaround necessary. When one fails
 after an upgrade, Lightning changed that behaviour: delete the workaround its docstring names, and this canary.
@@ -30,8 +30,15 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import SumMetric
 
-from scaleup.compat import fast_paths, workarounds
+from scaleup.compat import fast_paths
+from scaleup.compat.dcp import read_distributed_checkpoint, stored_file_sizes, stored_tensor_shapes
+from scaleup.compat.fast_paths import LeanModelCheckpoint
 from scaleup.compat.fast_paths import fast_paths as fast_paths_on
+from scaleup.compat.loggers import is_logging_step
+from scaleup.compat.loops import UNRESUMABLE_LOADER_WARNING, EpochEndResume, LoaderWorkersStop
+from scaleup.compat.model_parallel import optimizer_states_keyed_in_group_order
+from scaleup.compat.optimizers import documented_formats
+from scaleup.compat.precision import lightning_precisions, model_parallel_precision
 from scaleup.observability.metrics import SampleSum, TopKAccuracy
 
 BATCHES_PER_EPOCH = 4
@@ -84,7 +91,7 @@ def loops(path) -> dict:
 def test_mid_epoch_resume_warns_for_a_loader_without_state_dict(tmp_path):
     """ignore_unresumable_loader_warning: Lightning warns on every mid-epoch resume of a loader without state_dict."""
     trainer(tmp_path, max_steps=2, callbacks=[save_every(2, tmp_path)]).fit(Tiny())
-    with pytest.warns(UserWarning, match=workarounds.UNRESUMABLE_LOADER_WARNING):
+    with pytest.warns(UserWarning, match=UNRESUMABLE_LOADER_WARNING):
         trainer(tmp_path, max_epochs=1).fit(Tiny(), ckpt_path=tmp_path / "step=2.ckpt")
 
 
@@ -125,7 +132,7 @@ def test_private_configure_optimizers_parses_every_return_format():
         assert optimizers == [sgd]
         assert len(schedulers) == (0 if returned in (sgd, [sgd]) else 1)
         # Where Lightning's parser is gone, the documented formats parse the same.
-        assert workarounds.documented_formats(returned) == (optimizers, schedulers)
+        assert documented_formats(returned) == (optimizers, schedulers)
 
 
 def test_log_hyperparams_with_metrics_adds_a_scalar_point(tmp_path):
@@ -232,7 +239,7 @@ def test_resume_from_an_epoch_that_max_steps_cut_short_drops_its_rest(tmp_path):
 def test_epoch_end_resume_with_max_steps_trains_what_a_resume_without_trains(tmp_path, where):
     ckpt = epoch_end_checkpoint(tmp_path, where)
     without = resumed_batches(tmp_path, ckpt, max_epochs=2)  # Lightning's own resume
-    with_max_steps = resumed_batches(tmp_path, ckpt, [workarounds.EpochEndResume()], max_epochs=2, max_steps=100)
+    with_max_steps = resumed_batches(tmp_path, ckpt, [EpochEndResume()], max_epochs=2, max_steps=100)
     assert without[:2] == with_max_steps[:2] == ([(1, i) for i in range(BATCHES_PER_EPOCH)], 2 * BATCHES_PER_EPOCH)
     assert torch.equal(without[2], with_max_steps[2])
 
@@ -240,7 +247,7 @@ def test_epoch_end_resume_with_max_steps_trains_what_a_resume_without_trains(tmp
 @pytest.mark.parametrize("max_steps", [-1, 100])
 def test_epoch_end_resume_trains_the_rest_of_an_epoch_that_max_steps_cut_short(tmp_path, max_steps):
     ckpt = epoch_end_checkpoint(tmp_path, max_steps=2)
-    seen, step, _ = resumed_batches(tmp_path, ckpt, [workarounds.EpochEndResume()], max_epochs=2, max_steps=max_steps)
+    seen, step, _ = resumed_batches(tmp_path, ckpt, [EpochEndResume()], max_epochs=2, max_steps=max_steps)
     assert seen == [(0, 2), (0, 3), *[(1, i) for i in range(BATCHES_PER_EPOCH)]] and step == 2 * BATCHES_PER_EPOCH
 
 
@@ -326,7 +333,7 @@ class LoggingSteps(L.Callback):
         self.seen: list[bool] = []
 
     def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
-        self.seen.append(workarounds.is_logging_step(trainer))
+        self.seen.append(is_logging_step(trainer))
 
 
 def test_should_update_logs_follows_log_every_n_steps(tmp_path):
@@ -339,7 +346,7 @@ def test_should_update_logs_follows_log_every_n_steps(tmp_path):
 
 def test_private_precision_spellings_include_the_templates():
     """lightning_precisions. The spellings `Trainer(precision=...)` takes live in a private type of Lightning's."""
-    assert {"64-true", "32-true", "bf16-mixed", "16-mixed", 64, "64"} <= set(workarounds.lightning_precisions())
+    assert {"64-true", "32-true", "bf16-mixed", "16-mixed", 64, "64"} <= set(lightning_precisions())
 
 
 HOOKS = [name for name in vars(L.Callback) if name.startswith("on_") or name in ("setup", "teardown")]
@@ -525,7 +532,7 @@ def test_model_parallel_strategy_refuses_64_true_as_a_flag():
     (and takes the same precision as a DoublePrecision plugin)."""
     with pytest.raises(ValueError, match=r"does not support `Fabric\(\.\.\., precision='64-true'\)`"):
         L.Trainer(strategy=ModelParallelStrategy(), precision="64-true", accelerator="cpu", devices=2, logger=False)
-    precision, plugins = workarounds.model_parallel_precision("64-true")
+    precision, plugins = model_parallel_precision("64-true")
     trainer = L.Trainer(
         strategy=ModelParallelStrategy(),
         precision=precision,
@@ -551,14 +558,12 @@ def test_private_empty_planner_reads_a_distributed_checkpoint_without_a_process_
     nothing: dict = {}
     dcp.load(nothing, checkpoint_id=tmp_path, no_dist=True)
     assert nothing == {}
-    loaded = workarounds.read_distributed_checkpoint(tmp_path)
+    loaded = read_distributed_checkpoint(tmp_path)
     assert torch.equal(loaded["state_dict"]["net.weight"], saved["state_dict"]["net.weight"])
     assert loaded["optimizer_0"]["param_groups"] == [{"lr": 0.1}]
-    assert workarounds.stored_tensor_shapes(tmp_path, "state_dict") == {
-        "net.weight": (torch.Size([2, 3]), torch.float32)
-    }
+    assert stored_tensor_shapes(tmp_path, "state_dict") == {"net.weight": (torch.Size([2, 3]), torch.float32)}
     # where the entries lie: each file ends with its last one
-    assert workarounds.stored_file_sizes(tmp_path) == {"__0_0.distcp": (tmp_path / "__0_0.distcp").stat().st_size}
+    assert stored_file_sizes(tmp_path) == {"__0_0.distcp": (tmp_path / "__0_0.distcp").stat().st_size}
 
 
 def test_model_parallel_rekeys_optimizer_state_by_module_order():
@@ -574,7 +579,7 @@ def test_model_parallel_rekeys_optimizer_state_by_module_order():
     optimizer.step()
     rekeyed = _rekey_optimizer_state_if_needed(optimizer.state_dict(), module)
     assert rekeyed["state"]["0.bias"]["exp_avg"].shape == module[1].weight.shape
-    with workarounds.optimizer_states_keyed_in_group_order(module, [optimizer]):
+    with optimizer_states_keyed_in_group_order(module, [optimizer]):
         import lightning.fabric.strategies.model_parallel as fabric_model_parallel
 
         fixed = fabric_model_parallel._rekey_optimizer_state_if_needed(optimizer.state_dict(), module)
@@ -768,7 +773,7 @@ def test_lean_model_checkpoint_saves_what_lightnings_saves(tmp_path, monkeypatch
     Lightning's state key; without a trigger it skips the check of each batch."""
     checks = count_state_checks(monkeypatch)
     saved, keys, counts = {}, {}, {}
-    for kind in (ModelCheckpoint, workarounds.LeanModelCheckpoint):
+    for kind in (ModelCheckpoint, LeanModelCheckpoint):
         checks.clear()
         dirpath = tmp_path / kind.__name__
         callback = kind(
@@ -778,12 +783,12 @@ def test_lean_model_checkpoint_saves_what_lightnings_saves(tmp_path, monkeypatch
             trainer(tmp_path, max_epochs=2, callbacks=[callback]).fit(Tiny())
         saved[kind], counts[kind] = sorted(os.listdir(dirpath)), len(checks)
         keys[kind] = list(torch.load(dirpath / saved[kind][-1], weights_only=False)["callbacks"])
-    assert saved[ModelCheckpoint] == saved[workarounds.LeanModelCheckpoint]
-    assert keys[ModelCheckpoint] == keys[workarounds.LeanModelCheckpoint] and keys[ModelCheckpoint][0].startswith(
+    assert saved[ModelCheckpoint] == saved[LeanModelCheckpoint]
+    assert keys[ModelCheckpoint] == keys[LeanModelCheckpoint] and keys[ModelCheckpoint][0].startswith(
         "ModelCheckpoint{"
     )
     skipped = 0 if every_n_train_steps else 2 * BATCHES_PER_EPOCH
-    assert counts[ModelCheckpoint] - counts[workarounds.LeanModelCheckpoint] == skipped
+    assert counts[ModelCheckpoint] - counts[LeanModelCheckpoint] == skipped
     # A step trigger replaces the epoch-end saves.
     expected = (
         ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
@@ -824,4 +829,4 @@ def test_an_error_leaves_persistent_loader_workers_running(tmp_path):
 
 
 def test_loader_workers_stop_stops_them_when_the_error_comes(tmp_path):
-    assert workers_after_a_failed_validation(tmp_path, [workarounds.LoaderWorkersStop()]) == []
+    assert workers_after_a_failed_validation(tmp_path, [LoaderWorkersStop()]) == []

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from scaleup.checkpoints.resume import ResumePoint, resume_point
-from scaleup.compat.workarounds import ignore_unresumable_loader_warning
+from scaleup.compat.loops import ignore_unresumable_loader_warning
 from scaleup.components import build_data_and_model
 from scaleup.config.plain import log_rows, to_plain, write_yaml
 from scaleup.config.schema import validate_config

@@ -13,12 +13,13 @@ import lightning as L
 from lightning.pytorch.callbacks import Checkpoint, EarlyStopping, LearningRateMonitor, ProgressBar
 
 from scaleup.callbacks.ema import EMA
+from scaleup.callbacks.exact_metrics import ExactEvalMetrics
 from scaleup.callbacks.lr_scaling import LRScaling
 from scaleup.callbacks.metric_states import PrivateMetricStates
 from scaleup.callbacks.performance import PerformanceSettings, set_tf32
 from scaleup.callbacks.run_files import ConfigInCheckpoint, MetricsFile
 from scaleup.checkpoints.io import AtomicCheckpointIO, remove_interrupted_writes
-from scaleup.compat.fast_paths import fast_paths
+from scaleup.compat.fast_paths import LeanModelCheckpoint, fast_paths
 from scaleup.compat.gates import (
     EMA_DEVICE,
     EPOCH_END_RESUME,
@@ -28,16 +29,9 @@ from scaleup.compat.gates import (
     SPAWN_LAUNCHER,
     require,
 )
-from scaleup.compat.workarounds import (
-    BatchProgressRescale,
-    EpochEndResume,
-    EpochProgressRepair,
-    ExactEvalMetrics,
-    LeanModelCheckpoint,
-    LoaderWorkersStop,
-    SpawnDDPStrategy,
-    model_parallel_precision,
-)
+from scaleup.compat.launch import SpawnDDPStrategy
+from scaleup.compat.loops import BatchProgressRescale, EpochEndResume, EpochProgressRepair, LoaderWorkersStop
+from scaleup.compat.precision import model_parallel_precision
 from scaleup.config.plain import instantiate_each
 from scaleup.data.seeding import StepSeed
 from scaleup.distributed.clusters import cluster_plugins

@@ -7,6 +7,31 @@ the model ends training holding the average. So `eval.py` and `export.py`, which
 weights without knowing about it.
 """
 
-from scaleup.compat.workarounds import EMA
+from __future__ import annotations
 
-__all__ = ["EMA"]  # scaleup/conf/callbacks/ema.yaml: scaleup.callbacks.ema.EMA
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import EMAWeightAveraging
+
+
+class EMA(EMAWeightAveraging):
+    """EMAWeightAveraging with two fixes for how this template runs it.
+
+    - The average lives on the training device. Lightning 2.6.6. Reason: Lightning builds the average in `setup`,
+      before the strategy moves the model to its device, on `pl_module.device` unless the private `_device` is
+      set; by default it would stay on the CPU and every step would copy all weights across.
+      Canary: test_ema_average_is_built_before_the_model_moves_to_its_device.
+    - Testing a checkpoint after `fit` tests the averaged weights. Lightning 2.6.6. Reason: Lightning swaps the
+      training weights back in from `current_model_state` whenever its average still exists, which it does after
+      `fit`. Canary: test_ema_testing_a_checkpoint_after_fit_loads_the_training_weights.
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._device is None:
+            self._device = trainer.strategy.root_device
+        super().setup(trainer, pl_module, stage)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn == "fit":  # resume: restore the average and the training weights
+            super().on_load_checkpoint(trainer, pl_module, checkpoint)

@@ -124,7 +124,7 @@ def remove_interrupted(directory: Path) -> list[Path]:
 def check_complete(path: Path) -> None:
     """Every file the checkpoint's metadata refers to is there, whole. A copy that lost or cut one is refused in one
     line before it is read: torch would fail inside the load, in a traceback on every rank."""
-    from scaleup.compat.workarounds import stored_file_sizes
+    from scaleup.compat.dcp import stored_file_sizes
 
     fix = "copy the whole directory again, or pass another checkpoint"
     try:
@@ -150,7 +150,7 @@ def read_sharded(path: str | Path, weights: bool = True) -> dict[str, Any]:
     `weights=False`, `state_dict` holds meta tensors of the stored shapes and dtypes (no memory: what a resume
     checks before it starts) and no optimizer state is read.
     """
-    from scaleup.compat.workarounds import read_distributed_checkpoint, stored_tensor_shapes
+    from scaleup.compat.dcp import read_distributed_checkpoint, stored_tensor_shapes
 
     path = Path(path)
     checkpoint = torch.load(path / METADATA, map_location="cpu", weights_only=True)

@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, Field, PydanticUserError, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from scaleup.compat.workarounds import lightning_precisions
+from scaleup.compat.precision import lightning_precisions
 from scaleup.config.plain import to_plain
 from scaleup.errors import UserError, did_you_mean
 from scaleup.plan.lr import DECAYS, SCALING_RULES

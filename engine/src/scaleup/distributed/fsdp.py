@@ -29,10 +29,7 @@ from torch import nn
 
 from scaleup.checkpoints.background import BackgroundSaver, split
 from scaleup.checkpoints.sharded import save_sharded
-from scaleup.compat.workarounds import (
-    configure_model_counts_as_overridden,
-    optimizer_states_keyed_in_group_order,
-)
+from scaleup.compat.model_parallel import configure_model_counts_as_overridden, optimizer_states_keyed_in_group_order
 from scaleup.distributed.meta_init import META, MetaInit, materialize_shards, tensors_of
 from scaleup.errors import UserError
 

@@ -10,7 +10,7 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy
 
 from scaleup.checkpoints.background import resolve_async_save
-from scaleup.compat.workarounds import SpawnDDPStrategy
+from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.distributed.clusters import check_one_process_per_pod, launched_world_size, launcher_name
 from scaleup.errors import UserError, config_errors
 from scaleup.plan.topology import Topology

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from scaleup.compat.workarounds import keep_sigterm_handler
+from scaleup.compat.launch import keep_sigterm_handler
 
 log = logging.getLogger("scaleup")
 

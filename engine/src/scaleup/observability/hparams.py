@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.tensorboard.summary import hparams
 
-from scaleup.compat.workarounds import add_summaries
+from scaleup.compat.loggers import add_summaries
 from scaleup.config.plain import flatten
 
 

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torchmetrics import Metric, MetricCollection
 
-from scaleup.compat.workarounds import LeanUpdateMetric, is_logging_step
+from scaleup.compat.fast_paths import LeanUpdateMetric
+from scaleup.compat.loggers import is_logging_step
 
 __all__ = ["HeldSum", "SampleMean", "SampleSum", "StageMetrics", "TopKAccuracy", "is_logging_step"]
 

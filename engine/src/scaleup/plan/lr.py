@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import lightning as L
 
-from scaleup.compat.workarounds import parse_configure_optimizers
+from scaleup.compat.optimizers import parse_configure_optimizers
 from scaleup.errors import UserError
 
 SCALING_RULES = ("linear", "sqrt", "none")

@@ -1,0 +1,159 @@
+"""Validation and test metrics of a plain `self.log(name, tensor)` made exact on N processes: every rank's
+samples counted, as on one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch import Callback
+
+log = logging.getLogger("scaleup")
+
+
+# Lightning's reductions (it refuses any other `reduce_fx`) and the collective that combines each across ranks.
+REDUCTIONS = {
+    torch.mean: "mean",
+    torch.sum: "sum",
+    sum: "sum",
+    torch.max: "max",
+    max: "max",
+    torch.min: "min",
+    min: "min",
+}
+GROUP_OF = {"mean": "sum", "sum": "sum", "max": "max", "min": "min"}
+REDUCE_GROUPS = (
+    ("sum", torch.distributed.ReduceOp.SUM, 0.0),
+    ("max", torch.distributed.ReduceOp.MAX, float("-inf")),
+    ("min", torch.distributed.ReduceOp.MIN, float("inf")),
+)
+EPOCH_END_HOOKS = ("on_validation_epoch_end", "on_test_epoch_end")
+
+
+def _plain_epoch_metrics(trainer: L.Trainer) -> Iterator[tuple[str, Any]]:
+    """(key, metric) for this epoch's plain-tensor, epoch-level `self.log` values that Lightning keeps per rank."""
+    for key, metric in (trainer._results or {}).items():
+        meta = metric.meta
+        # rank_zero_only=True: logged by rank 0 alone, on purpose.
+        if (
+            metric.is_tensor
+            and meta.on_epoch
+            and not metric.has_reset
+            and not (meta.sync.should or meta.sync.rank_zero_only)
+        ):
+            yield key, metric
+
+
+def _reducible(metric: Any) -> bool:
+    """Logged before the epoch's end (a step or batch hook), from the only eval dataloader."""
+    return metric.meta.dataloader_idx is None and metric.meta.fx not in EPOCH_END_HOOKS
+
+
+class ExactEvalMetrics(Callback):
+    """Makes validation and test metrics logged with a plain `self.log(name, tensor)` exact on N processes.
+
+    Lightning 2.6.6. Reason: without `sync_dist=True` Lightning keeps each rank's own epoch value and reports rank
+    0's (tests/user_modules.py LitAutoEncoder's test_loss on digits: 0.6789 on 2 processes, 0.6824 on 1; each rank's
+    ModelCheckpoint even names a different best file), and with `sync_dist=True` it averages per-rank means,
+    mis-weighting ranks with fewer samples (Lightning #21859). This reads the private ResultCollection
+    (`trainer._results`, `_ResultMetric.value`, `.cumulated_batch_size`, `.meta`).
+    Canary: test_plain_self_log_keeps_each_rank_its_own_epoch_value.
+
+    At the end of each validation/test epoch, before Lightning computes the epoch values, every rank's accumulated
+    state is summed once across ranks: for a mean, the sum of value x batch size and the sum of batch sizes (so the
+    epoch value is weighted by batch size over all samples, as on one process); sums are summed, maxima and minima
+    reduced with max and min. Metrics logged as torchmetrics objects or with `sync_dist=True` are left alone
+    (Lightning reduces them). Training-stage metrics are out of scope: each rank keeps its own. What cannot be made
+    exact is named once, loudly, at the end of the first validation or test: values logged in the module's own
+    `on_validation_epoch_end`/`on_test_epoch_end` (they are logged after this runs) and metrics of a second eval
+    dataloader. Lightning refuses any other `reduce_fx` itself.
+
+    Every rank runs the same collectives in the same order: one all_gather of the metric names (a name logged on
+    some ranks only counts zero samples, or no maximum, on the others), then one all_reduce per kind of reduction,
+    in sorted name order. Needs every rank to reach the end of the eval epoch (each rank with at least one batch:
+    Lightning skips an empty eval loop, and its collectives, on that rank alone).
+    """
+
+    def __init__(self) -> None:
+        self._warned = False
+        self._quiet: set[str] = set()
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._silence_sync_dist_advice(trainer)
+
+    def on_test_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._silence_sync_dist_advice(trainer)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._reduce(trainer)
+
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._reduce(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._warn_once(trainer)
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._warn_once(trainer)
+
+    def _reduce(self, trainer: L.Trainer) -> None:
+        if trainer.world_size == 1 or not torch.distributed.is_initialized():
+            return
+        local = {key: metric for key, metric in _plain_epoch_metrics(trainer) if _reducible(metric)}
+        gathered: list[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(gathered, [(key, REDUCTIONS[m.meta.reduce_fx]) for key, m in local.items()])
+        keys = sorted(set().union(*gathered))  # (key, reduction): the same list, in the same order, on every rank
+        device = trainer.strategy.root_device
+        for group, op, identity in REDUCE_GROUPS:
+            entries = [(key, kind) for key, kind in keys if GROUP_OF[kind] == group]
+            if not entries:
+                continue
+            # One flat float64 tensor per kind of reduction: values, then the sample counts of the means. float64
+            # carries float32 values and integer counts exactly; a rank without the metric adds the identity.
+            means = [key for key, kind in entries if kind == "mean"]
+            state = torch.tensor([identity] * len(entries) + [0.0] * len(means), dtype=torch.float64, device=device)
+            for index, (key, _) in enumerate(entries):
+                if key in local:
+                    state[index] = local[key].value.double()
+            for index, key in enumerate(means):
+                if key in local:
+                    state[len(entries) + index] = local[key].cumulated_batch_size.double()
+            torch.distributed.all_reduce(state, op=op)
+            for index, (key, _) in enumerate(entries):
+                if key in local:
+                    local[key].value = state[index].to(local[key].value)
+            for index, key in enumerate(means):
+                if key in local:
+                    counts = local[key].cumulated_batch_size
+                    local[key].cumulated_batch_size = state[len(entries) + index].to(counts)
+        for metric in local.values():
+            metric._computed = None  # Lightning computed a per-rank value after the last batch: recompute it
+
+    def _silence_sync_dist_advice(self, trainer: L.Trainer) -> None:
+        """Lightning advises `sync_dist=True` for these metrics when it first computes them, after the last batch:
+        it no longer applies (and would mis-weight uneven ranks)."""
+        if trainer.world_size == 1:
+            return
+        for _, metric in _plain_epoch_metrics(trainer):
+            name = metric.meta.name
+            if name not in self._quiet and _reducible(metric):
+                self._quiet.add(name)
+                warnings.filterwarnings("ignore", message=rf"It is recommended to use `self.log\({name!r}")
+
+    def _warn_once(self, trainer: L.Trainer) -> None:
+        if self._warned or trainer.world_size == 1:
+            return
+        self._warned = True
+        inexact = sorted({metric.meta.name for _, metric in _plain_epoch_metrics(trainer) if not _reducible(metric)})
+        if inexact and trainer.is_global_zero:
+            log.warning(
+                f"NOT EXACT on {trainer.world_size} processes: {', '.join(inexact)} (logged with a plain tensor in "
+                "on_validation_epoch_end/on_test_epoch_end, or from a second eval dataloader) is each rank's own "
+                "value, and rank 0's is reported. Log a torchmetrics Metric instead (or scaleup.observability.metrics."
+                "StageMetrics), which sums its state over all ranks once per epoch"
+            )

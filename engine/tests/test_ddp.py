@@ -9,6 +9,7 @@ global batch of 64.
 
 import math
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -35,6 +36,7 @@ from conftest import (
 )
 from scaleup.check_equivalence import explanations, verdict
 from scaleup.check_equivalence import main as check_equivalence
+from scaleup.plan.resolve import Plan
 
 pytestmark = pytest.mark.slow
 
@@ -214,14 +216,15 @@ def test_equivalence_verdict_compares_optimizer_state_not_running_statistics():
     )
 
 
-def test_equivalence_verdict_names_what_the_plans_explain():
+def test_equivalence_verdict_names_what_the_plans_explain(baseline):
     """The default model's BatchNorm (64 samples per statistic in the whole batch, 32 per micro-batch) and dropout
     make the whole batch differ from its micro-batches by design; a generator of the user's own that training drew
     from is named when 2 processes differ from the same micro-batches on 1."""
     one, off = {"w": torch.ones(3, dtype=torch.float64)}, {"w": torch.ones(3, dtype=torch.float64) + 1e-3}
+    plan = Plan.from_dict(read_json(baseline("one") / "plan.json"))
     plans = {
-        "1": {"has_batchnorm": True, "bn_batch_size": 64, "per_device_batch_size": 64},
-        "1x2": {"has_batchnorm": True, "bn_batch_size": 32, "per_device_batch_size": 32},
+        "1": replace(plan, has_batchnorm=True, bn_batch_size=64, per_device_batch_size=64),
+        "1x2": replace(plan, has_batchnorm=True, bn_batch_size=32, per_device_batch_size=32),
     }
     reasons = explanations(plans, {"net": {"norm": "batch", "dropout": 0.5}})
     assert reasons == [
@@ -236,4 +239,5 @@ def test_equivalence_verdict_names_what_the_plans_explain():
     assert code == 1 and lines[-1].startswith(
         "NOT EQUIVALENT in float64: training drew from generators of your own (model.noise): seeded once per process"
     )
-    assert explanations({"1": {"has_batchnorm": False}, "1x2": {"has_batchnorm": False}}, {"net": {"dropout": 0}}) == []
+    without = replace(plan, has_batchnorm=False)
+    assert explanations({"1": without, "1x2": without}, {"net": {"dropout": 0}}) == []

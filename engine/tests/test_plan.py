@@ -1,5 +1,6 @@
 """The batch and LR plan: pure functions, then the real CLI in dry-run mode."""
 
+import json
 import logging
 import math
 
@@ -143,8 +144,13 @@ def test_dry_run_goyal_plan_for_256_gpus(tmp_path, caplog):
     assert not (tmp_path / "checkpoints").exists()
     # A resume of an FSDP checkpoint with this plan (no sharding): the log says what the value became.
     with caplog.at_level(logging.INFO, logger="scaleup"):
-        log_changes("last.ckpt", {**plan, "sharding": "11 unit(s)"}, Plan(**plan))
+        log_changes("last.ckpt", Plan.from_dict({**plan, "sharding": "11 unit(s)"}), Plan.from_dict(plan))
     assert "resuming from last.ckpt; changed since: sharding 11 unit(s) -> none" in caplog.text
+    # plan.json read back typed, as eval, export, resume and the equivalence check read it
+    typed = Plan.from_dict({**plan, "from_a_newer_version": 1})
+    assert json.loads(json.dumps(typed.to_dict())) == plan and typed.milestones == tuple(plan["milestones"])
+    with pytest.raises(UserError, match=r"^the stored plan has no world_size, seed: it was not written by scaleup"):
+        Plan.from_dict({key: value for key, value in plan.items() if key not in ("world_size", "seed")})
 
 
 def test_indivisible_batch_fails_before_anything_is_written(tmp_path):

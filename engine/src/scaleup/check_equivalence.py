@@ -34,6 +34,7 @@ import torch
 from omegaconf import OmegaConf
 
 from scaleup.config.plain import flatten
+from scaleup.plan.resolve import Plan
 
 STEPS = 8
 CHECK = [
@@ -182,22 +183,22 @@ def describe(name: str) -> str:
     return f"{processes}-process" + (f" accumulation-{accumulation}" if accumulation > 1 else "")
 
 
-def explanations(plans: dict[str, dict[str, Any]], model_cfg: dict[str, Any]) -> list[str]:
+def explanations(plans: dict[str, Plan], model_cfg: dict[str, Any]) -> list[str]:
     """What the plans and config say makes the whole batch and 2 accumulated micro-batches on 1 process differ by
     design, before any bug of yours."""
     reasons = []
     whole, split = plans["1"], plans["1x2"]
-    if whole.get("has_batchnorm") and whole.get("bn_batch_size") != split.get("bn_batch_size"):
+    if whole.has_batchnorm and whole.bn_batch_size != split.bn_batch_size:
         reasons.append(
-            f"BatchNorm: its statistics come from {whole['bn_batch_size']} samples in one batch and "
-            f"{split['bn_batch_size']} per micro-batch, so those runs normalise differently by design"
+            f"BatchNorm: its statistics come from {whole.bn_batch_size} samples in one batch and "
+            f"{split.bn_batch_size} per micro-batch, so those runs normalise differently by design"
         )
     dropouts = {key: value for key, value in flatten(model_cfg).items() if "dropout" in key and value}
     if dropouts:
         settings = ", ".join(f"model.{key}={value}" for key, value in dropouts.items())
         reasons.append(
-            f"dropout ({settings}): masks are drawn per micro-batch, so a batch of {whole['per_device_batch_size']} "
-            f"and micro-batches of {split['per_device_batch_size']} draw different ones"
+            f"dropout ({settings}): masks are drawn per micro-batch, so a batch of {whole.per_device_batch_size} "
+            f"and micro-batches of {split.per_device_batch_size} draw different ones"
         )
     return reasons
 
@@ -285,8 +286,8 @@ def main(argv: list[str]) -> int:
         checkpoints = {name: finished_checkpoint(procs[name], name, run_dirs[name]) for name in RUNS}
         if any(checkpoint is None for checkpoint in checkpoints.values()):
             return 2
-        plans = {name: json.loads((run_dirs[name] / "plan.json").read_text()) for name in RUNS}
-        ran = {name: (plans[name]["world_size"], plans[name]["accumulate_grad_batches"]) for name in RUNS}
+        plans = {name: Plan.from_dict(json.loads((run_dirs[name] / "plan.json").read_text())) for name in RUNS}
+        ran = {name: (plans[name].world_size, plans[name].accumulate_grad_batches) for name in RUNS}
         if ran != RUNS:  # e.g. a config of the user's that sets the accumulation or the device count its own way
             print(f"error: the runs were meant as (processes, accumulation) {RUNS} but ran as {ran}", file=sys.stderr)
             return 2

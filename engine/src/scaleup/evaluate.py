@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,22 @@ from scaleup.config.plain import build_model, log_rows, retarget, to_plain
 from scaleup.config.schema import validate_config
 from scaleup.distributed.launch import check_launcher, shut_down_process_group
 from scaleup.errors import UserError
+from scaleup.plan.resolve import Plan
 from scaleup.plan.topology import resolve_precision, resolve_topology
 from scaleup.trainer import build_eval_trainer
 
 log = logging.getLogger("scaleup")
 
 
-def stored_run(checkpoint: dict[str, Any], path: str, package: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class StoredRun:
+    """What `train.py` stored in a checkpoint beside the weights: the config it ran and its plan."""
+
+    config: dict[str, Any]
+    plan: Plan
+
+
+def stored_run(checkpoint: dict[str, Any], path: str, package: str) -> StoredRun:
     """The config and plan `train.py` stored in the checkpoint, its targets found in your package `package` (also
     when it was trained under another name: `retarget`)."""
     if "scaleup" not in checkpoint or "state_dict" not in checkpoint:
@@ -31,7 +41,7 @@ def stored_run(checkpoint: dict[str, Any], path: str, package: str) -> dict[str,
             "with scaleup.checkpoints.io.load_weights instead"
         )
     stored = checkpoint["scaleup"]
-    return {**stored, "config": retarget(stored["config"], package)}
+    return StoredRun(retarget(stored["config"], package), Plan.from_dict(stored["plan"]))
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
@@ -40,17 +50,17 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     ckpt_path = find_checkpoint(cfg.ckpt_path, prefer="best")
     checkpoint = load_checkpoint(ckpt_path)
     stored = stored_run(checkpoint, ckpt_path, cfg.package)
-    config, plan = stored["config"], stored["plan"]
+    config, plan = stored.config, stored.plan
     topology = resolve_topology(cfg.trainer)
     check_launcher(topology)
 
     data_cfg = {**config["data"], **to_plain(cfg.data)}
     # Same per-device batch as training by default: same batches, so the same float sums, to the last bit.
-    data_cfg.update(global_batch_size=None, per_device_batch_size=cfg.batch_size or plan["per_device_batch_size"])
+    data_cfg.update(global_batch_size=None, per_device_batch_size=cfg.batch_size or plan.per_device_batch_size)
     datamodule = build_datamodule({**config, "data": data_cfg})
-    datamodule.channels_last = plan.get("channels_last", False)  # as trained
+    datamodule.channels_last = plan.channels_last  # as trained
     # The plan stores the precision training resolved (`auto` became bf16-mixed, 16-mixed or 32-true there).
-    precision = resolve_precision(cfg.trainer.precision or plan["precision"], topology.accelerator)
+    precision = resolve_precision(cfg.trainer.precision or plan.precision, topology.accelerator)
     if topology.accelerator == "cpu" and str(precision).startswith("16"):
         precision = "bf16-mixed"  # fp16 autocast needs a GPU; bf16 keeps the reduced-precision behaviour
     model = build_model(config["model"], precision=precision)

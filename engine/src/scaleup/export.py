@@ -47,8 +47,8 @@ def export(cfg: DictConfig) -> Path:
     ckpt_path = find_checkpoint(cfg.ckpt_path, prefer="best")
     checkpoint = load_checkpoint(ckpt_path)
     stored = stored_run(checkpoint, ckpt_path, cfg.package)
-    model_cfg = stored["config"]["model"]
-    model = build_model(model_cfg, precision=stored["plan"]["precision"])  # float64 weights stay float64
+    model_cfg = stored.config["model"]
+    model = build_model(model_cfg, precision=stored.plan.precision)  # float64 weights stay float64
     load_weights(model, checkpoint["state_dict"])  # every key fits, or the error names those that do not
     net = submodule(model, cfg.module)
     atomic_torch_save(net.state_dict(), output)

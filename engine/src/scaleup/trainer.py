@@ -204,13 +204,11 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
     return Run(trainer, stop, best, fast=config["performance"]["fast_paths"])
 
 
-def build_eval_trainer(
-    topology: Topology, precision: Any, plan: dict[str, Any], run_dir: Path, progress_bar: bool
-) -> Run:
+def build_eval_trainer(topology: Topology, precision: Any, plan: Plan, run_dir: Path, progress_bar: bool) -> Run:
     """The Trainer of `eval.py`: the checkpoint's own speed settings, exact metrics into metrics.json, no logger."""
     require(EXACT_EVAL, SIGTERM_HANDLER)
     stop = StopOnSigterm()
-    tf32, channels_last = plan.get("tf32", False), plan.get("channels_last", False)  # as trained
+    tf32, channels_last = plan.tf32, plan.channels_last  # as trained
     set_tf32(tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
     callbacks = [
         ExactEvalMetrics(),

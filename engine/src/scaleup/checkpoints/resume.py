@@ -83,7 +83,8 @@ def resume_point(
     checkpoint = load_checkpoint(path, weights=False)  # a sharded one: its shapes, not its tensors
     step = checkpoint.get("global_step", 0)
     check_same_network(path, checkpoint, config, model)
-    previous = checkpoint.get("scaleup", {}).get("plan", {})
+    stored_plan = checkpoint.get("scaleup", {}).get("plan")
+    previous = Plan.from_dict(stored_plan) if stored_plan else None  # None: not trained by scaleup's train.py
     check_same_global_batch(path, previous, step, plan)
     check_same_order(path, checkpoint, step, datamodule, plan)
     stopped_early = early_stop_reason(checkpoint)
@@ -124,12 +125,12 @@ def check_same_network(path: Path | str, checkpoint: dict[str, Any], config: dic
     )
 
 
-def check_same_global_batch(path: Path | str, previous: dict[str, Any], step: int, plan: Plan) -> None:
+def check_same_global_batch(path: Path | str, previous: Plan | None, step: int, plan: Plan) -> None:
     """The steps taken, the epoch they are in and the LR schedule all count optimizer steps of the checkpoint's
     global batch: a resume with another one would plan a run that does not happen."""
-    before = previous.get("global_batch_size")
-    if before is None or before == plan.global_batch_size:
+    if previous is None or previous.global_batch_size == plan.global_batch_size:
         return
+    before = previous.global_batch_size
     raise UserError(
         f"{path} trained {step} steps with a global batch of {before} ({step * before} samples), this run's is "
         f"{plan.global_batch_size}: its steps, epoch and LR schedule count batches of {before}. Resume with "
@@ -176,13 +177,14 @@ def shown(value: Any) -> str:
     return "none" if value in (None, "") else str(value)
 
 
-def log_changes(path: Path | str, previous: dict[str, Any], plan: Plan) -> None:
+def log_changes(path: Path | str, previous: Plan | None, plan: Plan) -> None:
     skipped = {"dataset_sizes", "sync_batchnorm_reason", "launcher"}
     if plan.max_per_device_batch_size == "auto":  # settled again at the start of fit
         skipped |= {"per_device_batch_size", "accumulate_grad_batches", "bn_batch_size"}
+    before = previous.to_dict() if previous else {}
     changed = [
-        f"{key} {shown(previous[key])} -> {shown(value)}"
+        f"{key} {shown(before[key])} -> {shown(value)}"
         for key, value in plan.to_dict().items()
-        if key in previous and previous[key] != value and key not in skipped
+        if key in before and before[key] != value and key not in skipped
     ]
     log.info(f"resuming from {path}" + (f"; changed since: {', '.join(changed)}" if changed else ""))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import pkgutil
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from scaleup.errors import UserError
@@ -88,6 +88,24 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, stored: Mapping[str, Any]) -> Plan:
+        """The plan `to_dict` wrote (plan.json, a checkpoint's `scaleup.plan`), typed again. A key this version does
+        not know is left out and one an older plan lacks takes its field's default; a plan without a field that has
+        none is refused in one line."""
+        known = {spec.name: spec for spec in fields(cls)}
+        values = {name: value for name, value in stored.items() if name in known}
+        if "milestones" in values:
+            values["milestones"] = tuple(values["milestones"])  # JSON has no tuples
+        missing = [
+            name
+            for name, spec in known.items()
+            if name not in values and spec.default is MISSING and spec.default_factory is MISSING
+        ]
+        if missing:
+            raise UserError(f"the stored plan has no {', '.join(missing)}: it was not written by scaleup's train.py")
+        return cls(**values)
 
     def rows(self) -> list[tuple[str, str]]:
         sizes = ", ".join(f"{k} {v}" for k, v in self.dataset_sizes.items())

@@ -20,9 +20,10 @@ with no git needed. It puts the project's own files from DIR/project/ in place o
 renames what was rendered, moving it over what is already at src/NAME/ (copier then merges your own changes back
 in), and pins the engine, which copier.yml leaves out of the project: every `scaleup-engine` requirement in
 pyproject.toml becomes `scaleup-engine @ git+<template>@<SHA>#subdirectory=engine`, so an update moves the pin to
-the new commit. LICENSE gains a line for NAME's author. The name is checked when the project is made, not on an
-update: the template's next version may use the word, and an update never stops half-way for it. A relative
-template path in .copier-answers.yml is stored absolute, so that later updates (and pip) find the template.
+the new commit. Lines of pyproject.toml marked `# template only` (the engine's tests) are dropped. LICENSE gains
+a line for NAME's author. The name is checked when the project is made, not on an update: the template's next
+version may use the word, and an update never stops half-way for it. A relative template path in
+.copier-answers.yml is stored absolute, so that later updates (and pip) find the template.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ KEEP_HISTORY = ("LICENSE", "CHANGELOG.md")  # edited by their own rules, never s
 NOT_CODE = (*KEEP_HISTORY, "scripts/rename.py", "engine/tests/test_rename.py", "engine/tests/test_copier.py")
 PROJECT_FILES = "project"  # what a made project has in place of the template's own files (README, CI)
 ENGINE = "engine"  # the engine's folder in the template: a made project pins it instead of holding it
+# Marks a line of pyproject.toml that only the template needs (its engine's tests and helpers): a made project
+# drops it
+TEMPLATE_ONLY = "# template only"
 # A quoted requirement on the engine in pyproject.toml, with its extras and any earlier pin
 ENGINE_REQUIREMENT = re.compile(r'"scaleup-engine(\[[^\]"]*\])?(?:\s*@[^"]*)?"')
 
@@ -218,7 +222,20 @@ def render(root: Path, new: str, template: Path, author: str, update: bool, comm
             )
         files = move_rendered(root, files, TEMPLATE_NAME, new)
         changes += rewrite_files(root, files, TEMPLATE_NAME, new, author)
+    changes += drop_template_only(root)
     return [*changes, pin_engine(root, recorded_source(root) or str(template.resolve()), commit or head(template))]
+
+
+def drop_template_only(root: Path) -> list[str]:
+    """Remove the lines of pyproject.toml marked TEMPLATE_ONLY: the template's engine tests and their helpers, which
+    a made project does not hold (an update drops them from both versions, so they never reach a merge)."""
+    pyproject = root / "pyproject.toml"
+    lines = pyproject.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if TEMPLATE_ONLY not in line]
+    if len(kept) == len(lines):
+        return []
+    pyproject.write_text("".join(kept), encoding="utf-8")
+    return [f"dropped {len(lines) - len(kept)} template-only line(s) from pyproject.toml"]
 
 
 def put_project_files(root: Path, template: Path) -> list[str]:

@@ -56,8 +56,8 @@ class GlobalBatchDataModule(L.LightningDataModule):
         super().__init__()
         self.global_batch_size = global_batch_size
         self.per_device_batch_size = per_device_batch_size
-        # Read by the plan, which derives the accumulation from it; the loaders follow the Trainer's accumulation.
-        self.max_per_device_batch_size = max_per_device_batch_size
+        # max_per_device_batch_size is taken so that the data config instantiates: the plan reads it from the
+        # config and settles the accumulation, and the loaders follow the Trainer's accumulation.
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.persistent_workers = persistent_workers

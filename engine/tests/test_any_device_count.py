@@ -32,7 +32,7 @@ from conftest import (
 from probes import limited
 from scaleup.checkpoints.io import load_checkpoint
 from scaleup.compat.loops import rescale_batch_progress
-from scaleup.config.plain import build_model
+from scaleup.components import build_model
 from scaleup.plan.batch_probe import (
     AUTO_MARGIN,
     AutoBatchSize,

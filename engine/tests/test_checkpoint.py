@@ -16,7 +16,7 @@ from scaleup.checkpoints.io import (
     remove_interrupted_writes,
     strip_wrapper_prefixes,
 )
-from scaleup.config.plain import build_model
+from scaleup.components import build_model
 from scaleup.errors import UserError
 
 

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from myproject.data import DigitsDataModule
 from scaleup.checkpoints.io import AtomicCheckpointIO, load_checkpoint
-from scaleup.config.plain import build_model
+from scaleup.components import build_model
 from scaleup.errors import UserError
 
 

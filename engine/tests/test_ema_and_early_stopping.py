@@ -11,7 +11,7 @@ from torch.utils.data import default_collate
 
 from conftest import EXACT, TOLERANCE, assert_same_weights, in_process, read_json
 from scaleup.checkpoints.io import load_checkpoint, load_weights
-from scaleup.config.plain import build_model
+from scaleup.components import build_model
 from scaleup.errors import UserError
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import QUICK, TESTS, check, in_process, read_json, run
-from scaleup.config.plain import log_rows
+from scaleup.observability.rows import log_rows
 from user_modules import LitAutoEncoder
 
 # 2 epochs of digits in float64; val 180 and test 360 samples split 90/90 and 180/180 over 2 ranks, in batches of

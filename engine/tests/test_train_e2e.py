@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import check, in_process, read_json, run
 from scaleup.checkpoints.io import load_checkpoint
-from scaleup.config.plain import build_model
+from scaleup.components import build_model
 from scaleup.errors import UserError
 
 pytestmark = pytest.mark.slow

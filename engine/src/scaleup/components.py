@@ -1,4 +1,5 @@
-"""The run's data module and model, built from the config, each told what it needs from the other."""
+"""The run's data module and model, built from the config, each told what it needs from the other; a model alone
+from a checkpoint's stored config (`build_model`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 
-from scaleup.config.plain import build_model, lookup
+from scaleup.config.plain import is_float64, lookup
 from scaleup.data.datamodule import GlobalBatchDataModule, apply_model_settings, sizes_for_plan
 from scaleup.distributed.fsdp import networks
 from scaleup.distributed.meta_init import MetaInit, build_on_meta, materialize_outside, tensors_of
@@ -20,6 +21,17 @@ from scaleup.errors import UserError, config_errors
 from scaleup.plan.checks import check_data_config
 
 log = logging.getLogger("scaleup")
+
+
+def build_model(model_cfg: dict[str, Any], precision: Any = "32-true") -> L.LightningModule:
+    """The LightningModule from `model` config; nested `net`/`optimizer` stay dicts (it builds them itself).
+
+    Built in float64 for `64-true`: Lightning loads a checkpoint's weights into the module before its precision
+    plugin casts the module to float64, so a float32 module would round every resumed or evaluated weight.
+    """
+    kwargs = dict(model_cfg)
+    model = get_class(kwargs.pop("_target_"))(**kwargs)
+    return model.double() if is_float64(precision) else model
 
 
 def build_datamodule(config: dict[str, Any]) -> GlobalBatchDataModule:

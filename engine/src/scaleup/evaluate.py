@@ -12,11 +12,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from scaleup.checkpoints.io import find_checkpoint, load_checkpoint, load_weights
-from scaleup.components import build_datamodule
-from scaleup.config.plain import build_model, log_rows, retarget, to_plain
+from scaleup.components import build_datamodule, build_model
+from scaleup.config.plain import retarget, to_plain
 from scaleup.config.schema import validate_config
 from scaleup.distributed.launch import check_launcher, shut_down_process_group
 from scaleup.errors import UserError
+from scaleup.observability.rows import log_rows
 from scaleup.plan.resolve import Plan
 from scaleup.plan.topology import resolve_precision, resolve_topology
 from scaleup.trainer import build_eval_trainer

@@ -10,7 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from scaleup.checkpoints.io import atomic_torch_save, find_checkpoint, load_checkpoint, load_weights
-from scaleup.config.plain import build_model, lookup
+from scaleup.components import build_model
+from scaleup.config.plain import lookup
 from scaleup.config.schema import validate_config
 from scaleup.errors import UserError
 from scaleup.evaluate import stored_run

@@ -16,11 +16,12 @@ from omegaconf import DictConfig
 from scaleup.checkpoints.resume import ResumePoint, resume_point
 from scaleup.compat.loops import ignore_unresumable_loader_warning
 from scaleup.components import build_data_and_model
-from scaleup.config.plain import log_rows, to_plain, write_yaml
+from scaleup.config.plain import to_plain, write_yaml
 from scaleup.config.schema import validate_config
 from scaleup.distributed.fsdp import FSDPStrategy
 from scaleup.distributed.launch import prepare_launch, shut_down_process_group
 from scaleup.observability.loggers import close_loggers
+from scaleup.observability.rows import log_rows
 from scaleup.plan.checks import pitfall_warnings
 from scaleup.plan.resolve import Plan
 from scaleup.plan.run import plan_run

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import pkgutil
 from pathlib import Path
 from typing import Any
 
-import lightning as L
-from hydra.utils import get_class, instantiate
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-
-log = logging.getLogger("scaleup")
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
@@ -22,17 +18,6 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
 def is_float64(precision: Any) -> bool:
     """Whether a `trainer.precision` value means float64 weights (Lightning accepts these spellings)."""
     return str(precision) in ("64", "64-true", "double")
-
-
-def build_model(model_cfg: dict[str, Any], precision: Any = "32-true") -> L.LightningModule:
-    """The LightningModule from `model` config; nested `net`/`optimizer` stay dicts (it builds them itself).
-
-    Built in float64 for `64-true`: Lightning loads a checkpoint's weights into the module before its precision
-    plugin casts the module to float64, so a float32 module would round every resumed or evaluated weight.
-    """
-    kwargs = dict(model_cfg)
-    model = get_class(kwargs.pop("_target_"))(**kwargs)
-    return model.double() if is_float64(precision) else model
 
 
 def retarget(tree: Any, package: str) -> Any:
@@ -87,13 +72,6 @@ def lookup(tree: Any, path: str) -> Any:
     for part in path.split(".") if path else ():
         tree = tree.get(part) if isinstance(tree, dict) else None
     return tree
-
-
-def log_rows(title: str, rows: list[tuple[str, str]]) -> None:
-    """Log a title and aligned `name  value` rows under it (`(none)` for no rows)."""
-    width = max((len(name) for name, _ in rows), default=0)
-    lines = [f"  {name:<{width}}  {value}" for name, value in rows] or ["  (none)"]
-    log.info("\n".join([title, *lines]))
 
 
 def write_yaml(data: dict[str, Any], path: Path) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import matplotlib
 import optuna
 
-from scaleup.config.plain import log_rows
+from scaleup.observability.rows import log_rows
 from scaleup.search.space import SearchSpace, as_overrides
 from scaleup.search.study import RUN_DIR
 

@@ -15,9 +15,9 @@ from hydra.plugins.launcher import Launcher
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from scaleup.config.plain import log_rows
 from scaleup.config.sweep import first_mistake
 from scaleup.errors import EXIT_USER_ERROR, UserError, new_directories, remove_refused_run
+from scaleup.observability.rows import log_rows
 from scaleup.search.results import report
 from scaleup.search.space import SearchSpace, parse_space
 from scaleup.search.study import OVERRIDES, PRUNED_AT_STEP, best_value, open_storage, storage_url

@@ -1,0 +1,14 @@
+"""Aligned `name  value` rows in the log: the plan, a run's results, a search's trials."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("scaleup")
+
+
+def log_rows(title: str, rows: list[tuple[str, str]]) -> None:
+    """Log a title and aligned `name  value` rows under it (`(none)` for no rows)."""
+    width = max((len(name) for name, _ in rows), default=0)
+    lines = [f"  {name:<{width}}  {value}" for name, value in rows] or ["  (none)"]
+    log.info("\n".join([title, *lines]))

@@ -255,6 +255,13 @@ ENTRY_POINTS = {
         "error: data=digit: there is no such option; did you mean data=digits? (the options: char_text, cifar10, "
         "digits, imagefolder, sharded, synthetic, synthetic_imagenet)",
     ),
+    "unparsable override": (
+        "train.py",
+        ["trainer.max_epochs=[1", "dry_run=true", "hydra.run.dir={tmp}/grammar"],
+        "error: trainer.max_epochs=[1: not an override Hydra can read (no viable alternative at input '[1'); write "
+        "key=value, and quote a value with brackets, parentheses, commas or spaces: 'key=\"a value\"' "
+        "(https://hydra.cc/docs/advanced/override_grammar/basic)",
+    ),
     # a search path on the command line replaces the top config's, which holds the engine's groups
     "search path without the engine": (
         "train.py",

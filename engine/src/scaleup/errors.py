@@ -23,7 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import ConfigCompositionException, InstantiationException, MissingConfigException
+from hydra.errors import (
+    ConfigCompositionException,
+    InstantiationException,
+    MissingConfigException,
+    OverrideParseException,
+)
 from hydra.experimental.callback import Callback
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
@@ -53,6 +58,7 @@ def worker_message(message: str) -> str:
 
 
 EXIT_USER_ERROR = 2
+GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic"  # how Hydra reads a command line's overrides
 
 
 def _chain(err: BaseException | None, *, implicit: bool) -> Iterator[BaseException]:
@@ -152,6 +158,8 @@ def composition_error(
     """
     from scaleup.config.schema import unknown_key_message
 
+    if isinstance(err, OverrideParseException):
+        return UserError(grammar_error(err))
     if isinstance(err, MissingConfigException) and err.options is not None and err.missing_cfg_file:
         group, _, option = err.missing_cfg_file.rpartition("/")
         searchpath = next((o for o in overrides if _override_key(o) == "hydra.searchpath"), None)
@@ -178,6 +186,18 @@ def composition_error(
     known = [*(node.keys() if isinstance(node, DictConfig) else ()), *([] if parent else extra)]
     hint = did_you_mean(name, known, f"{parent}." if parent else "")
     return UserError(f"{key}: there is no such key{hint} (a key of your own: +{key}=VALUE)")
+
+
+def grammar_error(err: OverrideParseException) -> str:
+    """An override Hydra cannot parse, with the parser's reason, in one line."""
+    reason = next(
+        (line for line in err.message.splitlines() if line and not line.startswith(("Error parsing", "See http"))),
+        "",
+    )
+    return (
+        f"{err.override}: not an override Hydra can read ({reason}); write key=value, and quote a value with "
+        f"brackets, parentheses, commas or spaces: 'key=\"a value\"' ({GRAMMAR})"
+    )
 
 
 def one_line_composition_errors(config_dir: Path, config_name: str) -> Callable[[Callable], Callable]:

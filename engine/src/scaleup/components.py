@@ -12,6 +12,7 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.utils import get_class, instantiate
+from torchmetrics import Metric
 
 from scaleup.config.plain import is_float64, lookup
 from scaleup.data.datamodule import GlobalBatchDataModule, apply_model_settings, sizes_for_plan
@@ -27,11 +28,18 @@ def build_model(model_cfg: dict[str, Any], precision: Any = "32-true") -> L.Ligh
     """The LightningModule from `model` config; nested `net`/`optimizer` stay dicts (it builds them itself).
 
     Built in float64 for `64-true`: Lightning loads a checkpoint's weights into the module before its precision
-    plugin casts the module to float64, so a float32 module would round every resumed or evaluated weight.
+    plugin casts the module to float64, so a float32 module would round every resumed or evaluated weight. Its
+    torchmetrics states too, which `.double()` leaves as they are: summed in float32, a metric would differ
+    between device counts (another order of the same additions) in its 7th digit, where float64 weights agree.
     """
     kwargs = dict(model_cfg)
     model = get_class(kwargs.pop("_target_"))(**kwargs)
-    return model.double() if is_float64(precision) else model
+    if not is_float64(precision):
+        return model
+    for metric in model.modules():
+        if isinstance(metric, Metric):
+            metric.set_dtype(torch.float64)
+    return model.double()
 
 
 def build_datamodule(config: dict[str, Any]) -> GlobalBatchDataModule:

@@ -114,3 +114,16 @@ def test_the_training_job_enters_each_module_at_most_twice():
     assert max(entered.values()) <= 2, entered
     assert walk[:2] == ["scaleup.config.schema", "scaleup.plan.topology"]  # every value checked first
     assert walk.index("scaleup.components") < walk.index("scaleup.plan.run") < walk.index("scaleup.trainer")
+
+
+def test_the_training_job_edits_no_config_after_reading_it():
+    """What `train()` decides goes into the plan, never back into the config it saves as config.yaml (a model built
+    the ordinary way after all is the plan's sharding row, not `strategy.meta_init=false`)."""
+    tree = ast.parse((ENGINE_SRC / MACHINERY / "train.py").read_text())
+    (job,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "train"]
+    edits = [
+        ast.unparse(node)
+        for node in ast.walk(job)
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store | ast.Del)
+    ]
+    assert edits == []

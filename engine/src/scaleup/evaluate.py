@@ -15,7 +15,8 @@ from scaleup.checkpoints.io import find_checkpoint, load_checkpoint, load_weight
 from scaleup.components import build_datamodule, build_model
 from scaleup.config.plain import retarget, to_plain
 from scaleup.config.schema import validate_config
-from scaleup.distributed.launch import check_launcher, shut_down_process_group
+from scaleup.distributed.launch import check_launcher
+from scaleup.distributed.process_group import shut_down_process_group
 from scaleup.errors import UserError
 from scaleup.observability.rows import log_rows
 from scaleup.plan.resolve import Plan

@@ -18,8 +18,8 @@ from scaleup.compat.loops import ignore_unresumable_loader_warning
 from scaleup.components import build_data_and_model
 from scaleup.config.plain import to_plain, write_yaml
 from scaleup.config.schema import validate_config
-from scaleup.distributed.fsdp import FSDPStrategy
-from scaleup.distributed.launch import prepare_launch, shut_down_process_group
+from scaleup.distributed.launch import check_launch, prepare_launch, shards_the_model
+from scaleup.distributed.process_group import shut_down_process_group
 from scaleup.observability.loggers import close_loggers
 from scaleup.observability.rows import log_rows
 from scaleup.plan.checks import pitfall_warnings
@@ -41,25 +41,24 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     topology = resolve_topology(cfg.trainer, dry_run=cfg.dry_run)
     config = to_plain(cfg)
-    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
-    launch = prepare_launch(
-        config["strategy"],
-        topology,
-        multirun=multirun,
-        dry_run=cfg.dry_run,
-        async_save=config["checkpoint"]["async_save"],
-    )
+    check_launch(topology, dry_run=cfg.dry_run)
     # Same seed on every rank before the data and the model are built: the same splits (also where a data module
     # splits with the global random state) and identical initial weights everywhere.
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    sharded = isinstance(launch.strategy, FSDPStrategy)
-    on_meta = sharded and config["strategy"]["meta_init"]
+    on_meta = shards_the_model(config["strategy"], topology) and config["strategy"]["meta_init"]
     datamodule, model, dataset_sizes, recording = build_data_and_model(config, run_dir, cfg.dry_run, on_meta)
-    if sharded:
-        launch.strategy.recording = recording
-        if on_meta and recording is None and not cfg.dry_run:  # built the ordinary way after all: it warned
-            config["strategy"]["meta_init"] = False
-    plan = plan_run(config, topology, launch, model, dataset_sizes)
+    launch = prepare_launch(
+        config["strategy"],
+        topology,
+        multirun=HydraConfig.get().mode == RunMode.MULTIRUN,
+        dry_run=cfg.dry_run,
+        async_save=config["checkpoint"]["async_save"],
+        recording=recording,
+    )
+    # A dry run plans the meta build without recording it; a real one may have built the ordinary way (it warned).
+    plan = plan_run(
+        config, topology, launch, model, dataset_sizes, on_meta=on_meta and (cfg.dry_run or recording is not None)
+    )
     datamodule.channels_last = plan.channels_last  # batches laid out as PerformanceSettings lays out the weights
     resume = resume_point(None if cfg.dry_run else cfg.ckpt_path, config, plan, model, datamodule, run_dir)
     if resume.tested:

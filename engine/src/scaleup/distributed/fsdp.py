@@ -118,9 +118,11 @@ def bytes_per_rank(model: nn.Module, world_size: int) -> tuple[int, int]:
     return total, per_rank
 
 
-def describe(model: nn.Module, strategy_cfg: dict[str, Any], mesh: tuple[int, ...], accumulation: int) -> str:
-    """The plan's row: the units, the parameter bytes per rank, the mesh, how the model is built and when
-    gradients are reduced."""
+def describe(
+    model: nn.Module, strategy_cfg: dict[str, Any], mesh: tuple[int, ...], accumulation: int, on_meta: bool
+) -> str:
+    """The plan's row: the units, the parameter bytes per rank, the mesh, how the model is built (`on_meta`: on the
+    meta device, its build replayed into each rank's shards) and when gradients are reduced."""
     units = unit_names(model, strategy_cfg["shard_modules"])
     total, per_rank = bytes_per_rank(model, mesh[-1])
     shown = ", ".join(units[:6]) + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
@@ -132,7 +134,7 @@ def describe(model: nn.Module, strategy_cfg: dict[str, Any], mesh: tuple[int, ..
         if len(mesh) == 2
         else f"mesh {mesh[0]}: sharded over every process",
         "built on the meta device, each rank fills its shards with the ordinary build's values"
-        if strategy_cfg["meta_init"]
+        if on_meta
         else "every rank builds the whole model, then shards it",
     ]
     if accumulation > 1:
@@ -343,6 +345,7 @@ class FSDPStrategy(ModelParallelStrategy):
         activation_checkpointing: bool = False,
         timeout: timedelta,
         async_save: bool = False,
+        recording: MetaInit | None = None,
     ) -> None:
         super().__init__(data_parallel_size=world_size, tensor_parallel_size=1, timeout=timeout)
         self.shard_modules = shard_modules
@@ -353,9 +356,9 @@ class FSDPStrategy(ModelParallelStrategy):
             "cpu_offload": cpu_offload,
             "activation_checkpointing": activation_checkpointing,
         }
-        # The recorded build of a model made on the meta device (the job sets it): each rank fills its shards with
-        # the values the eager build gives.
-        self.recording: MetaInit | None = None
+        # The recorded build of a model made on the meta device: each rank fills its shards with the values the
+        # eager build gives.
+        self.recording = recording
         self._background_saver: BackgroundSaver | None = None
         self._measured = False
         self._total_parameter_bytes = 0

@@ -5,15 +5,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import DDPStrategy
 
 from scaleup.checkpoints.background import resolve_async_save
 from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.distributed.clusters import check_one_process_per_pod, launched_world_size, launcher_name
+from scaleup.distributed.process_group import shut_down_process_group
 from scaleup.errors import UserError, config_errors
 from scaleup.plan.topology import Topology
+
+if TYPE_CHECKING:
+    from scaleup.distributed.meta_init import MetaInit
 
 _RESTART_STORE: Any = None  # rank 0's store for a restarted torchrun attempt, alive as long as the process
 
@@ -41,16 +45,6 @@ def fresh_store_after_torchrun_restart() -> None:
     os.environ["MASTER_PORT"] = agent.get(key).decode()
 
 
-def shut_down_process_group() -> None:
-    """Leave the process group together: a rank that exits while a peer still holds gloo connections can
-    abort in C++ ("terminate called without an active exception") and fail an otherwise finished run."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 @dataclass(frozen=True)
 class Launch:
     """How the run's processes train together: the Trainer's `strategy`, its name and the launcher's, for the plan."""
@@ -60,17 +54,33 @@ class Launch:
     launcher: str
 
 
-def prepare_launch(
-    strategy_cfg: dict[str, Any], topology: Topology, *, multirun: bool, dry_run: bool, async_save: bool | str = "auto"
-) -> Launch:
-    """Check the launcher against the topology, get a restarted torchrun ready, build the strategy: a dry run only
-    builds it (nothing is launched). `async_save`: `checkpoint.async_save`."""
+def check_launch(topology: Topology, *, dry_run: bool) -> None:
+    """Before anything is built: check the launcher against the topology and get a restarted torchrun ready (a dry
+    run launches nothing)."""
     if not dry_run:
         check_launcher(topology)
         fresh_store_after_torchrun_restart()
+
+
+def shards_the_model(strategy_cfg: dict[str, Any], topology: Topology) -> bool:
+    """Whether the strategy shards the model (FSDP on more than one process; one process trains as DDP's does)."""
+    return strategy_cfg["name"] == "fsdp" and topology.world_size > 1
+
+
+def prepare_launch(
+    strategy_cfg: dict[str, Any],
+    topology: Topology,
+    *,
+    multirun: bool,
+    dry_run: bool,
+    async_save: bool | str = "auto",
+    recording: MetaInit | None = None,
+) -> Launch:
+    """Build the strategy, once the model is: FSDP takes the recorded build of a model made on the meta device
+    (`recording`). `async_save`: `checkpoint.async_save`."""
     with config_errors("strategy"):
         strategy, name = build_strategy(
-            strategy_cfg, topology.world_size, multirun, async_save, num_nodes=topology.num_nodes
+            strategy_cfg, topology.world_size, multirun, async_save, num_nodes=topology.num_nodes, recording=recording
         )
     if dry_run:
         launcher = "planned only (dry run)"
@@ -87,6 +97,7 @@ def build_strategy(
     multirun: bool,
     async_save: bool | str = "auto",
     num_nodes: int = 1,
+    recording: MetaInit | None = None,
 ) -> tuple[Any, str]:
     """The Trainer's `strategy` argument and a name for the plan, from the `strategy` config group.
 
@@ -107,7 +118,12 @@ def build_strategy(
         options.pop("meta_init", None)  # how the job builds the model (components.py), not an option of the strategy
         return (
             FSDPStrategy(
-                world_size=world_size, num_nodes=num_nodes, timeout=timeout, async_save=in_background, **options
+                world_size=world_size,
+                num_nodes=num_nodes,
+                timeout=timeout,
+                async_save=in_background,
+                recording=recording,
+                **options,
             ),
             name,
         )

@@ -23,8 +23,10 @@ def plan_run(
     launch: Launch,
     model: L.LightningModule,
     dataset_sizes: dict[str, int],
+    on_meta: bool = False,
 ) -> Plan:
-    """The plan `train.py` prints, saves and trains by, checked against the config."""
+    """The plan `train.py` prints, saves and trains by, checked against the config. `on_meta`: the model is built on
+    the meta device (strategy.meta_init, where its build can be replayed)."""
     with config_errors("model.optimizer"):  # e.g. a negative learning rate, refused by the optimizer
         lrs = base_lrs(model)
     plan = build_plan(
@@ -43,6 +45,7 @@ def plan_run(
     )
     if launch.name == "fsdp":
         mesh = launch.strategy.mesh_shape
-        plan = replace(plan, sharding=describe_sharding(model, config["strategy"], mesh, plan.accumulate_grad_batches))
+        sharding = describe_sharding(model, config["strategy"], mesh, plan.accumulate_grad_batches, on_meta)
+        plan = replace(plan, sharding=sharding)
     check_config(config, plan)
     return plan

@@ -72,11 +72,11 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     del checkpoint
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    run = build_eval_trainer(topology, precision, plan, run_dir, cfg.trainer.enable_progress_bar)
-    with run.running(f"evaluate again with: python eval.py ckpt_path={ckpt_path}"):
-        run.trainer.test(model, datamodule=datamodule, verbose=False)
+    job = build_eval_trainer(topology, precision, plan, run_dir, cfg.trainer.enable_progress_bar)
+    with job.running(f"evaluate again with: python eval.py ckpt_path={ckpt_path}"):
+        job.trainer.test(model, datamodule=datamodule, verbose=False)
     shut_down_process_group()
-    if not run.trainer.is_global_zero:
+    if not job.trainer.is_global_zero:
         return {}
     metrics = json.loads((run_dir / "metrics.json").read_text())
     rows = [(name, f"{value:.4f}") for name, value in metrics.items()]

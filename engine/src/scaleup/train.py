@@ -23,8 +23,8 @@ from scaleup.distributed.process_group import shut_down_process_group
 from scaleup.observability.loggers import close_loggers
 from scaleup.observability.rows import log_rows
 from scaleup.plan.checks import pitfall_warnings
+from scaleup.plan.make import make_plan
 from scaleup.plan.resolve import Plan
-from scaleup.plan.run import plan_run
 from scaleup.plan.topology import resolve_topology
 from scaleup.search.trial import in_search
 from scaleup.trainer import build_trainer
@@ -56,7 +56,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         recording=recording,
     )
     # A dry run plans the meta build without recording it; a real one may have built the ordinary way (it warned).
-    plan = plan_run(
+    plan = make_plan(
         config, topology, launch, model, dataset_sizes, on_meta=on_meta and (cfg.dry_run or recording is not None)
     )
     datamodule.channels_last = plan.channels_last  # batches laid out as PerformanceSettings lays out the weights
@@ -68,18 +68,18 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.dry_run:
         return plan.to_dict()
 
-    run = build_trainer(config, plan, topology, launch.strategy, run_dir)
-    trainer = run.trainer
+    job = build_trainer(config, plan, topology, launch.strategy, run_dir)
+    trainer = job.trainer
     hint = f"resume with: python train.py ckpt_path=last hydra.run.dir={run_dir} (plus your overrides)"
     if in_search():
         hint = "resume the search with the same command: it resumes this trial from its last.ckpt"
-    with run.running(hint):
+    with job.running(hint):
         if resume.finished:
             log.info(f"{resume.path} finished training at step {resume.step}: running its test")
         else:
             trainer.fit(model, datamodule=datamodule, ckpt_path=resume.path)
             report_early_stop(trainer)
-        best = resume.best if resume.finished else run.best.best_model_path
+        best = resume.best if resume.finished else job.best.best_model_path
         trainer.test(model, datamodule=datamodule, ckpt_path=best or None, verbose=False)
     close_loggers(trainer)
     shut_down_process_group()

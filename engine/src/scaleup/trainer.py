@@ -1,5 +1,5 @@
 """The Trainers the jobs run: the template's own callbacks in their checked order, then the user's, on the planned
-topology; and what the jobs read back from them (`Run`)."""
+topology; and what the jobs read back from them (`TrainerJob`)."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def check_order(callbacks: list[L.Callback], template: int) -> None:
 
 
 @dataclass(frozen=True)
-class Run:
+class TrainerJob:
     """A job's Trainer and the callbacks the job reads back: the stop flag, and the best checkpoint (training)."""
 
     trainer: L.Trainer
@@ -146,7 +146,7 @@ def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> lis
     ]
 
 
-def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> Run:
+def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> TrainerJob:
     """A Trainer with the template's callbacks and the user's, the loggers, and the plan's resolved settings."""
     set_tf32(plan.tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
     callbacks = template_callbacks(config, plan, run_dir)
@@ -201,10 +201,10 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
         )
     if trainer.is_global_zero:
         remove_interrupted_writes(config["checkpoint"]["dirpath"])
-    return Run(trainer, stop, best, fast=config["performance"]["fast_paths"])
+    return TrainerJob(trainer, stop, best, fast=config["performance"]["fast_paths"])
 
 
-def build_eval_trainer(topology: Topology, precision: Any, plan: Plan, run_dir: Path, progress_bar: bool) -> Run:
+def build_eval_trainer(topology: Topology, precision: Any, plan: Plan, run_dir: Path, progress_bar: bool) -> TrainerJob:
     """The Trainer of `eval.py`: the checkpoint's own speed settings, exact metrics into metrics.json, no logger."""
     require(EXACT_EVAL, SIGTERM_HANDLER)
     stop = StopOnSigterm()
@@ -229,4 +229,4 @@ def build_eval_trainer(topology: Topology, precision: Any, plan: Plan, run_dir: 
             enable_progress_bar=progress_bar,
             default_root_dir=run_dir,
         )
-    return Run(trainer, stop)
+    return TrainerJob(trainer, stop)

@@ -1,4 +1,4 @@
-"""The run's plan from everything it depends on: the config, the topology, the launch, the model and the data's
+"""The plan made from everything it depends on: the config, the topology, the launch, the model and the data's
 sizes; then the start-up checks that need the whole plan."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from scaleup.plan.resolve import Plan, build_plan, early_stopping_entry
 from scaleup.plan.topology import Topology
 
 
-def plan_run(
+def make_plan(
     config: dict[str, Any],
     topology: Topology,
     launch: Launch,

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from scaleup.components import build_recorded
+from scaleup.build import build_recorded
 from scaleup.distributed.fsdp import gradient_sync_paused, local_bytes, model_state_bytes, shard, shard_built
 
 WIDTH, BLOCKS, SAMPLES, STEPS = 1024, 12, 512, 2

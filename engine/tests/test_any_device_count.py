@@ -30,9 +30,9 @@ from conftest import (
     weights,
 )
 from probes import limited
+from scaleup.build import build_model
 from scaleup.checkpoints.io import load_checkpoint
 from scaleup.compat.loops import rescale_batch_progress
-from scaleup.components import build_model
 from scaleup.plan.batch_probe import (
     AUTO_MARGIN,
     AutoBatchSize,

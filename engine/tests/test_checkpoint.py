@@ -8,6 +8,7 @@ import torch
 
 from conftest import kill_writer_at_random
 from myproject.models.nets import DigitsCNN
+from scaleup.build import build_model
 from scaleup.checkpoints.io import (
     atomic_torch_save,
     find_checkpoint,
@@ -16,7 +17,6 @@ from scaleup.checkpoints.io import (
     remove_interrupted_writes,
     strip_wrapper_prefixes,
 )
-from scaleup.components import build_model
 from scaleup.errors import UserError
 
 

@@ -10,8 +10,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from myproject.data import DigitsDataModule
+from scaleup.build import build_model
 from scaleup.checkpoints.io import AtomicCheckpointIO, load_checkpoint
-from scaleup.components import build_model
 from scaleup.errors import UserError
 
 

@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import PERFORMANCE, engine_option
-from scaleup.components import build_model
+from scaleup.build import build_model
 from scaleup.distributed.launch import build_strategy
 from scaleup.errors import UserError
 from scaleup.plan.checks import TrainLoaderCheck, check_config, check_data_config, pitfall_warnings

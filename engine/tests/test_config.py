@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import ROOT, config_groups, in_process, read_json
-from scaleup.components import build_model
+from scaleup.build import build_model
 from scaleup.config.plain import instantiate_each
 from scaleup.data.datamodule import apply_model_settings
 from scaleup.distributed.run_dir import register_resolvers

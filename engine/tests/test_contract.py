@@ -8,8 +8,8 @@ from torchmetrics import MeanSquaredError, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassRecall
 
 from conftest import QUICK, in_process, read_json
+from scaleup.build import build_model
 from scaleup.checkpoints.io import load_checkpoint
-from scaleup.components import build_model
 from scaleup.data.datamodule import apply_model_settings
 from scaleup.errors import UserError
 from scaleup.observability.metrics import StageMetrics

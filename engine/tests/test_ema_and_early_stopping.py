@@ -10,8 +10,8 @@ from hydra.utils import instantiate
 from torch.utils.data import default_collate
 
 from conftest import EXACT, TOLERANCE, assert_same_weights, in_process, read_json
+from scaleup.build import build_model
 from scaleup.checkpoints.io import load_checkpoint, load_weights
-from scaleup.components import build_model
 from scaleup.errors import UserError
 
 pytestmark = pytest.mark.slow

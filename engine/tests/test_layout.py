@@ -113,7 +113,7 @@ def test_the_training_job_enters_each_module_at_most_twice():
     entered = Counter(walk)
     assert max(entered.values()) <= 2, entered
     assert walk[:2] == ["scaleup.config.schema", "scaleup.plan.topology"]  # every value checked first
-    assert walk.index("scaleup.components") < walk.index("scaleup.plan.make") < walk.index("scaleup.trainer")
+    assert walk.index("scaleup.build") < walk.index("scaleup.plan.make") < walk.index("scaleup.trainer")
 
 
 def test_the_training_job_edits_no_config_after_reading_it():

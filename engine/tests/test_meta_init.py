@@ -10,7 +10,7 @@ from torch import nn
 
 from myproject.models import ImageClassifier
 from myproject.models.transformer import CharTransformer
-from scaleup.components import build_recorded
+from scaleup.build import build_recorded
 from scaleup.distributed.meta_init import build_on_meta, materialize_outside, tensors_of
 
 

@@ -12,8 +12,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import QUICK, assert_same_weights, check, in_process, read_json, run, weights
 from myproject.data.text import bundled_text
+from scaleup.build import build_model
 from scaleup.checkpoints.io import load_checkpoint
-from scaleup.components import build_model
 
 pytestmark = pytest.mark.slow
 

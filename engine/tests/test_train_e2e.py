@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import check, in_process, read_json, run
+from scaleup.build import build_model
 from scaleup.checkpoints.io import load_checkpoint
-from scaleup.components import build_model
 from scaleup.errors import UserError
 
 pytestmark = pytest.mark.slow

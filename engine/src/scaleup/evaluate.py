@@ -11,8 +11,8 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from scaleup.build import build_datamodule, build_model
 from scaleup.checkpoints.io import find_checkpoint, load_checkpoint, load_weights
-from scaleup.components import build_datamodule, build_model
 from scaleup.config.plain import retarget, to_plain
 from scaleup.config.schema import validate_config
 from scaleup.distributed.launch import check_launcher

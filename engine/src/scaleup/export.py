@@ -9,8 +9,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from scaleup.build import build_model
 from scaleup.checkpoints.io import atomic_torch_save, find_checkpoint, load_checkpoint, load_weights
-from scaleup.components import build_model
 from scaleup.config.plain import lookup
 from scaleup.config.schema import validate_config
 from scaleup.errors import UserError

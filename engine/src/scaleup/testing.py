@@ -144,7 +144,7 @@ def check_contract(
     splits; the first batch of its train loader (as one device loads it) has a batch size Lightning can read; the
     module has the submodule that export.py saves (`module=net` by default, configs/export.yaml).
     """
-    from scaleup.components import build_data_and_model
+    from scaleup.build import build_data_and_model
 
     overrides = [*QUICK, *overrides]
     with _in_folder(project), tempfile.TemporaryDirectory(prefix="contract-") as run_dir:

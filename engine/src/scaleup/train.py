@@ -13,9 +13,9 @@ from hydra.types import RunMode
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
+from scaleup.build import build_data_and_model
 from scaleup.checkpoints.resume import ResumePoint, resume_point
 from scaleup.compat.loops import ignore_unresumable_loader_warning
-from scaleup.components import build_data_and_model
 from scaleup.config.plain import to_plain, write_yaml
 from scaleup.config.schema import validate_config
 from scaleup.distributed.launch import check_launch, prepare_launch, shards_the_model

@@ -153,7 +153,7 @@ def build_source(overrides: list[str]) -> tuple[dict[str, Dataset], dict[str, An
     """The data module the overrides choose (as `python train.py` would build it): its splits and model settings."""
     from omegaconf import OmegaConf
 
-    from scaleup.components import build_datamodule
+    from scaleup.build import build_datamodule
     from scaleup.distributed.run_dir import register_resolvers
 
     register_resolvers()

@@ -115,7 +115,7 @@ def build_strategy(
         # One process has nothing to shard: it trains as DDP's single process does, and writes one file.
         if world_size == 1:
             return "auto", "auto"
-        options.pop("meta_init", None)  # how the job builds the model (components.py), not an option of the strategy
+        options.pop("meta_init", None)  # how the job builds the model (build.py), not an option of the strategy
         return (
             FSDPStrategy(
                 world_size=world_size,

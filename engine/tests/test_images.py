@@ -18,6 +18,7 @@ from myproject.data.cifar10 import MEAN as CIFAR_MEAN
 from myproject.data.cifar10 import STD as CIFAR_STD
 from myproject.data.cifar10 import UInt8Images
 from myproject.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
+from scaleup.callbacks.performance import PerformanceSettings
 from scaleup.data.image_batches import normalize
 from scaleup.data.images import EncodedBatch, ImageFiles, ImageTransform, decode
 from scaleup.data.seeding import SeededSamples
@@ -75,8 +76,26 @@ def test_imagefolder_batches_travel_as_uint8_and_reach_the_model_as_the_precisio
     dm.trainer = L.Trainer(accelerator="cpu", precision="64-true", logger=False, enable_progress_bar=False)
     x, y = dm.on_after_batch_transfer((images, labels), 0)
     assert x.dtype == torch.float64 and torch.equal(x, expected.double()) and y is labels
-    dm.channels_last = True  # the plan's performance.channels_last, as the jobs set it
-    assert dm.on_after_batch_transfer((images, labels), 0)[0].is_contiguous(memory_format=torch.channels_last)
+
+
+class LayoutProbe(L.LightningModule):
+    """A convolution, and the memory layout of every validation batch it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.layouts = torch.nn.Conv2d(3, 4, 3), []
+
+    def validation_step(self, batch, batch_idx) -> None:
+        self.layouts.append(batch[0].is_contiguous(memory_format=torch.channels_last))
+
+
+def test_channels_last_lays_out_the_weights_and_the_batches_alike(jpeg_tree):
+    """performance.channels_last=true: PerformanceSettings converts the weights and tells the data module, in every
+    process, so that the normalised batches reach the first convolution in the weights' layout."""
+    probe, settings = LayoutProbe(), PerformanceSettings(tf32=False, channels_last=True)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, callbacks=[settings])
+    trainer.validate(probe, datamodule=data(jpeg_tree), verbose=False)
+    assert probe.layouts == [True] and probe.conv.weight.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_the_auto_batch_probe_feeds_the_model_normalised_images(jpeg_tree):

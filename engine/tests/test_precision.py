@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 
@@ -75,7 +76,7 @@ def test_channels_last_converts_conv_weights_and_keeps_the_outputs(tf32_flags):
     net = DigitsCNN().eval()
     x = torch.randn(4, 1, 8, 8)
     expected = net(x)
-    PerformanceSettings(tf32=False, channels_last=True).setup(None, net, "fit")
+    PerformanceSettings(tf32=False, channels_last=True).setup(L.Trainer(accelerator="cpu", logger=False), net, "fit")
     conv = net[3].weight  # 32 -> 64 channels (with one input channel both layouts are the same)
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
     torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-6)

@@ -60,7 +60,6 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     # Same per-device batch as training by default: same batches, so the same float sums, to the last bit.
     data_cfg.update(global_batch_size=None, per_device_batch_size=cfg.batch_size or plan.per_device_batch_size)
     datamodule = build_datamodule({**config, "data": data_cfg})
-    datamodule.channels_last = plan.channels_last  # as trained
     # The plan stores the precision training resolved (`auto` became bf16-mixed, 16-mixed or 32-true there).
     precision = resolve_precision(cfg.trainer.precision or plan.precision, topology.accelerator)
     if topology.accelerator == "cpu" and str(precision).startswith("16"):

@@ -59,7 +59,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     plan = make_plan(
         config, topology, launch, model, dataset_sizes, on_meta=on_meta and (cfg.dry_run or recording is not None)
     )
-    datamodule.channels_last = plan.channels_last  # batches laid out as PerformanceSettings lays out the weights
     resume = resume_point(None if cfg.dry_run else cfg.ckpt_path, config, plan, model, datamodule, run_dir)
     if resume.tested:
         return already_finished(run_dir, resume, config["monitor"]["metric"])

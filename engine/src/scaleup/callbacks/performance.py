@@ -22,8 +22,9 @@ class PerformanceSettings(L.Callback):
 
     `setup` runs in each training process, including those `ddp_spawn` starts, which inherit no global torch
     settings from the parent. channels_last converts the network's 4-d weights to NHWC before DDP wraps the
-    module; a convolution with NHWC weights computes in NHWC whatever the input's layout, so the batches need
-    no conversion.
+    module; a convolution with NHWC weights computes in NHWC whatever the input's layout. The data module is told
+    too (`GlobalBatchDataModule.channels_last`): the image batches it normalises on the device are laid out NHWC,
+    so the first convolution reads them without a copy.
     """
 
     def __init__(self, tf32: bool, channels_last: bool) -> None:
@@ -31,5 +32,7 @@ class PerformanceSettings(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         set_tf32(self.tf32)
+        if trainer.datamodule is not None:
+            trainer.datamodule.channels_last = self.channels_last
         if self.channels_last:
             pl_module.to(memory_format=torch.channels_last)

@@ -39,7 +39,8 @@ class GlobalBatchDataModule(L.LightningDataModule):
 
     #: True when the whole data set lives in memory, so loader workers would only add start-up time.
     in_memory: bool = False
-    #: The plan's `channels_last` (the jobs set it): image batches are then laid out NHWC, as the weights are.
+    #: The plan's `channels_last` (PerformanceSettings sets it in every process): image batches are then laid out
+    #: NHWC, as the weights are.
     channels_last: bool = False
 
     def __init__(

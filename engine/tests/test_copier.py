@@ -144,8 +144,6 @@ def test_a_made_project_holds_its_own_code_and_pins_the_engine(made):
     assert re.findall(r'"scaleup-engine[^"]*"', pyproject) == pinned
     # the template's own test paths and test helpers are not there
     assert [word for word in ('"engine/tests"', '"probes"', "template only") if word in pyproject] == []
-    lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=project, capture_output=True)
-    assert lint.returncode == 0, lint.stdout.decode()  # its own code, linted by its own settings
     answers = (project / ".copier-answers.yml").read_text()
     assert "_commit: v1.0.0\n" in answers and f"_src_path: {made / 'template'}\n" in answers
     readme = (project / "README.md").read_text()

@@ -1,8 +1,5 @@
 """Reading a torch.distributed.checkpoint directory without a process group: every entry, the stored shapes, the
 files and their sizes.
-
-Each entry gives the Lightning (or torch) version it was measured on, the reason in one line, and its canary in
-engine/tests/test_lightning_workarounds.py.
 """
 
 from __future__ import annotations

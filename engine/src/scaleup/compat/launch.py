@@ -1,8 +1,5 @@
 """Starting and stopping processes the way Lightning's launchers do not: spawn workers that leave the process group
 together, and the template's SIGTERM handler kept in front of Lightning's.
-
-Each entry gives the Lightning (or torch) version it was measured on, the reason in one line, and its canary in
-engine/tests/test_lightning_workarounds.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""When Lightning hands a step's values to the loggers, and TensorBoard summaries written past Lightning's logger.
-
-Each entry gives the Lightning (or torch) version it was measured on, the reason in one line, and its canary in
-engine/tests/test_lightning_workarounds.py.
-"""
+"""When Lightning hands a step's values to the loggers, and TensorBoard summaries written past Lightning's logger."""
 
 from __future__ import annotations
 

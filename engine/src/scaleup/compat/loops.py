@@ -1,8 +1,5 @@
 """Lightning's loop state across a resume: counters it writes inconsistently, epochs it re-enters or drops, loader
 workers it leaves running, and the warning it gives for a loader the template does resume.
-
-Each entry gives the Lightning (or torch) version it was measured on, the reason in one line, and its canary in
-engine/tests/test_lightning_workarounds.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """ModelParallelStrategy (FSDP2) as the template uses it: modules it shards itself, and one-file checkpoints whose
 optimizer state Lightning would key by the wrong parameter.
-
-Each entry gives the Lightning (or torch) version it was measured on, the reason in one line, and its canary in
-engine/tests/test_lightning_workarounds.py.
 """
 
 from __future__ import annotations

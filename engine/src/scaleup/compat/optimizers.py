@@ -1,8 +1,4 @@
-"""What `configure_optimizers` returned, parsed by Lightning's own (private) code before any Trainer exists.
-
-Each entry gives the Lightning (or torch) version it was measured on, the reason in one line, and its canary in
-engine/tests/test_lightning_workarounds.py.
-"""
+"""What `configure_optimizers` returned, parsed by Lightning's own (private) code before any Trainer exists."""
 
 from __future__ import annotations
 

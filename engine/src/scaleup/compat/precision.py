@@ -1,8 +1,4 @@
-"""The precisions Lightning accepts, and float64 under ModelParallelStrategy.
-
-Each entry gives the Lightning (or torch) version it was measured on, the reason in one line, and its canary in
-engine/tests/test_lightning_workarounds.py.
-"""
+"""The precisions Lightning accepts, and float64 under ModelParallelStrategy."""
 
 from __future__ import annotations
 

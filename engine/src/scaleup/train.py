@@ -45,7 +45,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # Same seed on every rank before the data and the model are built: the same splits (also where a data module
     # splits with the global random state) and identical initial weights everywhere.
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    on_meta = shards_the_model(config["strategy"], topology) and config["strategy"]["meta_init"]
+    on_meta = shards_the_model(config["strategy"], topology.world_size) and config["strategy"]["meta_init"]
     datamodule, model, dataset_sizes, recording = build_data_and_model(config, run_dir, cfg.dry_run, on_meta)
     launch = prepare_launch(
         config["strategy"],

@@ -62,9 +62,9 @@ def check_launch(topology: Topology, *, dry_run: bool) -> None:
         fresh_store_after_torchrun_restart()
 
 
-def shards_the_model(strategy_cfg: dict[str, Any], topology: Topology) -> bool:
+def shards_the_model(strategy_cfg: dict[str, Any], world_size: int) -> bool:
     """Whether the strategy shards the model (FSDP on more than one process; one process trains as DDP's does)."""
-    return strategy_cfg["name"] == "fsdp" and topology.world_size > 1
+    return strategy_cfg["name"] == "fsdp" and world_size > 1
 
 
 def prepare_launch(
@@ -108,7 +108,7 @@ def build_strategy(
     options = dict(strategy_cfg)
     name = str(options.pop("name"))
     timeout = timedelta(minutes=float(options.pop("timeout_minutes")))
-    in_background = resolve_async_save(async_save, sharded=name == "fsdp" and world_size > 1)
+    in_background = resolve_async_save(async_save, sharded=shards_the_model(strategy_cfg, world_size))
     if name == "fsdp":
         from scaleup.distributed.fsdp import FSDPStrategy
 

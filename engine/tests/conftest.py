@@ -1,7 +1,9 @@
 """Shared helpers: run the jobs in this process or the real entry points as subprocesses, read what a run leaves on
 disk.
 
-Two ways to run a job, with the same `key=value` overrides a user would type:
+Every run trains the suite's own project, engine/tests/project/ (its package `testbed`, its configs/, its train.py,
+eval.py and export.py), never the example a user replaces; every test starts in that folder, as a user runs the
+commands in theirs. Two ways to run a job, with the same `key=value` overrides a user would type:
 - `in_process(args, job="train"|"eval"|"export")`: composes configs/<job>.yaml with Hydra's compose API and calls
   the job function (`scaleup.train.train` ...) here, with `HydraConfig.get()` set up as `@hydra.main` would and the
   run's log file written. No interpreter start (~4 s saved per run). A user mistake raises `UserError` (the entry
@@ -11,7 +13,8 @@ Two ways to run a job, with the same `key=value` overrides a user would type:
   fresh interpreters). Use it where processes matter: more than one process (a `strategy="ddp"` Trainer in pytest
   would re-run pytest), launchers, signals, kill -9, and the exit code and message of the entry point itself.
   `start(command)` is the same in the background.
-Both take `hydra.run.dir=DIR` among the overrides; give one, or the run lands in the repository's outputs/.
+Both take `hydra.run.dir=DIR` among the overrides; give one, or the run lands in the project's outputs/ (ignored by
+git).
 """
 
 from __future__ import annotations
@@ -43,16 +46,20 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the example project, with the engine in engine/
 TESTS = Path(__file__).resolve().parent
+# The suite's own project (its package `testbed`, its configs, its entry points): what every run here trains, so that
+# the engine's tests never depend on the example a user replaces.
+PROJECT = TESTS / "project"
+sys.path.insert(0, str(PROJECT))  # `testbed` for the runs in this process (the entry points find it beside them)
 ENGINE_CONF = ROOT / "engine" / "src" / "scaleup" / "conf"  # the engine's groups (pkg://scaleup.conf)
-CONFIG_DIRS = (ROOT / "configs", ENGINE_CONF)  # the project's top configs and groups, then the engine's
+CONFIG_DIRS = (PROJECT / "configs", ENGINE_CONF)  # the project's top configs and groups, then the engine's
 
 
-def config_groups() -> dict[str, list[Path]]:
+def config_groups(config_dirs: tuple[Path, ...] = CONFIG_DIRS) -> dict[str, list[Path]]:
     """Every config group (a folder such as `model/optimizer`, in the project's configs or the engine's) -> its
     option files."""
     return {
         str(folder.relative_to(root)): sorted(folder.glob("*.yaml"))
-        for root in CONFIG_DIRS
+        for root in config_dirs
         for folder in sorted(root.glob("**/"))
         if folder != root and any(folder.glob("*.yaml"))
     }
@@ -64,7 +71,7 @@ def engine_option(option: str, **overrides: Any) -> dict[str, Any]:
     return {**yaml.safe_load((ENGINE_CONF / f"{option}.yaml").read_text()), **overrides}
 
 
-PERFORMANCE = yaml.safe_load((ROOT / "configs" / "train.yaml").read_text())["performance"]  # as a run has it
+PERFORMANCE = yaml.safe_load((PROJECT / "configs" / "train.yaml").read_text())["performance"]  # as a run has it
 
 # A short run: 2 epochs of digits, no progress bar, no model summary.
 QUICK = [
@@ -150,6 +157,13 @@ LONGEST_FILES = (
 )
 
 
+@pytest.fixture(autouse=True)
+def in_the_project(monkeypatch) -> None:
+    """Every test starts in the suite's project folder, where a user runs the commands (`python -m
+    scaleup.data.convert` and the other module entry points find configs/ there)."""
+    monkeypatch.chdir(PROJECT)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: files keep their order
@@ -173,7 +187,8 @@ LAUNCHER_VARIABLES = (
 
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])  # for engine/tests/probes.py
+    # engine/tests/probes.py and the project's `testbed`, for processes that do not start beside them (torchrun, Ray)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(PROJECT), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"  # keep 2-process runs from fighting over the 2 cores
     env.update(extra)
     return env
@@ -272,16 +287,17 @@ def run(
     script: str = "train.py",
     timeout: float = 300,
     env: dict[str, str] | None = None,
-    cwd: Path = ROOT,
+    cwd: Path = PROJECT,
 ) -> subprocess.CompletedProcess:
-    """Run an entry point the way a user would: from the repo root, or from `cwd` (then outputs/ lands there).
+    """Run an entry point of the suite's project the way a user would: from its folder, or from `cwd` (then outputs/
+    lands there).
 
     The process is forked from a server that has imported torch and Lightning already (engine/tests/preloaded.py)."""
-    return run_command([sys.executable, str(ROOT / script), *merged(args)], timeout=timeout, env=env, cwd=cwd)
+    return run_command([sys.executable, str(PROJECT / script), *merged(args)], timeout=timeout, env=env, cwd=cwd)
 
 
 def run_command(
-    command: list[str], *, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path = ROOT
+    command: list[str], *, timeout: float = 300, env: dict[str, str] | None = None, cwd: Path = PROJECT
 ) -> subprocess.CompletedProcess:
     """`command` to its end, its output captured: forked from the preloaded server where it is `python <script>.py`
     or `python -m <module>` (see `run`), otherwise a subprocess."""
@@ -303,20 +319,20 @@ def run_command(
 
 
 def in_process(args: list[str], *, job: str = "train") -> Any:
-    """Run `python <job>.py *args` in this process: `scaleup.testing.run_job` from the repository's project (Hydra's
+    """Run `python <job>.py *args` in this process: `scaleup.testing.run_job` from the suite's project (Hydra's
     runtime set up as `@hydra.main` sets it, the run's log file written, torch on one thread as the subprocesses).
     Returns what the job returns (`train`/`eval`: the final metrics). A user mistake raises `UserError`."""
     from scaleup.testing import run_job
 
     sigterm = signal.getsignal(signal.SIGTERM)
-    result = run_job(job, args, project=ROOT)  # run_job merges repeated keys, the last one winning
+    result = run_job(job, args, project=PROJECT)  # run_job merges repeated keys, the last one winning
     # A job leaves the process's SIGTERM handler as it found it (processes forked later must still die on it).
     assert signal.getsignal(signal.SIGTERM) == sigterm, f"{job} left SIGTERM to {signal.getsignal(signal.SIGTERM)}"
     return result
 
 
-def start(command: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT, log: Path | None = None) -> Any:
-    """Start a command (from the repo root, or `cwd`) in the background, stdout and stderr merged into a pipe, or
+def start(command: list[str], env: dict[str, str] | None = None, cwd: Path = PROJECT, log: Path | None = None) -> Any:
+    """Start a command (from the suite's project, or `cwd`) in the background, stdout and stderr merged into a pipe, or
     appended to the file `log` (a pipe nobody reads while the test waits could fill and stall the process); a
     Popen, or for `python <script>.py ...` and `python -m <module> ...` the same run forked from the preloaded server
     (see `run`)."""

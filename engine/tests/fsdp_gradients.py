@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-from myproject.models import DigitsCNN
 from scaleup.distributed.fsdp import gradient_sync_paused, shard
+from testbed.models import DigitsCNN
 
 CLIP = 0.05  # well below the gradient norm (~1): clipping binds
 

@@ -12,8 +12,8 @@ import lightning as L
 import torch
 from torch import nn
 
-from myproject.data import DigitsDataModule
-from myproject.models import ImageClassifier
+from testbed.data import DigitsDataModule
+from testbed.models import ImageClassifier
 
 
 @torch.no_grad()

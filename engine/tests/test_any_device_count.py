@@ -62,9 +62,9 @@ def test_the_probe_finds_the_limit_and_leaves_no_trace():
     """A real forward and backward of a BatchNorm + dropout network per candidate, on a device that runs out of
     memory above 24 samples: the model's weights, BatchNorm statistics, gradients and random stream are as
     before."""
-    net = {"_target_": "myproject.models.DigitsCNN", "num_classes": 10, "norm": "batch", "dropout": 0.5}
+    net = {"_target_": "testbed.models.DigitsCNN", "num_classes": 10, "norm": "batch", "dropout": 0.5}
     model = build_model(
-        {"_target_": "myproject.models.ImageClassifier", "net": net, "optimizer": {"_target_": "torch.optim.SGD"}},
+        {"_target_": "testbed.models.ImageClassifier", "net": net, "optimizer": {"_target_": "torch.optim.SGD"}},
         precision="64-true",
     )
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="64-true", logger=False, enable_progress_bar=False)

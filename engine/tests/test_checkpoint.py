@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from conftest import kill_writer_at_random
-from myproject.models.nets import DigitsCNN
 from scaleup.build import build_model
 from scaleup.checkpoints.io import (
     atomic_torch_save,
@@ -18,6 +17,7 @@ from scaleup.checkpoints.io import (
     strip_wrapper_prefixes,
 )
 from scaleup.errors import UserError
+from testbed.models import DigitsCNN
 
 
 class Payload:
@@ -83,8 +83,8 @@ def test_float64_weights_load_unrounded_for_64_true(precision):
     for float64 it is built in float64, so the weights arrive bit for bit. A float32 module would round them
     (Lightning casts the module to float64 only after loading the checkpoint)."""
     model_cfg = {
-        "_target_": "myproject.models.ImageClassifier",
-        "net": {"_target_": "myproject.models.DigitsCNN", "num_classes": 10, "norm": "group"},
+        "_target_": "testbed.models.ImageClassifier",
+        "net": {"_target_": "testbed.models.DigitsCNN", "num_classes": 10, "norm": "group"},
         "optimizer": {"_target_": "torch.optim.SGD", "lr": 0.1},
     }
     weights = {k: v.double() + 1e-12 for k, v in build_model(model_cfg).state_dict().items()}  # not float32-exact

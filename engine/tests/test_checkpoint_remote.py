@@ -9,10 +9,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from myproject.data import DigitsDataModule
 from scaleup.build import build_model
 from scaleup.checkpoints.io import AtomicCheckpointIO, load_checkpoint
 from scaleup.errors import UserError
+from testbed.data import DigitsDataModule
 
 
 @pytest.fixture
@@ -54,8 +54,8 @@ def test_remote_reads_refuse_pickled_code(bucket):
 def fit(max_epochs: int, dirpath: str, ckpt_path: str | None = None) -> L.Trainer:
     model = build_model(
         {
-            "_target_": "myproject.models.ImageClassifier",
-            "net": {"_target_": "myproject.models.DigitsCNN", "num_classes": 10, "width": 4},
+            "_target_": "testbed.models.ImageClassifier",
+            "net": {"_target_": "testbed.models.DigitsCNN", "num_classes": 10, "width": 4},
             "optimizer": {"_target_": "torch.optim.SGD", "lr": 0.1},
         }
     )

@@ -115,8 +115,8 @@ class Stream(torch.utils.data.IterableDataset):
 def test_custom_train_loaders_that_break_invariance_are_reported(loader, message, caplog):
     model = build_model(
         {
-            "_target_": "myproject.models.ImageClassifier",
-            "net": {"_target_": "myproject.models.DigitsCNN", "num_classes": 10},
+            "_target_": "testbed.models.ImageClassifier",
+            "net": {"_target_": "testbed.models.DigitsCNN", "num_classes": 10},
             "optimizer": {"_target_": "torch.optim.SGD", "lr": 0.1},
         }
     )

@@ -1,7 +1,6 @@
 """Every config option composes and builds; bad input gets one clear message."""
 
 import inspect
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -10,14 +9,14 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import ROOT, config_groups, in_process, read_json
+from conftest import PROJECT, config_groups, in_process, read_json
 from scaleup.build import build_model
 from scaleup.config.plain import instantiate_each
 from scaleup.data.datamodule import apply_model_settings
 from scaleup.distributed.run_dir import register_resolvers
 from scaleup.errors import UserError
 
-CONFIGS = ROOT / "configs"
+CONFIGS = PROJECT / "configs"
 PATHS = ["paths.root_dir=/tmp/scaleup-root", "paths.output_dir=/tmp/scaleup-out"]
 
 
@@ -28,6 +27,10 @@ GROUPS = {
     for group, files in config_groups().items()
     if group.split("/")[0] not in ("paths", "hydra", "hparams_search")  # hydra/launcher: how a sweep starts
 }
+
+
+# The models of the template's interface (`net` and `optimizer`); lit_autoencoder is a user's module of its own shape.
+CLASSIFIERS = [name for name in GROUPS["model"] if name != "lit_autoencoder"]
 
 
 def composed(*overrides: str) -> dict:
@@ -61,7 +64,7 @@ def test_every_option_of_every_group_dry_runs_with_every_experiment(tmp_path):
     broken, refused = [], []
     for experiment in [None, *GROUPS["experiment"]]:
         for group, names in GROUPS.items():
-            for name in names:
+            for name in CLASSIFIERS if group == "model" else names:
                 if group == "experiment" or (group == "debug" and name == "default"):
                     continue
                 args = [f"{group}={name}", *([f"experiment={experiment}"] if experiment else [])]
@@ -72,12 +75,10 @@ def test_every_option_of_every_group_dry_runs_with_every_experiment(tmp_path):
                     expected = ("does not fit the data", "is larger than the training set")
                     (refused if any(reason in str(err) for reason in expected) else broken).append(f"{args}: {err}")
                     continue
-                cfg = OmegaConf.load(run_dir / "config.yaml")
-                text_data, text_model = "CharText" in cfg.data._target_, "Language" in cfg.model._target_
-                if text_data != text_model or plan["global_batch_size"] < 1:
-                    broken.append(f"{args}: planned {cfg.data._target_} with {cfg.model._target_}")
+                if plan["global_batch_size"] < 1:
+                    broken.append(f"{args}: planned a global batch of {plan['global_batch_size']}")
     assert not broken, "\n".join(broken)
-    assert any("does not fit the data" in line for line in refused)
+    assert any("is larger than the training set" in line for line in refused), refused
 
 
 @pytest.mark.parametrize("callbacks", ["[]", "[early_stopping]", "[default,ema]", "[default,early_stopping,ema]"])
@@ -87,11 +88,10 @@ def test_any_callbacks_list_plans_a_run(callbacks, tmp_path):
     assert (plan["early_stopping"] is not None) == ("early_stopping" in callbacks)
 
 
-@pytest.mark.parametrize("model", GROUPS["model"])
+@pytest.mark.parametrize("model", CLASSIFIERS)
 @pytest.mark.parametrize("optimizer", GROUPS["model/optimizer"])
 def test_every_model_builds_with_every_optimizer(model, optimizer):
-    data = "char_text" if model == "char_transformer" else "digits"
-    cfg = composed(f"model={model}", f"model/optimizer={optimizer}", f"data={data}")
+    cfg = composed(f"model={model}", f"model/optimizer={optimizer}")
     apply_model_settings(cfg["model"], instantiate(cfg["data"]).model_settings())  # as train.py does
     module = build_model(cfg["model"])
     opt = module.configure_optimizers()
@@ -138,20 +138,9 @@ def test_trainer_group_holds_every_trainer_argument_the_template_does_not_set():
     assert set(composed()["trainer"]) == arguments
 
 
-def test_missing_imagefolder_data_is_one_clear_message(tmp_path):
-    missing = Path(tmp_path) / "no-such-data"
-    with pytest.raises(UserError) as raised:
-        in_process(["data=imagefolder", f"data.root={missing}", f"hydra.run.dir={tmp_path / 'run'}"])
-    assert (
-        str(raised.value) == f"no train/ directory under data.root={missing}: expected {missing}/train/<class>/<image>"
-    )
-
-
 # The input each image data option yields: (channels, height, width).
 IMAGE_SHAPES = {
-    "cifar10": (3, 32, 32),
     "digits": (1, 8, 8),
-    "imagefolder": (3, 224, 224),
     "synthetic": (3, 32, 32),
     "synthetic_imagenet": (3, 224, 224),
 }
@@ -162,12 +151,10 @@ IMAGE_SHAPES = {
 def test_every_image_data_option_fits_every_image_model(data, tmp_path):
     """Each data= with each image model= plans, and the model the plan made takes the data's images: the data
     fills in the input channels and the classes (a forward pass on the meta device checks the shapes)."""
-    for model in [name for name in GROUPS["model"] if name != "char_transformer"]:
+    for model in CLASSIFIERS:
         plan = in_process([f"data={data}", f"model={model}", "dry_run=true", f"hydra.run.dir={tmp_path / model}"])
         cfg = OmegaConf.to_container(OmegaConf.load(tmp_path / model / "config.yaml"))
         net_cfg = cfg["model"]["net"]
-        if net_cfg["num_classes"] is None:  # an image folder states its classes only from its files
-            net_cfg["num_classes"] = 2
         assert net_cfg["in_channels"] == IMAGE_SHAPES[data][0], (data, model)
         with torch.device("meta"):
             logits = instantiate(net_cfg)(torch.empty(2, *IMAGE_SHAPES[data]))
@@ -176,7 +163,7 @@ def test_every_image_data_option_fits_every_image_model(data, tmp_path):
 
 def test_eval_help_shows_its_config_not_the_training_groups():
     """`python eval.py --help` would list the training groups of configs/, which eval.py then refuses."""
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3", job_name="eval"):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3", job_name="eval"):
         cfg = compose("eval", return_hydra_config=True)
     template = cfg.hydra.help.template
     assert "$CONFIG" in template and "$APP_CONFIG_GROUPS" not in template and "+data.KEY=VALUE" in template

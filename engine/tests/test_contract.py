@@ -24,7 +24,7 @@ ENCODER = [
     "~model.label_smoothing",
     "~model.compile",
     "~model.figures",
-    "+model.encoder._target_=myproject.models.DigitsCNN",
+    "+model.encoder._target_=testbed.models.DigitsCNN",
     "+model.encoder.num_classes=10",
     "+model.encoder.width=8",
 ]

@@ -17,10 +17,11 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import config_groups
+from conftest import ENGINE_CONF, config_groups
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the example project, with the engine in engine/
-CONFIGS = ROOT / "configs"
+CONFIGS = ROOT / "configs"  # the example project's, which the docs' commands run
+EXAMPLE_GROUPS = (CONFIGS, ENGINE_CONF)
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 # What a command runs -> the config it composes (check_equivalence passes its overrides to train.py).
 JOBS = {"train.py": "train", "eval.py": "eval", "export.py": "export", "scaleup.check_equivalence": "train"}
@@ -143,7 +144,7 @@ def test_every_cited_module_exists():
 @functools.cache
 def groups() -> dict[str, frozenset[str]]:
     """Config group (a folder under configs/, e.g. model/optimizer) -> its options."""
-    return {group: frozenset(path.stem for path in files) for group, files in config_groups().items()}
+    return {group: frozenset(path.stem for path in files) for group, files in config_groups(EXAMPLE_GROUPS).items()}
 
 
 @functools.cache
@@ -160,7 +161,7 @@ def every_train_key() -> tuple[dict[str, Any], ...]:
     under some choice of the groups (files of `# @package _global_` only set keys that exist elsewhere)."""
     trees = [composed("train")]
     for group in groups():
-        for path in config_groups()[group]:
+        for path in config_groups(EXAMPLE_GROUPS)[group]:
             if "@package _global_" not in path.read_text():
                 tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
                 for part in reversed(group.split("/")):

@@ -28,6 +28,7 @@ from conftest import (
     EXACT_EPOCHS,
     EXACT_STEPS_PER_EPOCH,
     EXACT_TEST,
+    TESTS,
     TOLERANCE,
     WIDE,
     assert_same_weights,
@@ -42,12 +43,12 @@ from conftest import (
     save_every,
     start,
 )
-from myproject.models import ImageClassifier
 from scaleup.checkpoints.io import load_checkpoint, remove_interrupted_writes
 from scaleup.checkpoints.sharded import save_sharded
 from scaleup.distributed.fsdp import bytes_per_rank, unit_names
 from scaleup.distributed.launch import build_strategy
 from scaleup.errors import as_user_error
+from testbed.models import ImageClassifier
 
 pytestmark = pytest.mark.slow
 
@@ -249,7 +250,7 @@ def test_a_model_larger_than_a_ranks_memory_limit_is_built_sharded_with_the_ordi
     """tests/fsdp_meta.py: 2 processes under a hard data-memory limit of 0.75x the model's parameters, which refuses
     the ordinary build, build it on the meta device and shard it; every shard equals its slice of the ordinary
     build, and a training step runs."""
-    result = check(run([str(tmp_path)], script="engine/tests/fsdp_meta.py"))
+    result = check(run([str(tmp_path)], script=str(TESTS / "fsdp_meta.py")))
     ranks = json.loads((tmp_path / "meta.json").read_text())
     assert [(r["recorded"], r["eager_refused"], r["worst"]) for r in ranks] == [(True, True, 0.0)] * 2
     assert ranks[0]["limit_mib"] < ranks[0]["parameters_mib"] and math.isfinite(ranks[0]["loss"])
@@ -259,7 +260,7 @@ def test_a_model_larger_than_a_ranks_memory_limit_is_built_sharded_with_the_ordi
 def test_clipping_recomputation_and_accumulation_keep_the_gradients_of_the_whole_model(tmp_path):
     """tests/fsdp_gradients.py; with accumulation over 3 micro-batches, the gradients leave the rank once: a third
     of the reduce-scatters (sync_gradients=step), or of the all-reduces across nodes (hybrid, micro_batch)."""
-    result = check(run([str(tmp_path)], script="engine/tests/fsdp_gradients.py"))
+    result = check(run([str(tmp_path)], script=str(TESTS / "fsdp_gradients.py")))
     sync = json.loads((tmp_path / "sync.json").read_text())
     for name in ("step", "micro_batch"):
         every, once = sync[name]["collectives"]
@@ -332,7 +333,7 @@ def test_async_save_is_on_where_checkpoints_are_sharded(strategy, devices, setti
 
 
 def test_default_units_are_the_blocks_of_every_network_and_classes_select_others():
-    net = {"_target_": "myproject.models.nets.resnet", "name": "resnet18", "num_classes": 10}
+    net = {"_target_": "testbed.models.resnet", "name": "resnet18", "num_classes": 10}
     resnet = ImageClassifier(net=net, optimizer={"_target_": "torch.optim.SGD"})
     units = unit_names(resnet, None)
     assert units[:3] == ["net.conv1", "net.bn1", "net.layer1.0"] and units[-1] == "net.fc" and len(units) == 11

@@ -18,8 +18,8 @@ import torch
 from test_host_sync import SteadySteps
 
 from conftest import check, in_process, run, weights
-from myproject.data import SyntheticDataModule
 from scaleup.checkpoints.io import load_checkpoint
+from testbed.data import SyntheticDataModule
 
 pytestmark = pytest.mark.gpu
 

@@ -13,17 +13,13 @@ from torch.utils.data import DataLoader
 from torchvision import transforms as T
 from torchvision.io import read_file
 
-from myproject.data import ImageFolderDataModule
-from myproject.data.cifar10 import MEAN as CIFAR_MEAN
-from myproject.data.cifar10 import STD as CIFAR_STD
-from myproject.data.cifar10 import UInt8Images
-from myproject.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
 from scaleup.callbacks.performance import PerformanceSettings
 from scaleup.data.image_batches import normalize
 from scaleup.data.images import EncodedBatch, ImageFiles, ImageTransform, decode
 from scaleup.data.seeding import SeededSamples
 from scaleup.errors import UserError, as_user_error
 from scaleup.plan.batch_probe import repeated
+from testbed.data import IMAGENET_MEAN, IMAGENET_STD, ImageTreeDataModule
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (nvjpeg), none visible")
 
@@ -43,8 +39,8 @@ def jpeg_tree(tmp_path_factory):
     return root
 
 
-def data(root, **kwargs) -> ImageFolderDataModule:
-    return ImageFolderDataModule(**{"num_workers": 0, **kwargs}, root=str(root), image_size=32, global_batch_size=4)
+def data(root, **kwargs) -> ImageTreeDataModule:
+    return ImageTreeDataModule(**{"num_workers": 0, **kwargs}, root=str(root), image_size=32, global_batch_size=4)
 
 
 def test_normalised_on_the_device_equals_totensor_and_normalize():
@@ -56,18 +52,7 @@ def test_normalised_on_the_device_equals_totensor_and_normalize():
     assert nhwc.is_contiguous(memory_format=torch.channels_last) and torch.equal(nhwc, expected)
 
 
-def test_cifar10_batches_are_uint8_and_normalise_to_what_they_were():
-    """CIFAR-10's evaluation splits before: ToTensor + Normalize on the PIL image of each row of the array."""
-    array = np.random.default_rng(0).integers(0, 256, (6, 32, 32, 3), dtype=np.uint8)
-    images = UInt8Images(array, [0, 1, 2, 3, 4, 5])
-    batch = torch.stack([images[i][0] for i in range(6)])
-    assert batch.dtype == torch.uint8 and batch.shape == (6, 3, 32, 32)
-    before = T.Compose([T.ToTensor(), T.Normalize(CIFAR_MEAN, CIFAR_STD)])
-    expected = torch.stack([before(Image.fromarray(row)) for row in array])
-    assert torch.equal(normalize(batch, CIFAR_MEAN, CIFAR_STD), expected)
-
-
-def test_imagefolder_batches_travel_as_uint8_and_reach_the_model_as_the_precision_wants(jpeg_tree):
+def test_image_batches_travel_as_uint8_and_reach_the_model_as_the_precision_wants(jpeg_tree):
     dm = data(jpeg_tree)
     images, labels = next(iter(dm.train_dataloader()))
     assert images.dtype == torch.uint8 and images.shape == (4, 3, 32, 32)
@@ -143,7 +128,7 @@ def test_augmentation_depends_on_seed_epoch_and_index_in_any_worker(jpeg_tree):
     assert torch.equal(transform.apply(decode(encoded, path), params), transform.from_bytes(encoded, path))
 
 
-def first_batch_error(dm: ImageFolderDataModule) -> str:
+def first_batch_error(dm: ImageTreeDataModule) -> str:
     """The user error the first training batch raises. Its traceback is dropped at once: torch's re-raise leaves it
     in a reference cycle, which would hand the loader's worker to the garbage collector, which finalises the
     worker's queues first and then waits 5 s for it to stop."""
@@ -183,13 +168,6 @@ def test_formats_torchvision_does_not_decode_are_read_through_pil(tmp_path):
         UserError, match=r"x.txt: not a readable image \(no image format PIL or torchvision knows\); remove"
     ):
         decode(b"plain text", str(tmp_path / "x.txt"))
-
-
-def test_gpu_decoding_is_refused_without_a_gpu(jpeg_tree):
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is visible: decode_device=cuda is allowed")
-    with pytest.raises(UserError, match=r"^data.decode_device=cuda decodes JPEGs on a CUDA GPU, and none is visible"):
-        data(jpeg_tree, decode_device="cuda")
 
 
 def test_the_gpu_paths_worker_half_runs_on_any_machine(jpeg_tree, tmp_path):

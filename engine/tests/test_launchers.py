@@ -141,11 +141,11 @@ def test_slurm_task_count_mismatch_is_one_clear_message(tmp_path, monkeypatch):
         # epoch each: the sweep needs no key, the length is the test's).
         (["hydra/launcher=submitit_local", "seed=1,2", "trainer.max_epochs=1"], [("seed", 1), ("seed", 2)]),
         (
-            ["experiment=char_lm,cifar10_resnet18", "dry_run=true"],
-            [("global_batch_size", 64), ("global_batch_size", 512)],
+            ["data=digits,synthetic", "dry_run=true"],
+            [("steps_per_epoch", 1257 // 64), ("steps_per_epoch", 4096 // 64)],
         ),
     ],
-    ids=["seeds", "experiments"],
+    ids=["seeds", "groups"],
 )
 def test_multirun_needs_no_extra_keys(sweep, plans, tmp_path):
     """The sweeps a user types first, exactly as typed: one sweep directory in ./outputs, a run directory per job

@@ -4,6 +4,7 @@ point one way (no cycle), and the training job reads as its story, each concern 
 from __future__ import annotations
 
 import ast
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -52,6 +53,19 @@ def test_your_package_imports_only_the_public_api():
     }
     assert not private, sorted(private)
     assert any(PUBLIC_API in imported(tree) for tree in modules(USER).values())
+
+
+def test_the_engines_suite_never_imports_the_example():
+    """engine/tests/ trains a project of its own (engine/tests/project/): no test module, helper or config imports the
+    example's package or names one of its targets, so a project that replaces its example breaks none of them."""
+    tests = ROOT / "engine" / "tests"
+    reaching = [
+        str(path.relative_to(tests))
+        for path in sorted([*tests.rglob("*.py"), *tests.rglob("*.yaml")])
+        if re.search(rf"\b{USER}\.", path.read_text())
+        or (path.suffix == ".py" and any(t.split(".")[0] == USER for t in imported(ast.parse(path.read_text()))))
+    ]
+    assert not reaching, reaching
 
 
 def test_the_machinery_never_imports_your_package():

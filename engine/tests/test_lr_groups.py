@@ -5,9 +5,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import QUICK, in_process, read_json, warmup_cosine
-from myproject.models import DigitsCNN
 from scaleup.errors import UserError
 from scaleup.plan.lr import base_lrs
+from testbed.models import DigitsCNN
 from user_modules import SCHEDULER_REFUSED
 
 # Digits: 1257 training samples, 9 global batches of 128 per epoch, 18 steps; the LR warms up over the first 9

@@ -6,12 +6,12 @@ import logging
 
 import pytest
 import torch
+from lightning.pytorch.demos import Transformer
 from torch import nn
 
-from myproject.models import ImageClassifier
-from myproject.models.transformer import CharTransformer
 from scaleup.build import build_recorded
 from scaleup.distributed.meta_init import build_on_meta, materialize_outside, tensors_of
+from testbed.models import ImageClassifier
 
 
 class InitStyles(nn.Module):
@@ -57,12 +57,10 @@ def classifier(net: dict) -> ImageClassifier:
 BUILDS = {
     "init styles": InitStyles,
     "DigitsCNN with BatchNorm, float64": lambda: classifier(
-        {"_target_": "myproject.models.nets.DigitsCNN", "num_classes": 10, "norm": "batch"}
+        {"_target_": "testbed.models.DigitsCNN", "num_classes": 10, "norm": "batch"}
     ).double(),
-    "ResNet-18": lambda: classifier(
-        {"_target_": "myproject.models.nets.resnet", "name": "resnet18", "num_classes": 10}
-    ),
-    "char transformer": lambda: CharTransformer(vocab_size=40, block_size=16),
+    "ResNet-18": lambda: classifier({"_target_": "testbed.models.resnet", "name": "resnet18", "num_classes": 10}),
+    "transformer (Lightning's demo)": lambda: Transformer(vocab_size=40, ninp=32, nhead=2, nhid=64, nlayers=1),
 }
 
 
@@ -89,7 +87,7 @@ def test_the_replayed_build_equals_the_ordinary_build_bit_for_bit(build):
 def test_the_lightning_modules_own_state_is_made_real_at_once():
     """Outside the networks (metrics, their states and defaults) nothing stays on the meta device: the metrics
     count as they would."""
-    net = {"_target_": "myproject.models.nets.DigitsCNN", "num_classes": 10}
+    net = {"_target_": "testbed.models.DigitsCNN", "num_classes": 10}
     model, recording = build_on_meta(lambda: classifier(net))
     materialize_outside(model, [model.net], recording)
     metric = model.metrics.test_metrics["samples"]

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from conftest import QUICK, TESTS, check, in_process, read_json, run
+from conftest import QUICK, check, in_process, read_json, run
 from scaleup.observability.rows import log_rows
 from user_modules import LitAutoEncoder
 
@@ -16,7 +16,6 @@ from user_modules import LitAutoEncoder
 # 32 (the last one short): the batch-size weighting of the mean matters.
 LIT = [
     *QUICK,
-    f"hydra.searchpath=[pkg://scaleup.conf,file://{TESTS / 'configs'}]",  # the engine's groups stay on the path
     "model=lit_autoencoder",
     "monitor.metric=val_loss",
     "monitor.mode=min",
@@ -44,6 +43,21 @@ def test_a_readme_module_trains_and_its_summary_shows_every_metric(one_process):
     summary = (run_dir / "train.log").read_text().split(f"done: {run_dir}", 1)[1]
     for name in ("train_loss", "val_loss", "test_loss"):
         assert re.search(rf"^  {name} +{metrics[name]:.4f}$", summary, re.M), name
+
+
+@pytest.mark.slow  # an end-to-end run
+def test_the_best_checkpoint_follows_the_configured_monitor(one_process):
+    """monitor.metric=val_loss, monitor.mode=min: the best checkpoint is the epoch of the lowest val_loss, and the
+    one the run tests."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, best = one_process
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    val_loss = [event.value for event in events.Scalars("val_loss")]
+    lowest = min(range(len(val_loss)), key=val_loss.__getitem__)
+    assert len(val_loss) == 2 and best.name == f"best-epoch{lowest:03d}-{val_loss[lowest]:.4f}.ckpt"
+    assert "tested the best checkpoint by val_loss" in (run_dir / "train.log").read_text()
 
 
 @pytest.mark.slow  # an end-to-end run

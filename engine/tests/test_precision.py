@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import in_process
-from myproject.models import DigitsCNN
 from scaleup.callbacks.performance import PerformanceSettings, set_tf32
 from scaleup.plan.topology import resolve_precision
+from testbed.models import DigitsCNN
 
 
 def fake_gpu(monkeypatch, capability_major: int) -> None:

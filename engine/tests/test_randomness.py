@@ -27,10 +27,10 @@ from conftest import (
     run,
     weights,
 )
-from myproject.data import DigitsDataModule
 from scaleup.data.seeding import SeededSamples, micro_batch_offset, mixed_seed, seed_generators
 from scaleup.plan.resolve import build_plan
 from scaleup.plan.topology import Topology
+from testbed.data import DigitsDataModule
 
 
 def test_a_micro_batch_offset_is_its_place_in_the_global_batch():

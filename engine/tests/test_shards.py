@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from test_launchers import free_port
-from torch.utils.data import Subset
+from torch.utils.data import Subset, TensorDataset
 
 from conftest import (
     EXACT,
@@ -39,7 +39,6 @@ from conftest import (
     start,
     weights,
 )
-from myproject.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
 from scaleup.data.convert import main as convert
 from scaleup.data.convert import raw_sample
 from scaleup.data.image_batches import normalize
@@ -54,6 +53,7 @@ from scaleup.data.shards.prefetch import Prefetcher, Spool
 from scaleup.data.shards.remote import filesystem
 from scaleup.data.shards.samples import read_samples
 from scaleup.errors import UserError, exit_on_user_error
+from testbed.data import IMAGENET_MEAN, IMAGENET_STD
 
 PER_SHARD = 64  # 513 training samples: 9 shards, the last holding one
 SOURCE = ["data=digits", f"data.val_size={EXACT_VAL}", f"data.test_size={EXACT_TEST}", f"samples_per_shard={PER_SHARD}"]
@@ -125,18 +125,19 @@ def test_converting_again_replaces_the_earlier_conversion_whole(shards, tmp_path
 
 
 def test_converter_stores_samples_without_the_splits_transform():
-    """CIFAR-10's training split augments in its `transform` (a random crop and flip): the converter stores each
-    image as it is, the same on every conversion, and leaves the transform in place."""
+    """A training split that augments in its `transform` (torchvision's convention: CIFAR-10's random crop and
+    flip): the converter stores each image as it is, the same on every conversion, and leaves the transform in
+    place."""
     from torchvision.transforms import v2
 
-    from myproject.data.cifar10 import UInt8Images
+    from testbed.data import Transformed
 
-    images = np.arange(2 * 4 * 5 * 3, dtype=np.uint8).reshape(2, 4, 5, 3)
+    images = torch.arange(2 * 3 * 4 * 5).to(torch.uint8).reshape(2, 3, 4, 5)
     flip = v2.RandomHorizontalFlip(p=1.0)
-    dataset = UInt8Images(images, [3, 5], flip)
+    dataset = Transformed(TensorDataset(images, torch.tensor([3, 5])), flip)
     (image, image_bytes), (label, label_bytes) = raw_sample(Subset(dataset, [1]), 0)
     assert (image, label, label_bytes) == ("0.npy", "1.cls", b"5")
-    assert np.array_equal(np.load(io.BytesIO(image_bytes)), images[1].transpose(2, 0, 1))
+    assert np.array_equal(np.load(io.BytesIO(image_bytes)), images[1].numpy())
     assert dataset.transform is flip
 
 
@@ -198,7 +199,7 @@ def test_converter_is_deterministic_parallel_and_stores_sizes_and_checksums(shar
 
 
 def test_shards_hold_the_source_samples(shards):
-    from myproject.data import DigitsDataModule
+    from testbed.data import DigitsDataModule
 
     source = DigitsDataModule(val_size=EXACT_VAL, test_size=EXACT_TEST).build_splits()["test"]
     dm = module(shards)
@@ -407,7 +408,7 @@ def test_a_dead_remote_is_one_error_after_bounded_retries(monkeypatch):
 def sharded_exact(shards: Path) -> list[str]:
     """The EXACT recipe on the digits shards: its splits are the converted ones, its augmentation a transform."""
     kept = [a for a in EXACT if not a.startswith(("data.augment=", "data.val_size=", "data.test_size="))]
-    augment = "data.train_transform={_target_:myproject.data.digits.random_shift_and_rotation}"
+    augment = "data.train_transform={_target_:testbed.data.random_shift_and_rotation}"
     return [*kept, "data=sharded", f"data.url={shards}", "data.window_shards=2", augment]
 
 
@@ -459,7 +460,7 @@ def test_sharded_training_equal_on_one_process_and_two_nodes_from_s3_and_resumes
     assert read_json(two / "metrics.json")["test/acc"] == pytest.approx(read_json(one / "metrics.json")["test/acc"])
 
 
-def test_imagefolder_converts_its_jpeg_files_unchanged_and_decodes_them(tmp_path):
+def test_image_files_are_converted_unchanged_and_decoded(tmp_path):
     import tarfile
 
     from PIL import Image
@@ -471,7 +472,7 @@ def test_imagefolder_converts_its_jpeg_files_unchanged_and_decodes_them(tmp_path
             for i in range(3):
                 Image.new("RGB", (40, 30), color).save(tmp_path / "tree" / split / label / f"{i}.jpg")
     out = tmp_path / "shards"
-    assert convert(["data=imagefolder", f"data.root={tmp_path / 'tree'}", f"out={out}", "samples_per_shard=4"]) == 0
+    assert convert(["data=image_tree", f"data.root={tmp_path / 'tree'}", f"out={out}", "samples_per_shard=4"]) == 0
     index = ShardIndex.load(f"{out}/train")
     assert (len(index), index.fields) == (6, ("0.jpg", "1.cls"))
     assert index.model_settings == {"net.num_classes": 2, "net.in_channels": 3}
@@ -482,7 +483,7 @@ def test_imagefolder_converts_its_jpeg_files_unchanged_and_decodes_them(tmp_path
     for split in ("train", "val"):
         (bmp / split / "cat").mkdir(parents=True)
         Image.new("RGB", (8, 6), (10, 20, 30)).save(bmp / split / "cat" / "0.bmp")
-    assert convert(["data=imagefolder", f"data.root={bmp}", f"out={bmp / 'shards'}"]) == 0
+    assert convert(["data=image_tree", f"data.root={bmp}", f"out={bmp / 'shards'}"]) == 0
     assert ShardIndex.load(f"{bmp / 'shards'}/train").fields == ("0.png", "1.cls")
     pixels, _ = next(iter(module(bmp / "shards", global_batch_size=1).rank_loader()))
     assert torch.equal(pixels[0, :, 0, 0], torch.tensor([10, 20, 30]) / 255)
@@ -491,7 +492,7 @@ def test_imagefolder_converts_its_jpeg_files_unchanged_and_decodes_them(tmp_path
     image, label = dm.splits["train"][5]
     expected = decode_image(str(tmp_path / "tree/train/dog/2.jpg")).float() / 255
     assert label == 1 and image.dtype == torch.float32 and torch.equal(image, expected)
-    # With mean and std, as ImageFolder's: uint8 batches, normalised after the transfer.
+    # With mean and std, as ImageNet's: uint8 batches, normalised after the transfer.
     dm = module(out, global_batch_size=2, mean=IMAGENET_MEAN, std=IMAGENET_STD)
     images, labels = next(iter(dm.rank_loader(split="val")))
     assert images.dtype == torch.uint8

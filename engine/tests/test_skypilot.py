@@ -36,6 +36,8 @@ def test_the_task_runs_torchrun_on_skypilots_topology(tmp_path):
     assert overrides["ckpt_path"] == "last"
     assert overrides["checkpoint.dirpath"] == "s3://my-bucket/scaleup/scaleup-cifar10/checkpoints"
     assert "s3fs" in task["setup"]  # fsspec's s3:// filesystem
-    planned = {k: v for k, v in overrides.items() if k not in ("ckpt_path", "hydra.run.dir")}
+    # The topology as the task states it, planned on the suite's own task (the example's experiment is the manifest's)
+    assert overrides["experiment"] == "cifar10_resnet18"
+    planned = {k: v for k, v in overrides.items() if k not in ("ckpt_path", "hydra.run.dir", "experiment")}
     plan = in_process([*(f"{k}={v}" for k, v in planned.items()), "dry_run=true", f"hydra.run.dir={tmp_path}"])
-    assert (plan["world_size"], plan["global_batch_size"], plan["per_device_batch_size"]) == (16, 512, 32)
+    assert (plan["world_size"], plan["global_batch_size"], plan["per_device_batch_size"]) == (16, 64, 4)

@@ -14,13 +14,13 @@ import json
 import pytest
 
 import scaleup
-from conftest import ROOT
+from conftest import PROJECT
 from scaleup import surface
 
 
 @functools.cache
 def current() -> dict:
-    return surface.surface(ROOT / "configs")
+    return surface.surface(PROJECT / "configs")
 
 
 def changed(edit) -> dict:

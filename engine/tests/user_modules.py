@@ -10,8 +10,8 @@ from hydra.utils import instantiate
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from myproject.models import ImageClassifier
 from scaleup.observability.metrics import StageMetrics
+from testbed.models import ImageClassifier
 
 
 class TwoGroupClassifier(ImageClassifier):

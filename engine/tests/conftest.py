@@ -71,7 +71,42 @@ def engine_option(option: str, **overrides: Any) -> dict[str, Any]:
     return {**yaml.safe_load((ENGINE_CONF / f"{option}.yaml").read_text()), **overrides}
 
 
-PERFORMANCE = yaml.safe_load((PROJECT / "configs" / "train.yaml").read_text())["performance"]  # as a run has it
+def engine_section(option: str, **overrides: Any) -> Any:
+    """An engine config option as the typed record a run reads (`trainer/default` -> its TrainerArgs), with
+    `overrides`."""
+    from scaleup.config.schema import SECTIONS
+    from scaleup.config.typed import section
+
+    return section(SECTIONS["train"][option.split("/")[0]], engine_option(option, **overrides))
+
+
+def batches(**values: Any) -> Any:
+    """The batch keys of the `data` section as the plan reads them: the test project's digits, with `values`."""
+    from scaleup.config.schema import DataBatches
+    from scaleup.config.typed import section
+
+    digits = yaml.safe_load((PROJECT / "configs" / "data" / "digits.yaml").read_text())
+    return section(DataBatches, {key: digits[key] for key in DataBatches.model_fields} | values)
+
+
+def train_config(*overrides: str) -> Any:
+    """The test project's train config with `overrides`, checked and typed as a run reads it (no run directory)."""
+    from scaleup.config.project import compose_project
+    from scaleup.config.typed import train_config as checked
+    from scaleup.distributed.run_dir import register_resolvers
+
+    register_resolvers()
+    where = ["paths.output_dir=/tmp/scaleup-out", *overrides]
+    return checked(compose_project("train", where, configs=PROJECT / "configs", hydra=False))
+
+
+def performance() -> Any:
+    """The `performance` section as a run has it (the test project's configs/train.yaml)."""
+    from scaleup.config.schema import Performance
+    from scaleup.config.typed import section
+
+    return section(Performance, yaml.safe_load((PROJECT / "configs" / "train.yaml").read_text())["performance"])
+
 
 # A short run: 2 epochs of digits, no progress bar, no model summary.
 QUICK = [

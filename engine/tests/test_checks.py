@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import PERFORMANCE, engine_option
+from conftest import batches, engine_section, performance, train_config
 from scaleup.build import build_model
 from scaleup.distributed.launch import build_strategy
 from scaleup.errors import UserError
@@ -29,14 +29,14 @@ DDP_OPTIONS = {
 def plan(accelerator="gpu", devices=4, global_batch=64, rule="linear", base_batch=64, precision="32-true", **kw):
     return build_plan(
         topology=Topology(accelerator, devices, 1),
-        trainer_cfg=engine_option(
+        trainer=engine_section(
             "trainer/default", max_epochs=2, precision=precision, sync_batchnorm=kw.get("sync_batchnorm", "auto")
         ),
-        data_cfg={"global_batch_size": global_batch},
-        lr_cfg=engine_option(
+        batches=batches(**{"global_batch_size": global_batch}),
+        lr_schedule=engine_section(
             "lr_schedule/linear", base_batch_size=base_batch, rule=rule, warmup_epochs=kw.get("warmup_epochs", 0)
         ),
-        performance=PERFORMANCE,
+        performance=performance(),
         base_lrs={"SGD/decay": 0.1},
         seed=0,
         dataset_sizes={"train": 1000, "val": 100, "test": 100},
@@ -79,20 +79,23 @@ def test_config_mistakes_are_refused():
     with pytest.raises(UserError, match=r"remove data\.shuffle"):
         check_data_config({"shuffle": True})
     with pytest.raises(UserError, match="16-mixed needs a GPU"):
-        check_config({"data": {}}, plan(accelerator="cpu", devices=1, precision="16-mixed"))
+        check_config(train_config(), plan(accelerator="cpu", devices=1, precision="16-mixed"))
 
 
 def test_ddp_options_reach_the_strategy():
-    strategy, name = build_strategy({"name": "ddp", **DDP_OPTIONS}, world_size=8, multirun=False)
+    strategy, name = build_strategy(engine_section("strategy/ddp", **DDP_OPTIONS), world_size=8, multirun=False)
     assert name == "ddp" and isinstance(strategy, DDPStrategy)
     assert strategy._timeout == timedelta(minutes=90) and strategy._start_method == "popen"
     assert strategy._ddp_kwargs == {k: v for k, v in DDP_OPTIONS.items() if k != "timeout_minutes"}
 
 
 def test_sweeps_spawn_and_single_process_stays_plain():
-    strategy, name = build_strategy({"name": "ddp", **DDP_OPTIONS}, world_size=2, multirun=True)
+    strategy, name = build_strategy(engine_section("strategy/ddp", **DDP_OPTIONS), world_size=2, multirun=True)
     assert name == "ddp_spawn" and strategy._start_method == "spawn"
-    assert build_strategy({"name": "ddp", **DDP_OPTIONS}, world_size=1, multirun=False) == ("auto", "auto")
+    assert build_strategy(engine_section("strategy/ddp", **DDP_OPTIONS), world_size=1, multirun=False) == (
+        "auto",
+        "auto",
+    )
 
 
 class Stream(torch.utils.data.IterableDataset):

@@ -33,7 +33,7 @@ from conftest import (
     WIDE,
     assert_same_weights,
     check,
-    engine_option,
+    engine_section,
     files_written,
     in_process,
     kill_writer_at_random,
@@ -327,7 +327,7 @@ def test_async_save_is_on_where_checkpoints_are_sharded(strategy, devices, setti
     """`checkpoint.async_save=auto`: sharded checkpoints (strategy=fsdp on 2+ processes) are written in the
     background; one process, and DDP, keep ModelCheckpoint's one-file save."""
     built, _ = build_strategy(
-        engine_option(f"strategy/{strategy}"), world_size=devices, multirun=False, async_save=setting
+        engine_section(f"strategy/{strategy}"), world_size=devices, multirun=False, async_save=setting
     )
     assert getattr(built, "async_save", False) is in_background
 

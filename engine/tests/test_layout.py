@@ -107,6 +107,41 @@ def test_the_machinerys_imports_have_no_cycle():
     assert not cycles, cycles
 
 
+# The engine's own config sections: read as the typed record's attributes (config/typed.py), never by key.
+ENGINE_SECTIONS = ("trainer", "strategy", "lr_schedule", "monitor", "checkpoint", "performance", "loader", "batches")
+
+
+def reads_by_key(node: ast.AST) -> str | None:
+    """The key, where `node` reads the whole config (`config`, `cfg`) or one of the engine's sections (as an
+    attribute, `config.trainer`, or a variable named for it, `trainer_cfg`) with a string: `x["key"]`, `x.get("key")`.
+    The user's own sections (data, model, callbacks, logger) are the dicts their `_target_`s take."""
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+        target, key = node.value, node.slice
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args:
+        target, key = node.func.value, node.args[0]
+    else:
+        return None
+    if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+        return None
+    names = {"config", "cfg", "lr_cfg", *(f"{section}_cfg" for section in ENGINE_SECTIONS)}
+    whole_or_named = isinstance(target, ast.Name) and target.id in names
+    section = isinstance(target, ast.Attribute) and target.attr in ENGINE_SECTIONS
+    return key.value if whole_or_named or section else None
+
+
+def test_the_engine_reads_its_config_by_attribute_outside_the_config_package():
+    """The config is checked and typed once (config/typed.py: TrainConfig); every other module reads attributes with
+    types, so a key read in one place and defaulted in another cannot come back."""
+    reads = [
+        f"{name}:{node.lineno}: {ast.unparse(node)}"
+        for name, tree in modules(MACHINERY).items()
+        if not name.startswith(f"{MACHINERY}.config.")
+        for node in ast.walk(tree)
+        if reads_by_key(node)
+    ]
+    assert not reads, reads
+
+
 def test_the_training_job_enters_each_module_at_most_twice():
     """`train()` calls into the machinery in the order of its story: data and model, plan, resume point, trainer,
     fit, test, summary; a module it leaves and comes back to more than once would scatter one concern."""
@@ -126,7 +161,7 @@ def test_the_training_job_enters_each_module_at_most_twice():
     walk = [module for i, (_, _, module) in enumerate(calls) if i == 0 or calls[i - 1][2] != module]
     entered = Counter(walk)
     assert max(entered.values()) <= 2, entered
-    assert walk[:2] == ["scaleup.config.schema", "scaleup.plan.topology"]  # every value checked first
+    assert walk[:2] == ["scaleup.config.typed", "scaleup.plan.topology"]  # every value checked first
     assert walk.index("scaleup.build") < walk.index("scaleup.plan.make") < walk.index("scaleup.trainer")
 
 

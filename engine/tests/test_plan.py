@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import ENGINE_CONF, PERFORMANCE, engine_option, in_process, read_json
+from conftest import ENGINE_CONF, batches, engine_section, in_process, performance, read_json
 from scaleup.checkpoints.resume import log_changes
 from scaleup.errors import UserError
 from scaleup.plan.batch import resolve_batch, total_steps
@@ -88,9 +88,9 @@ def test_total_steps_follows_lightning_rules():
 def plan_for(**overrides):
     kwargs = dict(
         topology=Topology("gpu", 4, 2),
-        trainer_cfg={"accumulate_grad_batches": 2, "max_epochs": 3},
-        data_cfg={"global_batch_size": 512},
-        lr_cfg={"base_batch_size": 256, "rule": "linear", "warmup_epochs": 1, "decay": "cosine"},
+        trainer={"accumulate_grad_batches": 2, "max_epochs": 3},
+        batches={"global_batch_size": 512},
+        lr_schedule={"base_batch_size": 256, "rule": "linear", "warmup_epochs": 1, "decay": "cosine"},
         base_lrs={"SGD/decay": 0.1},
         seed=1,
         dataset_sizes={"train": 10_000, "val": 100, "test": 100},
@@ -98,9 +98,10 @@ def plan_for(**overrides):
         strategy="ddp",
     )
     kwargs.update(overrides)
-    kwargs["trainer_cfg"] = engine_option("trainer/default", **kwargs["trainer_cfg"])
-    kwargs["lr_cfg"] = engine_option("lr_schedule/linear", **kwargs["lr_cfg"])
-    return build_plan(**kwargs, performance=PERFORMANCE)
+    kwargs["trainer"] = engine_section("trainer/default", **kwargs["trainer"])
+    kwargs["lr_schedule"] = engine_section("lr_schedule/linear", **kwargs["lr_schedule"])
+    kwargs["batches"] = batches(**kwargs["batches"])
+    return build_plan(**kwargs, performance=performance())
 
 
 def test_plan_numbers():
@@ -114,13 +115,13 @@ def test_plan_numbers():
 
 def test_sync_batchnorm_refused_on_cpu():
     with pytest.raises(UserError, match="cannot run on CPU"):
-        plan_for(topology=Topology("cpu", 2, 1), trainer_cfg={"sync_batchnorm": True, "max_epochs": 1})
+        plan_for(topology=Topology("cpu", 2, 1), trainer={"sync_batchnorm": True, "max_epochs": 1})
     assert not plan_for(topology=Topology("cpu", 2, 1)).sync_batchnorm
 
 
 def test_warmup_epochs_and_steps_are_exclusive():
     with pytest.raises(UserError, match="not both"):
-        plan_for(lr_cfg={"warmup_epochs": 1, "warmup_steps": 10})
+        plan_for(lr_schedule={"warmup_epochs": 1, "warmup_steps": 10})
 
 
 def test_eval_split_smaller_than_world_is_refused():
@@ -208,8 +209,8 @@ def test_contradictory_cap_settings_name_the_conflict(args, message):
 def test_auto_cap_refuses_what_fixes_the_split_already(data_cfg, trainer_cfg, strategy, conflict):
     with pytest.raises(UserError, match=f"max_per_device_batch_size=auto .* but {conflict}"):
         plan_for(
-            data_cfg={**data_cfg, "max_per_device_batch_size": "auto"},
-            trainer_cfg={"max_epochs": 1, **trainer_cfg},
+            batches={**data_cfg, "max_per_device_batch_size": "auto"},
+            trainer={"max_epochs": 1, **trainer_cfg},
             strategy=strategy,
         )
 
@@ -217,8 +218,8 @@ def test_auto_cap_refuses_what_fixes_the_split_already(data_cfg, trainer_cfg, st
 def test_cap_in_the_plan_and_its_rows():
     plan = plan_for(
         topology=Topology("gpu", 1, 1),
-        trainer_cfg={"max_epochs": 3},
-        data_cfg={"global_batch_size": 256, "max_per_device_batch_size": 32},
+        trainer={"max_epochs": 3},
+        batches={"global_batch_size": 256, "max_per_device_batch_size": 32},
     )
     assert (plan.per_device_batch_size, plan.accumulate_grad_batches, plan.global_batch_size) == (32, 8, 256)
     rows = dict(plan.rows())
@@ -230,9 +231,7 @@ def test_cap_in_the_plan_and_its_rows():
 
 
 def test_auto_cap_plans_the_global_batch_and_leaves_the_split_to_the_probe():
-    plan = plan_for(
-        trainer_cfg={"max_epochs": 3}, data_cfg={"global_batch_size": 512, "max_per_device_batch_size": "auto"}
-    )
+    plan = plan_for(trainer={"max_epochs": 3}, batches={"global_batch_size": 512, "max_per_device_batch_size": "auto"})
     rows = dict(plan.rows())
     assert rows["per-device batch"] == "auto: the largest exact split of 64 that fits, probed on every device at start"
     assert plan.bn_batch_size is None and plan.total_steps == 57
@@ -250,7 +249,7 @@ def test_auto_cap_plans_the_global_batch_and_leaves_the_split_to_the_probe():
     ],
 )
 def test_sync_batchnorm_auto_decides_by_the_per_device_batch(topology, global_, sync, reason):
-    plan = plan_for(topology=topology, trainer_cfg={"max_epochs": 1}, data_cfg={"global_batch_size": global_})
+    plan = plan_for(topology=topology, trainer={"max_epochs": 1}, batches={"global_batch_size": global_})
     assert (plan.sync_batchnorm, plan.sync_batchnorm_reason) == (sync, reason)
     assert plan.bn_batch_size == (global_ if sync else global_ // topology.world_size)
     assert dict(plan.rows())["SyncBatchNorm"] == f"{'on' if sync else 'off'} ({reason})"
@@ -264,7 +263,7 @@ def test_log_every_n_steps_auto_is_50_or_a_quarter_epoch(train_size, setting, ev
     """19 steps an epoch: every 4; 400 steps: Lightning's 50; 3 steps: every step; sizes unknown (a dry run
     without the files): 50; a number is kept."""
     sizes = {"train": train_size, "val": 100, "test": 100} if train_size else {}
-    plan = plan_for(trainer_cfg={"max_epochs": 1, "log_every_n_steps": setting}, dataset_sizes=sizes)
+    plan = plan_for(trainer={"max_epochs": 1, "log_every_n_steps": setting}, dataset_sizes=sizes)
     assert plan.log_every_n_steps == every
 
 
@@ -272,8 +271,8 @@ def test_one_gpu_with_accumulation_warns_that_batchnorm_sees_less_than_the_synce
     """An 8-GPU SyncBN recipe (BN over 256) on 1 GPU with a cap of 32: BN normalises each micro-batch of 32."""
     one_gpu = plan_for(
         topology=Topology("gpu", 1, 1),
-        trainer_cfg={"max_epochs": 1},
-        data_cfg={"global_batch_size": 256, "max_per_device_batch_size": 32},
+        trainer={"max_epochs": 1},
+        batches={"global_batch_size": 256, "max_per_device_batch_size": 32},
     )
     assert batchnorm_warning(one_gpu) == (
         "BatchNorm statistics come from 32 samples (the micro-batch), not the 256 of an optimizer step (accumulation "
@@ -282,12 +281,12 @@ def test_one_gpu_with_accumulation_warns_that_batchnorm_sees_less_than_the_synce
     )
     eight_synced = plan_for(
         topology=Topology("gpu", 8, 1),
-        trainer_cfg={"max_epochs": 1, "sync_batchnorm": True},
-        data_cfg={"global_batch_size": 256},
+        trainer={"max_epochs": 1, "sync_batchnorm": True},
+        batches={"global_batch_size": 256},
     )
     assert eight_synced.bn_batch_size == 256 and batchnorm_warning(eight_synced) is None
     eight_unsynced = plan_for(
-        topology=Topology("gpu", 8, 1), trainer_cfg={"max_epochs": 1}, data_cfg={"global_batch_size": 256}
+        topology=Topology("gpu", 8, 1), trainer={"max_epochs": 1}, batches={"global_batch_size": 256}
     )
     assert "Options: trainer.sync_batchnorm=true (256 per statistic)" in batchnorm_warning(eight_unsynced)
 

@@ -15,14 +15,15 @@ import torch
 
 from conftest import (
     EXACT_EPOCHS,
-    PERFORMANCE,
     QUICK,
     TOLERANCE,
     WIDE,
     assert_same_weights,
+    batches,
     check,
-    engine_option,
+    engine_section,
     in_process,
+    performance,
     read_json,
     run,
     weights,
@@ -123,10 +124,10 @@ def test_the_equivalence_check_names_a_generator_of_the_users_own(tmp_path):
 def test_the_plan_says_which_random_numbers_are_topology_invariant(cap, micro):
     plan = build_plan(
         topology=Topology("cpu", 1, 1),
-        trainer_cfg=engine_option("trainer/default", max_epochs=1),
-        data_cfg={"global_batch_size": 64, "max_per_device_batch_size": cap},
-        lr_cfg=engine_option("lr_schedule/linear"),
-        performance=PERFORMANCE,
+        trainer=engine_section("trainer/default", max_epochs=1),
+        batches=batches(**{"global_batch_size": 64, "max_per_device_batch_size": cap}),
+        lr_schedule=engine_section("lr_schedule/linear"),
+        performance=performance(),
         base_lrs={"SGD": 0.1},
         seed=0,
         dataset_sizes={"train": 64},

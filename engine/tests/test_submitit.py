@@ -9,7 +9,7 @@ import re
 import pytest
 from test_launchers import slurm_env
 
-from conftest import QUICK, clean_env, engine_option, run
+from conftest import QUICK, clean_env, engine_section, run
 from scaleup.distributed.launch import build_strategy
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the [slurm] extra is not installed")
@@ -51,7 +51,7 @@ def test_a_sweep_job_that_srun_started_keeps_plain_ddp(monkeypatch):
     for name, value in slurm_env(0).items():
         if name.startswith("SLURM_"):
             monkeypatch.setenv(name, value)
-    assert build_strategy(engine_option("strategy/ddp"), world_size=2, multirun=True)[1] == "ddp"
+    assert build_strategy(engine_section("strategy/ddp"), world_size=2, multirun=True)[1] == "ddp"
     for name in [n for n in os.environ if n.startswith("SLURM_")]:
         monkeypatch.delenv(name)
-    assert build_strategy(engine_option("strategy/ddp"), world_size=2, multirun=True)[1] == "ddp_spawn"
+    assert build_strategy(engine_section("strategy/ddp"), world_size=2, multirun=True)[1] == "ddp_spawn"

@@ -15,6 +15,7 @@ from hydra.utils import get_class, instantiate
 from torchmetrics import Metric
 
 from scaleup.config.plain import is_float64, lookup
+from scaleup.config.typed import TrainConfig, values
 from scaleup.data.datamodule import GlobalBatchDataModule, apply_model_settings, sizes_for_plan
 from scaleup.distributed.fsdp import networks
 from scaleup.distributed.meta_init import MetaInit, build_on_meta, materialize_outside, tensors_of
@@ -42,14 +43,14 @@ def build_model(model_cfg: dict[str, Any], precision: Any = "32-true") -> L.Ligh
     return model.double()
 
 
-def build_datamodule(config: dict[str, Any]) -> GlobalBatchDataModule:
+def build_datamodule(data_cfg: dict[str, Any], loader: dict[str, Any], seed: int) -> GlobalBatchDataModule:
     """The `data` config's DataModule, with the shared `loader` settings and the run's seed."""
-    check_data_config(config["data"])
+    check_data_config(data_cfg)
     with config_errors("data"):
-        datamodule = instantiate(config["data"], **config.get("loader", {}), seed=config["seed"])
+        datamodule = instantiate(data_cfg, **loader, seed=seed)
     if not isinstance(datamodule, GlobalBatchDataModule):
         raise UserError(
-            f"data._target_={config['data']['_target_']} is not a scaleup.data.datamodule.GlobalBatchDataModule: "
+            f"data._target_={data_cfg['_target_']} is not a scaleup.data.datamodule.GlobalBatchDataModule: "
             "subclass it (implement build_splits()), so the plan knows the split sizes and every device count sees "
             "the same global batches"
         )
@@ -57,23 +58,23 @@ def build_datamodule(config: dict[str, Any]) -> GlobalBatchDataModule:
 
 
 def build_data_and_model(
-    config: dict[str, Any], run_dir: Path, dry_run: bool, on_meta: bool = False
+    config: TrainConfig, run_dir: Path, on_meta: bool = False
 ) -> tuple[GlobalBatchDataModule, L.LightningModule, dict[str, int], MetaInit | None]:
     """The data module, the LightningModule, and the split sizes the plan is made from.
 
     The data is downloaded and set up first: the plan needs its split sizes, the model what only the data knows
-    (classes, input channels, vocabulary), filled into `config["model"]` where it says null. A dry run takes only
+    (classes, input channels, vocabulary), filled into the `model` config where it says null. A dry run takes only
     what the data module states without its files, and builds the net with 2 for what it cannot state (the plan
     needs the parameter groups and whether there is BatchNorm, not those sizes). `on_meta` (strategy=fsdp) builds
     the networks on the meta device with their construction recorded, for the strategy to replay into each rank's
     shards (distributed/meta_init.py): the recording is returned, None where the model was built eagerly.
     """
-    datamodule = build_datamodule(config)
-    dataset_sizes = sizes_for_plan(datamodule, run_dir=run_dir, dry_run=dry_run)
+    datamodule = build_datamodule(config.data, values(config.loader), config.seed)
+    dataset_sizes = sizes_for_plan(datamodule, run_dir=run_dir, dry_run=config.dry_run)
     settings = datamodule.model_settings()
-    apply_model_settings(config["model"], settings)
-    check_model_fits_data(config, settings)
-    model_cfg = config["model"]
+    apply_model_settings(config.model, settings)
+    check_model_fits_data(config.model, config.data, settings)
+    model_cfg = config.model
     if unknown := [key for key, value in settings.items() if value is None]:
         log.info(f"model.{', model.'.join(unknown)} unknown until the data is there: the dry run builds the net with 2")
         model_cfg = copy.deepcopy(model_cfg)
@@ -81,9 +82,9 @@ def build_data_and_model(
 
     def build() -> L.LightningModule:
         with config_errors("model"):
-            return build_model(model_cfg, precision=config["trainer"]["precision"])
+            return build_model(model_cfg, precision=config.trainer.precision)
 
-    if dry_run:
+    if config.dry_run:
         # Shapes and parameter groups, no memory and no time: a 7B model plans on a laptop.
         with torch.device("meta"):
             return datamodule, build(), dataset_sizes, None
@@ -109,14 +110,14 @@ def build_recorded(build: Callable[[], L.LightningModule]) -> tuple[L.LightningM
     return model, recording
 
 
-def check_model_fits_data(config: dict[str, Any], settings: dict[str, Any]) -> None:
+def check_model_fits_data(model_cfg: dict[str, Any], data_cfg: dict[str, Any], settings: dict[str, Any]) -> None:
     """A model whose net still waits for a setting (`null`) while the data offers others it has no key for was
     made for another kind of data (an image classifier on text): say so instead of failing inside the net."""
-    net = config["model"].get("net")
+    net = model_cfg.get("net")
     waiting = [key for key, value in net.items() if value is None] if isinstance(net, dict) else []
-    unused = [key for key in settings if not has_key(config["model"], key)]
+    unused = [key for key in settings if not has_key(model_cfg, key)]
     if waiting and unused:
-        data, model = config["data"]["_target_"], config["model"]["_target_"]
+        data, model = data_cfg["_target_"], model_cfg["_target_"]
         raise UserError(
             f"the model ({model}) does not fit the data ({data}): model.net.{', model.net.'.join(waiting)} "
             f"wait(s) for the data, which provides {', '.join(f'model.{key}' for key in settings)} instead. "

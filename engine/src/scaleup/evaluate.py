@@ -4,46 +4,23 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from scaleup.build import build_datamodule, build_model
 from scaleup.checkpoints.io import find_checkpoint, load_checkpoint, load_weights
-from scaleup.config.plain import retarget, to_plain
+from scaleup.config.plain import to_plain
 from scaleup.config.schema import validate_config
+from scaleup.config.stored import stored_run
 from scaleup.distributed.launch import check_launcher
 from scaleup.distributed.process_group import shut_down_process_group
-from scaleup.errors import UserError
 from scaleup.observability.rows import log_rows
-from scaleup.plan.resolve import Plan
 from scaleup.plan.topology import resolve_precision, resolve_topology
 from scaleup.trainer import build_eval_trainer
 
 log = logging.getLogger("scaleup")
-
-
-@dataclass(frozen=True)
-class StoredRun:
-    """What `train.py` stored in a checkpoint beside the weights: the config it ran and its plan."""
-
-    config: dict[str, Any]
-    plan: Plan
-
-
-def stored_run(checkpoint: dict[str, Any], path: str, package: str) -> StoredRun:
-    """The config and plan `train.py` stored in the checkpoint, its targets found in your package `package` (also
-    when it was trained under another name: `retarget`)."""
-    if "scaleup" not in checkpoint or "state_dict" not in checkpoint:
-        raise UserError(
-            f"{path} was not written by this template's train.py (no stored config); load its state_dict "
-            "with scaleup.checkpoints.io.load_weights instead"
-        )
-    stored = checkpoint["scaleup"]
-    return StoredRun(retarget(stored["config"], package), Plan.from_dict(stored["plan"]))
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
@@ -52,19 +29,19 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     ckpt_path = find_checkpoint(cfg.ckpt_path, prefer="best")
     checkpoint = load_checkpoint(ckpt_path)
     stored = stored_run(checkpoint, ckpt_path, cfg.package)
-    config, plan = stored.config, stored.plan
+    plan = stored.plan
     topology = resolve_topology(cfg.trainer)
     check_launcher(topology)
 
-    data_cfg = {**config["data"], **to_plain(cfg.data)}
+    data_cfg = {**stored.data, **to_plain(cfg.data)}
     # Same per-device batch as training by default: same batches, so the same float sums, to the last bit.
     data_cfg.update(global_batch_size=None, per_device_batch_size=cfg.batch_size or plan.per_device_batch_size)
-    datamodule = build_datamodule({**config, "data": data_cfg})
+    datamodule = build_datamodule(data_cfg, stored.loader, stored.seed)
     # The plan stores the precision training resolved (`auto` became bf16-mixed, 16-mixed or 32-true there).
     precision = resolve_precision(cfg.trainer.precision or plan.precision, topology.accelerator)
     if topology.accelerator == "cpu" and str(precision).startswith("16"):
         precision = "bf16-mixed"  # fp16 autocast needs a GPU; bf16 keeps the reduced-precision behaviour
-    model = build_model(config["model"], precision=precision)
+    model = build_model(stored.model, precision=precision)
     load_weights(model, checkpoint["state_dict"])  # float64 weights into a float64 model: nothing rounded
     if cfg.compile:
         model.compile()  # in place: the module's forward, whatever the module

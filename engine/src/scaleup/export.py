@@ -13,8 +13,8 @@ from scaleup.build import build_model
 from scaleup.checkpoints.io import atomic_torch_save, find_checkpoint, load_checkpoint, load_weights
 from scaleup.config.plain import lookup
 from scaleup.config.schema import validate_config
+from scaleup.config.stored import stored_run
 from scaleup.errors import UserError
-from scaleup.evaluate import stored_run
 
 log = logging.getLogger("scaleup")
 
@@ -48,7 +48,7 @@ def export(cfg: DictConfig) -> Path:
     ckpt_path = find_checkpoint(cfg.ckpt_path, prefer="best")
     checkpoint = load_checkpoint(ckpt_path)
     stored = stored_run(checkpoint, ckpt_path, cfg.package)
-    model_cfg = stored.config["model"]
+    model_cfg = stored.model
     model = build_model(model_cfg, precision=stored.plan.precision)  # float64 weights stay float64
     load_weights(model, checkpoint["state_dict"])  # every key fits, or the error names those that do not
     net = submodule(model, cfg.module)

@@ -41,9 +41,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from torch.utils.data import IterableDataset
 
 from scaleup import check_equivalence as equivalence
-from scaleup.config.plain import to_plain
 from scaleup.config.project import compose_project, set_up_run
-from scaleup.config.schema import validate_config
+from scaleup.config.typed import train_config
 from scaleup.distributed.run_dir import register_resolvers
 from scaleup.export import submodule
 
@@ -149,12 +148,10 @@ def check_contract(
     overrides = [*QUICK, *overrides]
     with _in_folder(project), tempfile.TemporaryDirectory(prefix="contract-") as run_dir:
         run_job("train", [*overrides, "dry_run=true", f"hydra.run.dir={run_dir}/plan"])
-        cfg = compose("train", [*overrides, f"hydra.run.dir={run_dir}/build"])
-        validate_config(cfg, "train")
-        config = to_plain(cfg)  # resolved: what follows needs no Hydra
-        HydraConfig.instance().cfg = None
-        L.seed_everything(config["seed"], workers=True, verbose=False)
-        datamodule, model, _, _ = build_data_and_model(config, Path(run_dir), dry_run=False)
+        config = train_config(compose("train", [*overrides, f"hydra.run.dir={run_dir}/build"]))  # resolved
+        HydraConfig.instance().cfg = None  # what follows needs no Hydra
+        L.seed_everything(config.seed, workers=True, verbose=False)
+        datamodule, model, _, _ = build_data_and_model(config, Path(run_dir))
         problems = []
         for split in ("train", "val", "test"):
             dataset = datamodule.splits.get(split)

@@ -16,8 +16,8 @@ from omegaconf import DictConfig
 from scaleup.build import build_data_and_model
 from scaleup.checkpoints.resume import ResumePoint, resume_point
 from scaleup.compat.loops import ignore_unresumable_loader_warning
-from scaleup.config.plain import to_plain, write_yaml
-from scaleup.config.schema import validate_config
+from scaleup.config.plain import write_yaml
+from scaleup.config.typed import TrainConfig, train_config
 from scaleup.distributed.launch import check_launch, prepare_launch, shards_the_model
 from scaleup.distributed.process_group import shut_down_process_group
 from scaleup.observability.loggers import close_loggers
@@ -37,34 +37,33 @@ ignore_unresumable_loader_warning()
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Plan the run, print and save the plan, then fit, test on the best checkpoint and summarise."""
-    validate_config(cfg, "train")  # every value's type and range, before the seed and the topology read theirs
+    config = train_config(cfg)  # every value's type and range, before the seed and the topology read theirs
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    topology = resolve_topology(cfg.trainer, dry_run=cfg.dry_run)
-    config = to_plain(cfg)
-    check_launch(topology, dry_run=cfg.dry_run)
+    topology = resolve_topology(config.trainer, dry_run=config.dry_run)
+    check_launch(topology, dry_run=config.dry_run)
     # Same seed on every rank before the data and the model are built: the same splits (also where a data module
     # splits with the global random state) and identical initial weights everywhere.
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    on_meta = shards_the_model(config["strategy"], topology.world_size) and config["strategy"]["meta_init"]
-    datamodule, model, dataset_sizes, recording = build_data_and_model(config, run_dir, cfg.dry_run, on_meta)
+    L.seed_everything(config.seed, workers=True, verbose=False)
+    on_meta = shards_the_model(config.strategy, topology.world_size) and config.strategy.meta_init
+    datamodule, model, dataset_sizes, recording = build_data_and_model(config, run_dir, on_meta)
     launch = prepare_launch(
-        config["strategy"],
+        config.strategy,
         topology,
         multirun=HydraConfig.get().mode == RunMode.MULTIRUN,
-        dry_run=cfg.dry_run,
-        async_save=config["checkpoint"]["async_save"],
+        dry_run=config.dry_run,
+        async_save=config.checkpoint.async_save,
         recording=recording,
     )
     # A dry run plans the meta build without recording it; a real one may have built the ordinary way (it warned).
     plan = make_plan(
-        config, topology, launch, model, dataset_sizes, on_meta=on_meta and (cfg.dry_run or recording is not None)
+        config, topology, launch, model, dataset_sizes, on_meta=on_meta and (config.dry_run or recording is not None)
     )
-    resume = resume_point(None if cfg.dry_run else cfg.ckpt_path, config, plan, model, datamodule, run_dir)
+    resume = resume_point(None if config.dry_run else config.ckpt_path, config, plan, model, datamodule, run_dir)
     if resume.tested:
-        return already_finished(run_dir, resume, config["monitor"]["metric"])
+        return already_finished(run_dir, resume, config.monitor.metric)
     if rank_zero_only.rank == 0:
-        announce(plan, config, run_dir, in_memory=getattr(datamodule, "in_memory", False), dry_run=cfg.dry_run)
-    if cfg.dry_run:
+        announce(plan, config, run_dir, in_memory=getattr(datamodule, "in_memory", False))
+    if config.dry_run:
         return plan.to_dict()
 
     job = build_trainer(config, plan, topology, launch.strategy, run_dir)
@@ -86,20 +85,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         return {}
     # Read back what rank 0 wrote: with ddp_spawn, training and testing ran in child processes.
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    summarise(run_dir, metrics, best, config["monitor"]["metric"])
+    summarise(run_dir, metrics, best, config.monitor.metric)
     return metrics
 
 
-def announce(plan: Plan, config: dict[str, Any], run_dir: Path, *, in_memory: bool, dry_run: bool) -> None:
+def announce(plan: Plan, config: TrainConfig, run_dir: Path, *, in_memory: bool) -> None:
     """Rank 0: print the plan and the pitfall warnings, write plan.json and config.yaml."""
-    log_rows("plan" + (" (dry run: nothing is started)" if dry_run else ""), plan.rows())
-    num_workers = config["data"].get("num_workers", 0)
+    log_rows("plan" + (" (dry run: nothing is started)" if config.dry_run else ""), plan.rows())
     for warning in pitfall_warnings(
-        plan, has_batchnorm=plan.has_batchnorm, num_workers=num_workers, data_in_memory=in_memory
+        plan, has_batchnorm=plan.has_batchnorm, num_workers=config.batches.num_workers, data_in_memory=in_memory
     ):
         log.warning(warning)
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
-    write_yaml(config, run_dir / "config.yaml")
+    write_yaml(config.plain, run_dir / "config.yaml")
 
 
 def already_finished(run_dir: Path, resume: ResumePoint, monitor: str) -> dict[str, Any]:

@@ -33,6 +33,8 @@ from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.compat.loops import BatchProgressRescale, EpochEndResume, EpochProgressRepair, LoaderWorkersStop
 from scaleup.compat.precision import model_parallel_precision
 from scaleup.config.plain import instantiate_each
+from scaleup.config.schema import Checkpointing, Monitor
+from scaleup.config.typed import TrainConfig, values
 from scaleup.data.seeding import StepSeed
 from scaleup.distributed.clusters import cluster_plugins
 from scaleup.distributed.fsdp import FSDPStrategy
@@ -47,7 +49,7 @@ from scaleup.plan.topology import Topology
 from scaleup.search.trial import ReportToStudy, trial_callbacks
 
 
-def checkpoint_callbacks(config: dict[str, Any], checkpoint_dir: str) -> list[LeanModelCheckpoint]:
+def checkpoint_callbacks(monitor: Monitor, checkpoint: Checkpointing) -> list[LeanModelCheckpoint]:
     """The best epoch by `monitor.metric` (what train.py tests), and last.ckpt: what `ckpt_path=last` resumes.
 
     last.ckpt is rewritten at every epoch's end, after its validation, and so at the end of training, which is an
@@ -57,9 +59,9 @@ def checkpoint_callbacks(config: dict[str, Any], checkpoint_dir: str) -> list[Le
     ModelCheckpoint takes a step or an epoch trigger, not both: given `every_n_train_steps` it no longer saves at
     epoch ends, and last.ckpt would miss the steps after the last multiple of N.
     """
-    metric, mode = config["monitor"]["metric"], config["monitor"]["mode"]
+    metric, mode = monitor.metric, monitor.mode
     best = LeanModelCheckpoint(
-        dirpath=checkpoint_dir,
+        dirpath=checkpoint.dirpath,
         filename=f"best-epoch{{epoch:03d}}-{{{metric}:.4f}}",  # e.g. best-epoch011-0.9861.ckpt
         auto_insert_metric_name=False,  # metric names contain "/"
         monitor=metric,
@@ -67,14 +69,14 @@ def checkpoint_callbacks(config: dict[str, Any], checkpoint_dir: str) -> list[Le
         save_top_k=1,
     )
     last = {
-        "dirpath": checkpoint_dir,
+        "dirpath": checkpoint.dirpath,
         "filename": "last",
         "save_top_k": 1,  # no monitor: keep only the newest
         "enable_version_counter": False,  # overwrite last.ckpt, never write last-v1.ckpt
     }
     # At the training epoch's end, not at a validation's end: also the epochs that check_val_every_n_epoch skips.
     every_epoch = LeanModelCheckpoint(**last, save_on_train_epoch_end=True)
-    steps = config["checkpoint"].get("every_n_train_steps")
+    steps = checkpoint.every_n_train_steps
     every_n_steps = [LeanModelCheckpoint(**last, every_n_train_steps=steps)] if steps else []
     return [best, *every_n_steps, every_epoch]
 
@@ -121,49 +123,48 @@ class TrainerJob:
             yield
 
 
-def template_callbacks(config: dict[str, Any], plan: Plan, run_dir: Path) -> list[L.Callback]:
+def template_callbacks(config: TrainConfig, plan: Plan, run_dir: Path) -> list[L.Callback]:
     """The machinery every training run has, in the order ORDER asks for."""
-    checkpoint_dir = config["checkpoint"]["dirpath"]
     return [
         LRScaling(plan.schedule()),
         StepSeed(plan.seed, plan.global_batch_size),
         *([AutoBatchSize(plan, run_dir / "plan.json")] if plan.max_per_device_batch_size == "auto" else []),
         PrivateMetricStates(),
         ExactEvalMetrics(),
-        MonitorCheck(config["monitor"]["metric"], config["monitor"]["mode"]),
+        MonitorCheck(config.monitor.metric, config.monitor.mode),
         TrainLoaderCheck(),
-        ConfigInCheckpoint(config, plan.to_dict()),
-        *checkpoint_callbacks(config, checkpoint_dir),
-        PreemptionCheckpoint(checkpoint_dir),
+        ConfigInCheckpoint(config.plain, plan.to_dict()),
+        *checkpoint_callbacks(config.monitor, config.checkpoint),
+        PreemptionCheckpoint(config.checkpoint.dirpath),
         EpochProgressRepair(),
         EpochEndResume(),
         BatchProgressRescale(),
         LoaderWorkersStop(),
         MetricsFile(run_dir / "metrics.json"),
-        *trial_callbacks(config["monitor"]["metric"], str(run_dir)),
+        *trial_callbacks(config.monitor.metric, str(run_dir)),
         PlanHParams(plan.to_dict(), run_dir / "metrics.json"),
         PerformanceSettings(plan.tf32, plan.channels_last),
     ]
 
 
-def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> TrainerJob:
+def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> TrainerJob:
     """A Trainer with the template's callbacks and the user's, the loggers, and the plan's resolved settings."""
     set_tf32(plan.tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
     callbacks = template_callbacks(config, plan, run_dir)
     best = callbacks[[type(cb) for cb in callbacks].index(LeanModelCheckpoint)]  # the first: the best epoch
     template = len(callbacks)
     with config_errors("callbacks"):
-        callbacks += instantiate_each(config.get("callbacks"))
+        callbacks += instantiate_each(config.callbacks)
     # Lightning refuses a progress bar it was told not to show; and given none, it adds its TQDM bar, which redraws
     # after every step: the throttled one instead.
-    if not config["trainer"]["enable_progress_bar"]:
+    if not config.trainer.enable_progress_bar:
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     elif not any(isinstance(cb, ProgressBar) for cb in callbacks):
         callbacks.append(ThrottledRichProgressBar())
     stop = StopOnSigterm()
     callbacks.append(stop)
     with config_errors("logger"):
-        loggers = instantiate_each(config.get("logger"))  # logger=[] leaves no key
+        loggers = instantiate_each(config.logger)
     # Lightning refuses an LR monitor with nowhere to log.
     if not loggers:
         callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
@@ -174,10 +175,10 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
         *([SPAWN_LAUNCHER] if isinstance(strategy, SpawnDDPStrategy) else []),
         *([FSDP_OPTIMIZER_KEYS] if isinstance(strategy, FSDPStrategy) else []),
         *([EMA_DEVICE] if any(isinstance(cb, EMA) for cb in callbacks) else []),
-        *([EPOCH_END_RESUME] if config["trainer"]["max_steps"] != -1 else []),
+        *([EPOCH_END_RESUME] if config.trainer.max_steps != -1 else []),
     )
     trainer_kwargs = {
-        **config["trainer"],
+        **values(config.trainer),
         "accelerator": topology.accelerator,
         "devices": topology.devices,
         "num_nodes": topology.num_nodes,
@@ -200,8 +201,8 @@ def build_trainer(config: dict[str, Any], plan: Plan, topology: Topology, strate
             default_root_dir=run_dir,
         )
     if trainer.is_global_zero:
-        remove_interrupted_writes(config["checkpoint"]["dirpath"])
-    return TrainerJob(trainer, stop, best, fast=config["performance"]["fast_paths"])
+        remove_interrupted_writes(config.checkpoint.dirpath)
+    return TrainerJob(trainer, stop, best, fast=config.performance.fast_paths)
 
 
 def build_eval_trainer(topology: Topology, precision: Any, plan: Plan, run_dir: Path, progress_bar: bool) -> TrainerJob:

@@ -8,17 +8,21 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
 from scaleup.callbacks.run_files import holds_test_results
 from scaleup.checkpoints.io import exists, find_checkpoint, is_url, load_checkpoint, strip_wrapper_prefixes
-from scaleup.config.plain import flatten, retarget
+from scaleup.config.plain import flatten
+from scaleup.config.stored import stored_model, stored_plan
 from scaleup.data.samplers import GlobalBatchSampler, resumed_steps
 from scaleup.errors import UserError
 from scaleup.plan.resolve import Plan
+
+if TYPE_CHECKING:
+    from scaleup.config.typed import TrainConfig
 
 log = logging.getLogger("scaleup")
 
@@ -70,28 +74,28 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str, run_dir: Path)
 
 def resume_point(
     ckpt_path: str | None,
-    config: dict[str, Any],
+    config: TrainConfig,
     plan: Plan,
     model: L.LightningModule,
     datamodule: L.LightningDataModule,
     run_dir: Path,
 ) -> ResumePoint:
     """Open the checkpoint up front (clear errors, no traceback), refuse what cannot continue, report what changed."""
-    path = resolve_ckpt_path(ckpt_path, config["checkpoint"]["dirpath"], run_dir)
+    path = resolve_ckpt_path(ckpt_path, config.checkpoint.dirpath, run_dir)
     if path is None:
         return ResumePoint()
     checkpoint = load_checkpoint(path, weights=False)  # a sharded one: its shapes, not its tensors
     step = checkpoint.get("global_step", 0)
-    check_same_network(path, checkpoint, config, model)
-    stored_plan = checkpoint.get("scaleup", {}).get("plan")
-    previous = Plan.from_dict(stored_plan) if stored_plan else None  # None: not trained by scaleup's train.py
+    check_same_network(path, checkpoint, stored_model(checkpoint, config.package), config.model, model)
+    previous = stored_plan(checkpoint)  # None: not trained by scaleup's train.py
     check_same_global_batch(path, previous, step, plan)
     check_same_order(path, checkpoint, step, datamodule, plan)
     stopped_early = early_stop_reason(checkpoint)
     if ckpt_path == "last" and (step == plan.total_steps or stopped_early):
         # Trained to its end: what is left is the test, unless it ran to its end too (a requeue of a finished job).
         tested = holds_test_results(run_dir / "metrics.json")
-        return ResumePoint(path, step, finished=True, best=best_checkpoint(checkpoint, config, path), tested=tested)
+        best = best_checkpoint(checkpoint, config.monitor.metric, path)
+        return ResumePoint(path, step, finished=True, best=best, tested=tested)
     if stopped_early:
         raise UserError(
             f"{path} is from a run that early stopping ended {stopped_early}; there is nothing to resume. To train "
@@ -107,14 +111,16 @@ def resume_point(
     return ResumePoint(path, step)
 
 
-def check_same_network(path: Path | str, checkpoint: dict[str, Any], config: dict[str, Any], model: Any) -> None:
-    """Another network is one whose weights have other names or shapes; the config differences say why."""
+def check_same_network(
+    path: Path | str, checkpoint: dict[str, Any], stored_cfg: dict[str, Any], model_cfg: dict[str, Any], model: Any
+) -> None:
+    """Another network is one whose weights have other names or shapes; the `model` configs' differences (the
+    checkpoint's stored one, and this run's) say why."""
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     stored_shapes = {name: tuple(t.shape) for name, t in strip_wrapper_prefixes(checkpoint["state_dict"]).items()}
     if stored_shapes == shapes:
         return
-    stored_model = retarget(checkpoint.get("scaleup", {}).get("config", {}).get("model", {}), config["package"])
-    before, now = flatten(stored_model), flatten(config["model"])
+    before, now = flatten(stored_cfg), flatten(model_cfg)
     diffs = [
         f"model.{k}={before.get(k)} (now {now.get(k)})" for k in sorted(before | now) if before.get(k) != now.get(k)
     ]
@@ -162,13 +168,13 @@ def early_stop_reason(checkpoint: dict[str, Any]) -> str:
     return ""
 
 
-def best_checkpoint(checkpoint: dict[str, Any], config: dict[str, Any], path: Path | str) -> str:
-    """The best checkpoint by `monitor.metric` that the run recorded, or `path` itself if it is gone."""
+def best_checkpoint(checkpoint: dict[str, Any], monitor: str, path: Path | str) -> str:
+    """The best checkpoint by `monitor` (monitor.metric) that the run recorded, or `path` itself if it is gone."""
     for name, state in checkpoint.get("callbacks", {}).items():
         best = state.get("best_model_path") if name.startswith("ModelCheckpoint") else None
-        if best and state.get("monitor") == config["monitor"]["metric"] and exists(best):
+        if best and state.get("monitor") == monitor and exists(best):
             return str(best)
-    log.warning(f"the run's best checkpoint by {config['monitor']['metric']} is gone: testing {path}")
+    log.warning(f"the run's best checkpoint by {monitor} is gone: testing {path}")
     return str(path)
 
 

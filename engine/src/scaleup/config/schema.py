@@ -127,7 +127,7 @@ class Performance(ClosedSection):
     fast_paths: bool = True
 
 
-class LRSchedule(ClosedSection):
+class LRScheduleSettings(ClosedSection):
     base_batch_size: PositiveInt
     base_bn_batch_size: PositiveInt | None
     rule: Literal[SCALING_RULES]
@@ -303,7 +303,7 @@ SECTIONS: dict[str, dict[str, type[Section]]] = {
         "data": DataBatches,
         "loader": Loader,
         "model.optimizer": Optimizer,
-        "lr_schedule": LRSchedule,
+        "lr_schedule": LRScheduleSettings,
         "trainer": TrainerArgs,
         "strategy": Strategy,
     },
@@ -313,9 +313,9 @@ SECTIONS: dict[str, dict[str, type[Section]]] = {
 BUILT = {"train": ("data", "model", "callbacks", "logger"), "eval": (), "export": ()}
 
 
-def validate_config(cfg: DictConfig | Mapping[str, Any], job: str = "train") -> None:
+def validate_config(cfg: DictConfig | Mapping[str, Any], job: str = "train") -> dict[str, Any]:
     """Refuse every value of `job`'s config (train, eval, export) whose type or range is wrong: one UserError
-    with one `key=value must be ...` per key."""
+    with one `key=value must be ...` per key. Returns the config it checked, resolved into plain dicts."""
     config = to_plain(cfg) if isinstance(cfg, DictConfig) else cfg
     problems: dict[str, str] = {}
     for path, schema in SECTIONS[job].items():
@@ -327,6 +327,7 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], job: str = "train") -> 
                 problems.setdefault(key, text)
     if problems:
         raise UserError("; ".join(problems.values()))
+    return config
 
 
 def section_problems(config: Mapping[str, Any], path: str, schema: type[Section]) -> list[tuple[str, str]]:

@@ -171,12 +171,8 @@ def build_source(overrides: list[str]) -> tuple[dict[str, Dataset], dict[str, An
             "epoch: convert with data.augment=false, and augment while training (drawn per seed, epoch and sample): "
             "data=sharded data.train_transform={_target_:...}"
         )
-    config = {
-        "data": OmegaConf.to_container(cfg.data, resolve=True),
-        "loader": OmegaConf.to_container(cfg.loader, resolve=True),
-        "seed": cfg.seed,
-    }
-    datamodule = build_datamodule(config)
+    data, loader = (OmegaConf.to_container(section, resolve=True) for section in (cfg.data, cfg.loader))
+    datamodule = build_datamodule(data, loader, cfg.seed)
     datamodule.prepare_data()
     return datamodule.build_splits(), datamodule.model_settings()
 

@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from hydra._internal.utils import _locate
@@ -32,6 +32,9 @@ from scaleup.checkpoints.sharded import save_sharded
 from scaleup.compat.model_parallel import configure_model_counts_as_overridden, optimizer_states_keyed_in_group_order
 from scaleup.distributed.meta_init import META, MetaInit, materialize_shards, tensors_of
 from scaleup.errors import UserError
+
+if TYPE_CHECKING:
+    from scaleup.config.schema import Strategy
 
 log = logging.getLogger("scaleup")
 BLOCKS = "name its block classes (e.g. torchvision.models.resnet.BasicBlock), or null for every block of every network"
@@ -118,12 +121,10 @@ def bytes_per_rank(model: nn.Module, world_size: int) -> tuple[int, int]:
     return total, per_rank
 
 
-def describe(
-    model: nn.Module, strategy_cfg: dict[str, Any], mesh: tuple[int, ...], accumulation: int, on_meta: bool
-) -> str:
+def describe(model: nn.Module, strategy: Strategy, mesh: tuple[int, ...], accumulation: int, on_meta: bool) -> str:
     """The plan's row: the units, the parameter bytes per rank, the mesh, how the model is built (`on_meta`: on the
     meta device, its build replayed into each rank's shards) and when gradients are reduced."""
-    units = unit_names(model, strategy_cfg["shard_modules"])
+    units = unit_names(model, strategy.shard_modules)
     total, per_rank = bytes_per_rank(model, mesh[-1])
     shown = ", ".join(units[:6]) + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
     roots = ", ".join(name for name, _ in networks(model))
@@ -141,7 +142,7 @@ def describe(
         parts.append(
             f"gradients reduced once per optimizer step (whole gradients held between micro-batches: +{mib(total)} "
             "per rank)"
-            if strategy_cfg["sync_gradients"] == "step"
+            if strategy.sync_gradients == "step"
             else "gradients reduce-scattered at every micro-batch"
         )
     return "; ".join(parts)

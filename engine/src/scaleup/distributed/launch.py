@@ -11,12 +11,14 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from scaleup.checkpoints.background import resolve_async_save
 from scaleup.compat.launch import SpawnDDPStrategy
+from scaleup.config.typed import values
 from scaleup.distributed.clusters import check_one_process_per_pod, launched_world_size, launcher_name
 from scaleup.distributed.process_group import shut_down_process_group
 from scaleup.errors import UserError, config_errors
 from scaleup.plan.topology import Topology
 
 if TYPE_CHECKING:
+    from scaleup.config.schema import Strategy
     from scaleup.distributed.meta_init import MetaInit
 
 _RESTART_STORE: Any = None  # rank 0's store for a restarted torchrun attempt, alive as long as the process
@@ -62,13 +64,13 @@ def check_launch(topology: Topology, *, dry_run: bool) -> None:
         fresh_store_after_torchrun_restart()
 
 
-def shards_the_model(strategy_cfg: dict[str, Any], world_size: int) -> bool:
+def shards_the_model(strategy: Strategy, world_size: int) -> bool:
     """Whether the strategy shards the model (FSDP on more than one process; one process trains as DDP's does)."""
-    return strategy_cfg["name"] == "fsdp" and world_size > 1
+    return strategy.name == "fsdp" and world_size > 1
 
 
 def prepare_launch(
-    strategy_cfg: dict[str, Any],
+    strategy: Strategy,
     topology: Topology,
     *,
     multirun: bool,
@@ -79,8 +81,8 @@ def prepare_launch(
     """Build the strategy, once the model is: FSDP takes the recorded build of a model made on the meta device
     (`recording`). `async_save`: `checkpoint.async_save`."""
     with config_errors("strategy"):
-        strategy, name = build_strategy(
-            strategy_cfg, topology.world_size, multirun, async_save, num_nodes=topology.num_nodes, recording=recording
+        built, name = build_strategy(
+            strategy, topology.world_size, multirun, async_save, num_nodes=topology.num_nodes, recording=recording
         )
     if dry_run:
         launcher = "planned only (dry run)"
@@ -88,11 +90,11 @@ def prepare_launch(
         launcher = "spawn (a sweep's processes), one process per device"
     else:
         launcher = launcher_name(topology.world_size)
-    return Launch(strategy, name, launcher)
+    return Launch(built, name, launcher)
 
 
 def build_strategy(
-    strategy_cfg: dict[str, Any],
+    strategy: Strategy,
     world_size: int,
     multirun: bool,
     async_save: bool | str = "auto",
@@ -105,17 +107,19 @@ def build_strategy(
     would re-run the whole sweep in every child process (Lightning issue #11300), so sweeps start their
     processes with spawn instead.
     """
-    options = dict(strategy_cfg)
-    name = str(options.pop("name"))
-    timeout = timedelta(minutes=float(options.pop("timeout_minutes")))
-    in_background = resolve_async_save(async_save, sharded=shards_the_model(strategy_cfg, world_size))
+    name = strategy.name
+    timeout = timedelta(minutes=float(strategy.timeout_minutes))
+    # meta_init: how the job builds the model (build.py), not an option of the strategy
+    options = {
+        key: value for key, value in values(strategy).items() if key not in ("name", "timeout_minutes", "meta_init")
+    }
+    in_background = resolve_async_save(async_save, sharded=shards_the_model(strategy, world_size))
     if name == "fsdp":
         from scaleup.distributed.fsdp import FSDPStrategy
 
         # One process has nothing to shard: it trains as DDP's single process does, and writes one file.
         if world_size == 1:
             return "auto", "auto"
-        options.pop("meta_init", None)  # how the job builds the model (build.py), not an option of the strategy
         return (
             FSDPStrategy(
                 world_size=world_size,

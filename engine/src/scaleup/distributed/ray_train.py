@@ -27,7 +27,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
@@ -44,6 +44,9 @@ from scaleup.errors import (
     new_directories,
     remove_refused_run,
 )
+
+if TYPE_CHECKING:
+    from scaleup.config.typed import TrainConfig
 
 OPTIONS = {"num_workers": "1", "use_gpu": "false", "cpus_per_worker": "1", "max_failures": "0", "address": None}
 SET_BY_RAY = ("trainer.accelerator", "trainer.devices", "trainer.num_nodes")
@@ -86,38 +89,35 @@ def compose(overrides: list[str], accelerator: str, num_workers: int) -> DictCon
 def job_for_workers(cfg: DictConfig, accelerator: str) -> dict[str, Any]:
     """What the workers get: the job's config resolved here (the driver's run directory, paths and time, the same
     on every node) and Hydra's own, whose logging each rank resolves for itself (only rank 0 writes the log)."""
-    from scaleup.config.plain import to_plain
-    from scaleup.config.schema import validate_config
+    from scaleup.config.typed import train_config
 
     hydra = OmegaConf.to_container(cfg.hydra, resolve=False)  # its run directory and runtime are set: compose()
-    job = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
-    validate_config(job, "train")
-    config = to_plain(job)
+    config = train_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]))
     check_job(config)
-    return {"config": config, "hydra": hydra, "accelerator": accelerator}
+    return {"config": config.plain, "hydra": hydra, "accelerator": accelerator}
 
 
-def check_job(config: dict[str, Any]) -> None:
+def check_job(config: TrainConfig) -> None:
     """What the workers would refuse, refused here, once: in a worker it would cost a start of Ray and its retries.
     (What needs the data, e.g. a batch larger than the training set, is still found by the workers.)"""
     from scaleup.plan.batch import resolve_batch
 
     # A restarted worker group resumes from the run's last.ckpt (ray_worker.py): it must be this job's.
-    last = last_checkpoint(config)
-    if config["ckpt_path"] != "last" and exists(last):
+    last = last_checkpoint(config.checkpoint.dirpath)
+    if config.ckpt_path != "last" and exists(last):
         raise UserError(f"{last} is an earlier run's: resume it with ckpt_path=last, or pass another hydra.run.dir")
-    if config["strategy"]["name"] != "ddp":
+    if config.strategy.name != "ddp":
         # FSDP under Ray Train is not proven to give DDP's weights here; ddp_spawn would start processes in a worker.
         raise UserError(
-            f"strategy={config['strategy']['name']} does not run under Ray Train here: use strategy=ddp, or for FSDP "
+            f"strategy={config.strategy.name} does not run under Ray Train here: use strategy=ddp, or for FSDP "
             "start torchrun on the Ray nodes (docs/clusters.md)"
         )
-    data, cap = config["data"], config["data"].get("max_per_device_batch_size")
+    batches, cap = config.batches, config.batches.max_per_device_batch_size
     resolve_batch(
-        data.get("global_batch_size"),
-        data.get("per_device_batch_size"),
-        world_size=config["trainer"]["devices"],
-        accumulation=config["trainer"].get("accumulate_grad_batches"),
+        batches.global_batch_size,
+        batches.per_device_batch_size,
+        world_size=config.trainer.devices,
+        accumulation=config.trainer.accumulate_grad_batches,
         max_per_device=cap if isinstance(cap, int) else None,  # `auto` is measured on the workers' devices
     )
 

@@ -25,9 +25,9 @@ from scaleup.distributed.run_dir import register_resolvers
 from scaleup.errors import UserError
 
 
-def last_checkpoint(config: dict[str, Any]) -> str:
-    """Where the run's last.ckpt is (on the shared run directory, or a URL)."""
-    return f"{config['checkpoint']['dirpath'].rstrip('/')}/last.ckpt"
+def last_checkpoint(dirpath: str) -> str:
+    """Where the run's last.ckpt is in `checkpoint.dirpath` (on the shared run directory, or a URL)."""
+    return f"{dirpath.rstrip('/')}/last.ckpt"
 
 
 def worker_topology(accelerator: str) -> dict[str, Any]:
@@ -44,10 +44,12 @@ def worker_topology(accelerator: str) -> dict[str, Any]:
 
 def worker_config(job: dict[str, Any]) -> DictConfig:
     """The job's config for this worker; installs Hydra's runtime and the job's logging as `@hydra.main` does."""
+    from scaleup.config.typed import TrainConfig
+
     register_resolvers()
     cfg = OmegaConf.merge(job["config"], {"trainer": worker_topology(job["accelerator"])})
     # The first attempt starts where the user said; a restarted worker group resumes this job's last checkpoint.
-    if exists(last_checkpoint(job["config"])):
+    if exists(last_checkpoint(TrainConfig.of(job["config"]).checkpoint.dirpath)):
         cfg.ckpt_path = "last"
     schema = OmegaConf.structured(HydraConf)
     OmegaConf.set_struct(schema, False)  # Hydra's composed config has keys beyond its schema (`env`)

@@ -4,11 +4,13 @@ an epoch and a run take (Lightning's debug flags included)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from scaleup.errors import UserError
+
+if TYPE_CHECKING:
+    from scaleup.config.schema import TrainerArgs
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,7 @@ def batch_limit(batches: int, limit: float | None) -> int:
     return min(batches, int(limit))
 
 
-def epoch_steps(train_size: int | None, batch: BatchPlan, trainer_cfg: Mapping[str, Any]) -> tuple[int | None, str]:
+def epoch_steps(train_size: int | None, batch: BatchPlan, trainer: TrainerArgs) -> tuple[int | None, str]:
     """Optimizer steps per epoch as Lightning takes them, and the debug flag that shortens the epoch ("" if none).
 
     A full epoch is the global batches the training set fills (the sampler skips the tail). Lightning's debug
@@ -150,13 +152,13 @@ def epoch_steps(train_size: int | None, batch: BatchPlan, trainer_cfg: Mapping[s
     if train_size is None:
         return None, ""
     batches = train_size // batch.global_ * batch.accumulation
-    fast_dev_run = int(trainer_cfg.get("fast_dev_run") or 0)  # True is 1 batch
-    if trainer_cfg.get("overfit_batches"):
+    fast_dev_run = int(trainer.fast_dev_run or 0)  # True is 1 batch
+    if trainer.overfit_batches:
         flag = "overfit_batches"
         batches = math.ceil(math.ceil(train_size / batch.world_size) / batch.per_device)
     else:
         flag = "fast_dev_run" if fast_dev_run else "limit_train_batches"
-    limit = fast_dev_run if flag == "fast_dev_run" else trainer_cfg.get(flag)
+    limit = fast_dev_run if flag == "fast_dev_run" else getattr(trainer, flag)
     limited = batch_limit(batches, limit)
     if limited == 0 and limit:
         raise UserError(f"trainer.{flag}={limit} keeps less than one of the {batches} batches per epoch; raise it")
@@ -164,11 +166,11 @@ def epoch_steps(train_size: int | None, batch: BatchPlan, trainer_cfg: Mapping[s
     return math.ceil(limited / batch.accumulation), f"trainer.{flag}={limit}" if shortened else ""
 
 
-def run_steps(steps_per_epoch: int | None, trainer_cfg: Mapping[str, Any]) -> int | None:
+def run_steps(steps_per_epoch: int | None, trainer: TrainerArgs) -> int | None:
     """Optimizer steps of the whole run; `fast_dev_run=n` makes Lightning run one epoch of at most n steps."""
     if steps_per_epoch is None:
         return None
-    fast_dev_run = int(trainer_cfg.get("fast_dev_run") or 0)
+    fast_dev_run = int(trainer.fast_dev_run or 0)
     if fast_dev_run:
         return total_steps(steps_per_epoch, 1, fast_dev_run)
-    return total_steps(steps_per_epoch, trainer_cfg.get("max_epochs"), trainer_cfg.get("max_steps"))
+    return total_steps(steps_per_epoch, trainer.max_epochs, trainer.max_steps)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 from torch import nn
@@ -12,6 +12,10 @@ from torch.utils.data import IterableDataset
 
 from scaleup.errors import UserError
 from scaleup.plan.resolve import SMALL_BN_BATCH, Plan
+
+if TYPE_CHECKING:
+    from scaleup.config.schema import Strategy
+    from scaleup.config.typed import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +33,11 @@ def check_data_config(data_cfg: Mapping[str, Any]) -> None:
         )
 
 
-def check_config(cfg: dict[str, Any], plan: Plan) -> None:
+def check_config(config: TrainConfig, plan: Plan) -> None:
     """Mistakes that would crash later or silently change results: refuse them now."""
     if plan.strategy == "fsdp":
-        check_fsdp_options(cfg["strategy"], plan)
-        if cfg["model"].get("compile"):
+        check_fsdp_options(config.strategy, plan)
+        if config.model.get("compile"):
             # Measured (torch 2.14): dynamo meets FSDP2's hooks, which it skips (`torch._dynamo.disable`), at every
             # unit, and breaks the graph there; a network compiled as a whole before sharding compiled no graph.
             raise UserError(
@@ -46,15 +50,15 @@ def check_config(cfg: dict[str, Any], plan: Plan) -> None:
         )
 
 
-def check_fsdp_options(strategy_cfg: Mapping[str, Any], plan: Plan) -> None:
+def check_fsdp_options(strategy: Strategy, plan: Plan) -> None:
     """FSDP's GPU options where they cannot do what they say."""
-    if strategy_cfg.get("cpu_offload") and plan.accelerator == "cpu":
+    if strategy.cpu_offload and plan.accelerator == "cpu":
         raise UserError(
             "strategy.cpu_offload=true moves the shards off the GPU into host memory; on CPU they are there"
         )
-    if strategy_cfg.get("mixed_precision") and plan.precision != "32-true":
+    if strategy.mixed_precision and plan.precision != "32-true":
         raise UserError(
-            f"strategy.mixed_precision={strategy_cfg['mixed_precision']} is FSDP's own mixed precision (float32 master "
+            f"strategy.mixed_precision={strategy.mixed_precision} is FSDP's own mixed precision (float32 master "
             f"weights and gradient reduction); with it pass trainer.precision=32-true, not {plan.precision}"
         )
 

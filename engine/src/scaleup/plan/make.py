@@ -4,7 +4,7 @@ sizes; then the start-up checks that need the whole plan."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import lightning as L
 
@@ -16,9 +16,12 @@ from scaleup.plan.lr import base_lrs
 from scaleup.plan.resolve import Plan, build_plan, early_stopping_entry
 from scaleup.plan.topology import Topology
 
+if TYPE_CHECKING:
+    from scaleup.config.typed import TrainConfig
+
 
 def make_plan(
-    config: dict[str, Any],
+    config: TrainConfig,
     topology: Topology,
     launch: Launch,
     model: L.LightningModule,
@@ -31,21 +34,21 @@ def make_plan(
         lrs = base_lrs(model)
     plan = build_plan(
         topology=topology,
-        trainer_cfg=config["trainer"],
-        data_cfg=config["data"],
-        lr_cfg=config["lr_schedule"],
+        trainer=config.trainer,
+        batches=config.batches,
+        lr_schedule=config.lr_schedule,
         base_lrs=lrs,
-        seed=config["seed"],
+        seed=config.seed,
         dataset_sizes=dataset_sizes,
         has_batchnorm=has_batchnorm(model),
         strategy=launch.name,
-        early_stopping=early_stopping_entry(config.get("callbacks") or {}),
-        performance=config["performance"],
+        early_stopping=early_stopping_entry(config.callbacks),
+        performance=config.performance,
         launcher=launch.launcher,
     )
     if launch.name == "fsdp":
         mesh = launch.strategy.mesh_shape
-        sharding = describe_sharding(model, config["strategy"], mesh, plan.accumulate_grad_batches, on_meta)
+        sharding = describe_sharding(model, config.strategy, mesh, plan.accumulate_grad_batches, on_meta)
         plan = replace(plan, sharding=sharding)
     check_config(config, plan)
     return plan

@@ -10,12 +10,15 @@ import inspect
 import pkgutil
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaleup.errors import UserError
 from scaleup.plan.batch import check_auto_cap, epoch_steps, resolve_batch, run_steps
 from scaleup.plan.lr import LRSchedule, lr_factor
 from scaleup.plan.topology import Topology, resolve_precision
+
+if TYPE_CHECKING:
+    from scaleup.config.schema import DataBatches, LRScheduleSettings, Performance, TrainerArgs
 
 # Fewer samples than this per BatchNorm statistic make the statistics noisy enough to cost accuracy; from here up
 # they are reliable unsynced. Goyal et al. 2017 trained ResNet-50 at a global batch of 8k with BN over 32 images
@@ -192,13 +195,13 @@ def known(value: Any) -> str:
 
 
 def check_plan_inputs(
-    *, trainer_cfg: Mapping[str, Any], data_cfg: Mapping[str, Any], lr_cfg: Mapping[str, Any], strategy: str
+    *, trainer: TrainerArgs, batches: DataBatches, lr_schedule: LRScheduleSettings, strategy: str
 ) -> None:
     """Refuse settings that contradict each other, before anything is derived from them (each value's own type and
     range is checked before the job starts: config/schema.py)."""
-    if data_cfg.get("max_per_device_batch_size") == "auto":
-        check_auto_cap(data_cfg.get("per_device_batch_size"), trainer_cfg.get("accumulate_grad_batches"), strategy)
-    warmup_epochs, warmup_steps = lr_cfg["warmup_epochs"], lr_cfg["warmup_steps"]
+    if batches.max_per_device_batch_size == "auto":
+        check_auto_cap(batches.per_device_batch_size, trainer.accumulate_grad_batches, strategy)
+    warmup_epochs, warmup_steps = lr_schedule.warmup_epochs, lr_schedule.warmup_steps
     if warmup_epochs and warmup_steps:
         raise UserError(
             "set lr_schedule.warmup_epochs or lr_schedule.warmup_steps, not both "
@@ -222,9 +225,9 @@ def check_split_sizes(dataset_sizes: Mapping[str, int], global_batch: int, world
             )
 
 
-def warmup_steps_for(lr_cfg: Mapping[str, Any], steps_per_epoch: int | None) -> int | None:
+def warmup_steps_for(lr_schedule: LRScheduleSettings, steps_per_epoch: int | None) -> int | None:
     """`warmup_steps`, or `warmup_epochs` in optimizer steps (None until the epoch length is known)."""
-    warmup_epochs, warmup_steps = lr_cfg["warmup_epochs"], lr_cfg["warmup_steps"]
+    warmup_epochs, warmup_steps = lr_schedule.warmup_epochs, lr_schedule.warmup_steps
     if warmup_steps or not warmup_epochs:
         return int(warmup_steps or 0)
     return None if steps_per_epoch is None else round(float(warmup_epochs) * steps_per_epoch)
@@ -233,41 +236,41 @@ def warmup_steps_for(lr_cfg: Mapping[str, Any], steps_per_epoch: int | None) -> 
 def build_plan(
     *,
     topology: Topology,
-    trainer_cfg: dict[str, Any],
-    data_cfg: dict[str, Any],
-    lr_cfg: dict[str, Any],
+    trainer: TrainerArgs,
+    batches: DataBatches,
+    lr_schedule: LRScheduleSettings,
     base_lrs: Mapping[str, float],
     seed: int,
     dataset_sizes: dict[str, int],
     has_batchnorm: bool,
     strategy: str,
     early_stopping: Mapping[str, Any] | None = None,
-    performance: Mapping[str, Any],
+    performance: Performance,
     launcher: str = "",
 ) -> Plan:
     """Check the settings, then derive the batch split, the LR schedule, BatchNorm and precision for `topology`."""
-    check_plan_inputs(trainer_cfg=trainer_cfg, data_cfg=data_cfg, lr_cfg=lr_cfg, strategy=strategy)
-    accumulation = trainer_cfg["accumulate_grad_batches"]
-    cap = data_cfg.get("max_per_device_batch_size")
+    check_plan_inputs(trainer=trainer, batches=batches, lr_schedule=lr_schedule, strategy=strategy)
+    accumulation = trainer.accumulate_grad_batches
+    cap = batches.max_per_device_batch_size
     batch = resolve_batch(
-        data_cfg.get("global_batch_size"),
-        data_cfg.get("per_device_batch_size"),
+        batches.global_batch_size,
+        batches.per_device_batch_size,
         topology.world_size,
         None if accumulation is None else int(accumulation),
         None if cap == "auto" else cap,
     )
     check_split_sizes(dataset_sizes, batch.global_, topology.world_size)
-    steps_per_epoch, epoch_limit = epoch_steps(dataset_sizes.get("train"), batch, trainer_cfg)
+    steps_per_epoch, epoch_limit = epoch_steps(dataset_sizes.get("train"), batch, trainer)
 
-    rule = str(lr_cfg["rule"])
-    base_batch = int(lr_cfg["base_batch_size"])
+    rule = str(lr_schedule.rule)
+    base_batch = int(lr_schedule.base_batch_size)
     factor = lr_factor(batch.global_, base_batch, rule)
     distinct_lrs = set(base_lrs.values())
     shared_lr = distinct_lrs.pop() if len(distinct_lrs) == 1 else None
     # With an auto cap the micro-batch is known only after the probe; SyncBN is decided before it (Lightning
     # converts the layers during setup) on the largest micro-batch the probe can pick.
     sync, sync_reason = resolve_sync_batchnorm(
-        trainer_cfg["sync_batchnorm"], topology, has_batchnorm, batch.per_device, strategy
+        trainer.sync_batchnorm, topology, has_batchnorm, batch.per_device, strategy
     )
     if cap == "auto" and has_batchnorm:
         sync_reason += " (decided before the probe, on its largest split)"
@@ -280,23 +283,23 @@ def build_plan(
         per_device_batch_size=batch.per_device,
         accumulate_grad_batches=batch.accumulation,
         global_batch_size=batch.global_,
-        batch_mode="global" if data_cfg.get("global_batch_size") is not None else "per_device",
+        batch_mode="global" if batches.global_batch_size is not None else "per_device",
         base_lrs=dict(base_lrs),
         base_lr=shared_lr,
         base_batch_size=base_batch,
         scaling_rule=rule,
         lr_factor=factor,
         lr=None if shared_lr is None else shared_lr * factor,
-        warmup_steps=warmup_steps_for(lr_cfg, steps_per_epoch),
-        decay=str(lr_cfg["decay"]),
-        milestones=tuple(lr_cfg["milestones"] or ()),
-        gamma=float(lr_cfg["gamma"]),
+        warmup_steps=warmup_steps_for(lr_schedule, steps_per_epoch),
+        decay=str(lr_schedule.decay),
+        milestones=tuple(lr_schedule.milestones or ()),
+        gamma=float(lr_schedule.gamma),
         steps_per_epoch=steps_per_epoch,
-        total_steps=run_steps(steps_per_epoch, trainer_cfg),
+        total_steps=run_steps(steps_per_epoch, trainer),
         sync_batchnorm=sync,
-        precision=resolve_precision(trainer_cfg["precision"], topology.accelerator),
-        tf32=bool(performance["tf32"]) and topology.accelerator == "gpu",
-        channels_last=bool(performance["channels_last"]),
+        precision=resolve_precision(trainer.precision, topology.accelerator),
+        tf32=bool(performance.tf32) and topology.accelerator == "gpu",
+        channels_last=bool(performance.channels_last),
         strategy=strategy,
         seed=int(seed),
         dataset_sizes=dict(dataset_sizes),
@@ -304,11 +307,11 @@ def build_plan(
         max_per_device_batch_size=cap,
         has_batchnorm=has_batchnorm,
         bn_batch_size=None if cap == "auto" else bn_batch(batch.per_device, topology.world_size, sync, has_batchnorm),
-        base_bn_batch_size=int(lr_cfg["base_bn_batch_size"] or base_batch),
+        base_bn_batch_size=int(lr_schedule.base_bn_batch_size or base_batch),
         sync_batchnorm_reason=sync_reason,
         early_stopping=describe_early_stopping(early_stopping),
         launcher=launcher,
-        log_every_n_steps=resolve_log_every_n_steps(trainer_cfg["log_every_n_steps"], steps_per_epoch),
+        log_every_n_steps=resolve_log_every_n_steps(trainer.log_every_n_steps, steps_per_epoch),
     )
 
 
@@ -329,12 +332,13 @@ def early_stopping_entry(callbacks_cfg: Mapping[str, Any]) -> Mapping[str, Any] 
     return next((c for c in entries if str(c["_target_"]).rsplit(".", 1)[-1] == "EarlyStopping"), None)
 
 
-def describe_early_stopping(cfg: Mapping[str, Any] | None) -> str | None:
-    """`metric (mode, patience N)`; a setting the config leaves out is the callback's own default."""
-    if not cfg:
+def describe_early_stopping(entry: Mapping[str, Any] | None) -> str | None:
+    """`metric (mode, patience N)` of the callbacks' EarlyStopping entry; a setting the entry leaves out is the
+    callback's own default."""
+    if not entry:
         return None
-    callback = pkgutil.resolve_name(str(cfg["_target_"]))
-    settings = {name: p.default for name, p in inspect.signature(callback).parameters.items()} | dict(cfg)
+    callback = pkgutil.resolve_name(str(entry["_target_"]))
+    settings = {name: p.default for name, p in inspect.signature(callback).parameters.items()} | dict(entry)
     return f"{settings['monitor']} ({settings['mode']}, patience {settings['patience']})"
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from scaleup.distributed.clusters import launched_nodes
 from scaleup.errors import UserError
+
+if TYPE_CHECKING:
+    from scaleup.config.schema import EvalTrainer, TrainerArgs
 
 
 @dataclass(frozen=True)
@@ -22,9 +25,9 @@ class Topology:
         return self.devices * self.num_nodes
 
 
-def resolve_topology(trainer_cfg: dict[str, Any], *, dry_run: bool = False) -> Topology:
+def resolve_topology(trainer: TrainerArgs | EvalTrainer, *, dry_run: bool = False) -> Topology:
     """Turn `trainer.accelerator/devices/num_nodes` into numbers, and refuse what this machine cannot run."""
-    accelerator = str(trainer_cfg["accelerator"])
+    accelerator = str(trainer.accelerator)
     if accelerator in ("cuda", "gpu"):
         accelerator = "gpu"
     elif accelerator == "auto":
@@ -33,7 +36,7 @@ def resolve_topology(trainer_cfg: dict[str, Any], *, dry_run: bool = False) -> T
     elif accelerator != "cpu":
         raise UserError(f"trainer.accelerator={accelerator} is not supported here; use auto, gpu or cpu")
 
-    devices = trainer_cfg["devices"]
+    devices = trainer.devices
     if isinstance(devices, str) and devices not in ("auto", "-1"):
         devices = [d for d in devices.split(",") if d.strip()]
     if isinstance(devices, list | tuple):
@@ -41,7 +44,7 @@ def resolve_topology(trainer_cfg: dict[str, Any], *, dry_run: bool = False) -> T
     elif devices in ("auto", "-1", -1):
         devices = torch.cuda.device_count() if accelerator == "gpu" and not dry_run else 1
     devices = int(devices)
-    num_nodes = trainer_cfg["num_nodes"]
+    num_nodes = trainer.num_nodes
     # auto: as many nodes as the launcher started, e.g. an elastic torchrun job's after it lost one.
     num_nodes = launched_nodes() if num_nodes == "auto" else int(num_nodes)
     if accelerator == "gpu" and not dry_run:

@@ -1,0 +1,102 @@
+"""The training job's config as one typed record, made once from the checked config and read everywhere after.
+
+The engine's own sections are the schema's models (config/schema.py), read as attributes with types; the user's own
+sections (data, model, callbacks, logger) stay the dicts their `_target_`s take. Nothing here has a default of its
+own: every value is the composed config's (the YAML groups state the defaults), checked before the record is made.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from scaleup.config.schema import (
+    Checkpointing,
+    DataBatches,
+    Loader,
+    LRScheduleSettings,
+    Monitor,
+    Performance,
+    Section,
+    Strategy,
+    TrainerArgs,
+    validate_config,
+)
+
+
+def train_config(cfg: DictConfig) -> TrainConfig:
+    """`python train.py`'s composed config, every value checked (one UserError naming each wrong one), as the
+    typed record the job reads."""
+    return TrainConfig.of(validate_config(cfg, "train"))
+
+
+def data_batches(data: dict[str, Any]) -> DataBatches:
+    """The batch keys of the `data` section; one it leaves out is what every data module's constructor
+    (GlobalBatchDataModule's) makes of it."""
+    from scaleup.data.datamodule import GlobalBatchDataModule
+
+    parameters = inspect.signature(GlobalBatchDataModule.__init__).parameters
+    defaults = {name: parameters[name].default for name in DataBatches.model_fields}
+    return section(DataBatches, defaults | data)
+
+
+def section(model: type[Section], values: dict[str, Any]) -> Any:
+    """`values` as `model`'s record, without checking them again (validate_config did): a key of another option
+    (an FSDP key in a DDP run) is no attribute, and a key the model does not declare is kept as an extra."""
+    return model.model_construct(**values)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """`python train.py`'s config. `plain` is all of it as composed, resolved: what config.yaml and checkpoints
+    store; `data`, `model`, `callbacks` and `logger` are its sections of the user's own."""
+
+    seed: int
+    dry_run: bool
+    ckpt_path: str | None
+    package: str
+    monitor: Monitor
+    checkpoint: Checkpointing
+    performance: Performance
+    loader: Loader
+    lr_schedule: LRScheduleSettings
+    trainer: TrainerArgs
+    strategy: Strategy
+    batches: DataBatches  # the batch keys every data module takes, read by the plan
+    data: dict[str, Any]
+    model: dict[str, Any]
+    callbacks: dict[str, Any]
+    logger: dict[str, Any]
+    plain: dict[str, Any]
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> TrainConfig:
+        """The record of a checked, resolved train config (`to_plain` of the composed one)."""
+        return cls(
+            seed=config["seed"],
+            dry_run=config["dry_run"],
+            ckpt_path=config["ckpt_path"],
+            package=config["package"],
+            monitor=section(Monitor, config["monitor"]),
+            checkpoint=section(Checkpointing, config["checkpoint"]),
+            performance=section(Performance, config["performance"]),
+            loader=section(Loader, config["loader"]),
+            lr_schedule=section(LRScheduleSettings, config["lr_schedule"]),
+            trainer=section(TrainerArgs, config["trainer"]),
+            strategy=section(Strategy, config["strategy"]),
+            batches=data_batches(config["data"]),
+            data=config["data"],
+            model=config["model"],
+            callbacks=config.get("callbacks") or {},  # callbacks=[] and logger=[] leave no key
+            logger=config.get("logger") or {},
+            plain=config,
+        )
+
+
+def values(record: Section) -> dict[str, Any]:
+    """A section's keys and values as the config gave them (with the extras a section passes on, such as every
+    lightning.Trainer argument): what a constructor takes as keyword arguments."""
+    return {**{name: getattr(record, name) for name in record.model_fields_set}, **(record.model_extra or {})}

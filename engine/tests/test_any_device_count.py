@@ -181,13 +181,10 @@ def test_auto_takes_the_largest_batch_every_device_fits(reference, tmp_path):
     )
     log = (tmp_path / "train.log").read_text()
     assert "32 per device fits here, 8 on every device -> per-device batch 8, accumulation 4" in log
-    plan = read_json(tmp_path / "plan.json")  # rewritten with the settled split
-    assert plan["world_size"] == 2
-    assert (plan["max_per_device_batch_size"], plan["per_device_batch_size"], plan["accumulate_grad_batches"]) == (
-        "auto",
-        8,
-        4,
-    )
+    plan = read_json(tmp_path / "plan.json")  # the plan made before the probe: it says auto
+    assert (plan["world_size"], plan["max_per_device_batch_size"], plan["global_batch_size"]) == (2, "auto", 64)
+    settled = read_json(tmp_path / "batch_probe.json")  # the probe's own record, written once
+    assert settled == {"per_device_batch_size": 8, "accumulate_grad_batches": 4, "fits_on_rank_zero": 32}
     last = load_checkpoint(tmp_path / "checkpoints/last.ckpt")
     assert (last["scaleup"]["plan"]["per_device_batch_size"], last["scaleup"]["plan"]["accumulate_grad_batches"]) == (
         8,

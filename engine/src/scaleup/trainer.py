@@ -128,7 +128,7 @@ def template_callbacks(config: TrainConfig, plan: Plan, run_dir: Path) -> list[L
     return [
         LRScaling(plan.schedule()),
         StepSeed(plan.seed, plan.global_batch_size),
-        *([AutoBatchSize(plan, run_dir / "plan.json")] if plan.max_per_device_batch_size == "auto" else []),
+        *([AutoBatchSize(plan, run_dir / "batch_probe.json")] if plan.max_per_device_batch_size == "auto" else []),
         PrivateMetricStates(),
         ExactEvalMetrics(),
         MonitorCheck(config.monitor.metric, config.monitor.mode),

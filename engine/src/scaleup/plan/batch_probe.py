@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,19 @@ def optimizer_state_bytes(module: torch.nn.Module) -> int:
     return 2 * sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
+@dataclass(frozen=True)
+class SettledSplit:
+    """What `auto` settled on at the start of `fit`, beside the plan made before it (which says `auto`): the run's
+    batch_probe.json. Every checkpoint's stored plan holds the same split."""
+
+    per_device_batch_size: int
+    accumulate_grad_batches: int
+    fits_on_rank_zero: int  # the largest split rank 0 found; the ranks take the smallest of theirs
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
 class AutoBatchSize(L.Callback):
     """Settles the per-device batch and the accumulation at the start of `fit`, the same on every rank.
 
@@ -99,9 +113,9 @@ class AutoBatchSize(L.Callback):
     device with less memory.
     """
 
-    def __init__(self, plan: Plan, plan_path: str | Path | None = None, margin: float = AUTO_MARGIN) -> None:
+    def __init__(self, plan: Plan, record: str | Path | None = None, margin: float = AUTO_MARGIN) -> None:
         self.plan = plan
-        self.plan_path = Path(plan_path) if plan_path else None
+        self.record = Path(record) if record else None  # where SettledSplit is written (rank 0)
         self.margin = margin
         self.forward: Callable[[L.LightningModule, Any], torch.Tensor] = training_loss
 
@@ -164,5 +178,5 @@ class AutoBatchSize(L.Callback):
         warning = batchnorm_warning(plan)
         if warning:
             log.warning(warning)
-        if self.plan_path is not None:
-            self.plan_path.write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+        if self.record is not None:
+            SettledSplit(plan.per_device_batch_size, plan.accumulate_grad_batches, mine).write(self.record)

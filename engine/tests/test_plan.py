@@ -215,25 +215,25 @@ def test_auto_cap_refuses_what_fixes_the_split_already(data_cfg, trainer_cfg, st
         )
 
 
-def test_cap_in_the_plan_and_its_rows():
-    plan = plan_for(
-        topology=Topology("gpu", 1, 1),
-        trainer={"max_epochs": 3},
-        batches={"global_batch_size": 256, "max_per_device_batch_size": 32},
-    )
+CAPPED = dict(
+    topology=Topology("gpu", 1, 1),
+    trainer={"max_epochs": 3},
+    batches={"global_batch_size": 256, "max_per_device_batch_size": 32},
+)
+AUTO = dict(trainer={"max_epochs": 3}, batches={"global_batch_size": 512, "max_per_device_batch_size": "auto"})
+
+
+def test_cap_in_the_plan():
+    plan = plan_for(**CAPPED)
     assert (plan.per_device_batch_size, plan.accumulate_grad_batches, plan.global_batch_size) == (32, 8, 256)
-    rows = dict(plan.rows())
-    assert rows["per-device batch"] == "32 (cap 32)"
-    assert rows["accumulation"] == "8 (derived from the per-device cap)"
-    assert rows["BatchNorm batch"] == "32 (the per-device micro-batch); tuned at 256"
-    assert rows["SyncBatchNorm"] == "off (auto: one process, nothing to sync)"
+    assert (plan.max_per_device_batch_size, plan.bn_batch_size, plan.base_bn_batch_size) == (32, 32, 256)
+    assert (plan.sync_batchnorm, plan.sync_batchnorm_reason) == (False, "auto: one process, nothing to sync")
     assert plan.total_steps == 3 * (10_000 // 256)  # steps and LR follow the global batch alone
 
 
 def test_auto_cap_plans_the_global_batch_and_leaves_the_split_to_the_probe():
-    plan = plan_for(trainer={"max_epochs": 3}, batches={"global_batch_size": 512, "max_per_device_batch_size": "auto"})
-    rows = dict(plan.rows())
-    assert rows["per-device batch"] == "auto: the largest exact split of 64 that fits, probed on every device at start"
+    plan = plan_for(**AUTO)
+    assert (plan.max_per_device_batch_size, plan.global_batch_size, plan.world_size) == ("auto", 512, 8)
     assert plan.bn_batch_size is None and plan.total_steps == 57
     settled = plan.with_per_device_batch(16)
     assert (settled.per_device_batch_size, settled.accumulate_grad_batches, settled.bn_batch_size) == (16, 4, 16)
@@ -252,7 +252,6 @@ def test_sync_batchnorm_auto_decides_by_the_per_device_batch(topology, global_, 
     plan = plan_for(topology=topology, trainer={"max_epochs": 1}, batches={"global_batch_size": global_})
     assert (plan.sync_batchnorm, plan.sync_batchnorm_reason) == (sync, reason)
     assert plan.bn_batch_size == (global_ if sync else global_ // topology.world_size)
-    assert dict(plan.rows())["SyncBatchNorm"] == f"{'on' if sync else 'off'} ({reason})"
 
 
 @pytest.mark.parametrize(
@@ -294,15 +293,12 @@ def test_one_gpu_with_accumulation_warns_that_batchnorm_sees_less_than_the_synce
 def test_a_plan_made_before_the_data_is_there_says_what_is_unknown():
     plan = plan_for(dataset_sizes={})
     assert (plan.steps_per_epoch, plan.total_steps, plan.warmup_steps) == (None, None, None)
-    rows = dict(plan.rows())
-    assert rows["steps per epoch"] == "unknown"
-    assert rows["data"] == "unknown until the data is there (the data module cannot state its sizes)"
+    assert plan.dataset_sizes == {}
 
 
 def test_no_batchnorm_no_bn_batch():
     plan = plan_for(has_batchnorm=False)
-    assert plan.bn_batch_size is None and batchnorm_warning(plan) is None
-    assert dict(plan.rows())["BatchNorm batch"] == "- (no BatchNorm layers)"
+    assert (plan.has_batchnorm, plan.bn_batch_size, batchnorm_warning(plan)) == (False, None, None)
 
 
 def test_early_stopping_is_in_the_plan():
@@ -314,13 +310,96 @@ def test_early_stopping_is_in_the_plan():
             "patience": 4,
         }
     )
-    assert dict(plan.rows())["early stopping"] == (
-        "val/acc (max, patience 4): may end the run before step 57; the LR schedule still spans all 57"
-    )
-    assert "early stopping" not in dict(plan_for().rows())
+    assert plan.early_stopping == "val/acc (max, patience 4)" and plan_for().early_stopping is None
     # What the entry leaves out is the callback's own default (Lightning's EarlyStopping: min, patience 3).
     plan = plan_for(early_stopping={"_target_": "lightning.pytorch.callbacks.EarlyStopping", "monitor": "val/loss"})
-    assert dict(plan.rows())["early stopping"].startswith("val/loss (min, patience 3)")
+    assert plan.early_stopping == "val/loss (min, patience 3)"
+
+
+RANDOMNESS = (
+    "augmentation by (seed, epoch, sample): any topology; dropout and other in-model draws by (seed, step, "
+    "micro-batch offset): any topology with micro-batches of {}"
+)
+EARLY_STOPPING = {"_target_": "lightning.pytorch.callbacks.EarlyStopping", "monitor": "val/acc", "mode": "max"}
+# The plan as printed (and in train.log) for a capped plan, an auto plan with early stopping, and a plan made
+# before the data is there for a model without BatchNorm: every row's wording in one place, where the tests above
+# check the fields behind them.
+PRINTED = {
+    "capped": (
+        CAPPED,
+        [
+            ("world size", "1 = 1 node(s) x 1 gpu"),
+            ("per-device batch", "32 (cap 32)"),
+            ("accumulation", "8 (derived from the per-device cap)"),
+            ("global batch", "256 (global mode)"),
+            ("learning rate", "0.1 @ 256 -> 0.1 @ 256 (linear)"),
+            (
+                "warmup / total steps",
+                "39 / 117 (cosine decay); no ramp: at or below the base batch the scaled LR needs no warmup",
+            ),
+            ("steps per epoch", "39"),
+            ("BatchNorm batch", "32 (the per-device micro-batch); tuned at 256"),
+            ("SyncBatchNorm", "off (auto: one process, nothing to sync)"),
+            ("precision / strategy", "bf16-mixed / ddp"),
+            ("TF32 / channels_last", "on / off"),
+            ("seed", "1"),
+            ("random numbers", RANDOMNESS.format(32)),
+            ("data", "train 10000, val 100, test 100"),
+        ],
+    ),
+    "auto, early stopping": (
+        {**AUTO, "early_stopping": {**EARLY_STOPPING, "patience": 4}},
+        [
+            ("world size", "8 = 2 node(s) x 4 gpu"),
+            ("per-device batch", "auto: the largest exact split of 64 that fits, probed on every device at start"),
+            ("accumulation", "derived from the probe (global batch / (world size x per-device))"),
+            ("global batch", "512 (global mode)"),
+            ("learning rate", "0.1 @ 256 -> 0.2 @ 512 (linear)"),
+            ("warmup / total steps", "19 / 57 (cosine decay)"),
+            ("steps per epoch", "19"),
+            ("BatchNorm batch", "the probed micro-batch; tuned at 256"),
+            (
+                "SyncBatchNorm",
+                "off (auto: 64 samples per device >= 32 are enough per statistic (decided before the probe, on its "
+                "largest split))",
+            ),
+            ("precision / strategy", "bf16-mixed / ddp"),
+            ("TF32 / channels_last", "on / off"),
+            (
+                "early stopping",
+                "val/acc (max, patience 4): may end the run before step 57; the LR schedule still spans all 57",
+            ),
+            ("seed", "1"),
+            ("random numbers", RANDOMNESS.format("the probed micro-batch")),
+            ("data", "train 10000, val 100, test 100"),
+        ],
+    ),
+    "no data yet, no BatchNorm": (
+        {"dataset_sizes": {}, "has_batchnorm": False},
+        [
+            ("world size", "8 = 2 node(s) x 4 gpu"),
+            ("per-device batch", "32"),
+            ("accumulation", "2"),
+            ("global batch", "512 (global mode)"),
+            ("learning rate", "0.1 @ 256 -> 0.2 @ 512 (linear)"),
+            ("warmup / total steps", "unknown / unknown (cosine decay)"),
+            ("steps per epoch", "unknown"),
+            ("BatchNorm batch", "- (no BatchNorm layers)"),
+            ("SyncBatchNorm", "off (no BatchNorm layers)"),
+            ("precision / strategy", "bf16-mixed / ddp"),
+            ("TF32 / channels_last", "on / off"),
+            ("seed", "1"),
+            ("random numbers", RANDOMNESS.format(32)),
+            ("data", "unknown until the data is there (the data module cannot state its sizes)"),
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", PRINTED)
+def test_the_plan_as_printed(name):
+    settings, rows = PRINTED[name]
+    assert plan_for(**settings).rows() == rows
 
 
 def test_a_group_of_your_own_takes_the_engines_yaml_defaults_and_a_missing_key_is_one_line(tmp_path):

@@ -19,18 +19,13 @@ from conftest import (
     TOLERANCE,
     WIDE,
     assert_same_weights,
-    batches,
     check,
-    engine_section,
     in_process,
-    performance,
     read_json,
     run,
     weights,
 )
 from scaleup.data.seeding import SeededSamples, micro_batch_offset, mixed_seed, seed_generators
-from scaleup.plan.resolve import build_plan
-from scaleup.plan.topology import Topology
 from testbed.data import DigitsDataModule
 
 
@@ -118,23 +113,3 @@ def test_the_equivalence_check_names_a_generator_of_the_users_own(tmp_path):
         ]
     )
     assert json.loads(path.read_text()) == ["model.noise"]
-
-
-@pytest.mark.parametrize(("cap", "micro"), [(32, "32"), ("auto", "the probed micro-batch")])
-def test_the_plan_says_which_random_numbers_are_topology_invariant(cap, micro):
-    plan = build_plan(
-        topology=Topology("cpu", 1, 1),
-        trainer=engine_section("trainer/default", max_epochs=1),
-        batches=batches(**{"global_batch_size": 64, "max_per_device_batch_size": cap}),
-        lr_schedule=engine_section("lr_schedule/linear"),
-        performance=performance(),
-        base_lrs={"SGD": 0.1},
-        seed=0,
-        dataset_sizes={"train": 64},
-        has_batchnorm=False,
-        strategy="auto",
-    )
-    assert dict(plan.rows())["random numbers"] == (
-        "augmentation by (seed, epoch, sample): any topology; dropout and other in-model draws by (seed, step, "
-        f"micro-batch offset): any topology with micro-batches of {micro}"
-    )

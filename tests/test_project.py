@@ -30,15 +30,8 @@ def test_a_short_run_evaluates_exports_and_resumes_to_the_same_weights(task, tmp
 
 
 @pytest.mark.slow  # 2 processes; `pytest -m "not slow"` leaves it out
-@pytest.mark.parametrize(
-    ("task", "verdict"),
-    [
-        # bit for bit: the same micro-batches, the same random numbers, the same kernels
-        (TASKS["digits"], "2 processes vs 1 accumulating 2: largest relative difference 0.00e+00"),
-        # attention's kernels add up in another order for another batch size: equal to float64's rounding
-        (TASKS["char_lm"], "EQUIVALENT in float64"),
-    ],
-    ids=TASKS.keys(),
-)
-def test_the_model_trains_the_same_on_1_and_2_processes(task, verdict):
-    assert verdict in check_equivalence(task, project=PROJECT)
+def test_the_model_trains_the_same_on_1_and_2_processes():
+    """2 processes equal 1 accumulating 2, bit for bit in float64: the same micro-batches, the same random numbers.
+    (About 20 s on 2 cores; run it for each task of yours that draws random numbers of its own.)"""
+    verdict = check_equivalence(TASKS["digits"], project=PROJECT)
+    assert "2 processes vs 1 accumulating 2: largest relative difference 0.00e+00" in verdict

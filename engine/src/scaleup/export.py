@@ -12,8 +12,8 @@ from torch import nn
 from scaleup.build import build_model
 from scaleup.checkpoints.io import atomic_torch_save, find_checkpoint, load_checkpoint, load_weights
 from scaleup.config.plain import lookup
-from scaleup.config.schema import validate_config
 from scaleup.config.stored import stored_run
+from scaleup.config.typed import export_config
 from scaleup.errors import UserError
 
 log = logging.getLogger("scaleup")
@@ -38,29 +38,30 @@ def config_at(model_cfg: dict[str, Any], path: str) -> dict[str, Any] | None:
 
 def export(cfg: DictConfig) -> Path:
     """Rebuild the LightningModule from the checkpoint's config, load every weight strictly, and save the state_dict
-    of `model.<cfg.module>` alone: keys without the module's prefix, loadable into the bare network."""
-    validate_config(cfg, "export")
-    output = Path(cfg.output_path)
+    of `model.<config.module>` alone: keys without the module's prefix, loadable into the bare network."""
+    config = export_config(cfg)
+    output = Path(config.output_path)
     if output.is_dir():
         raise UserError(f"output_path={output} is a directory: name the file to write, e.g. {output / 'net.pt'}")
-    if output.exists() and not cfg.overwrite:
+    if output.exists() and not config.overwrite:
         raise UserError(f"{output} already exists; choose another output_path or pass overwrite=true")
-    ckpt_path = find_checkpoint(cfg.ckpt_path, prefer="best")
+    ckpt_path = find_checkpoint(config.ckpt_path, prefer="best")
     checkpoint = load_checkpoint(ckpt_path)
-    stored = stored_run(checkpoint, ckpt_path, cfg.package)
+    stored = stored_run(checkpoint, ckpt_path, config.package)
     model_cfg = stored.model
     model = build_model(model_cfg, precision=stored.plan.precision)  # float64 weights stay float64
     load_weights(model, checkpoint["state_dict"])  # every key fits, or the error names those that do not
-    net = submodule(model, cfg.module)
+    net = submodule(model, config.module)
     atomic_torch_save(net.state_dict(), output)
-    net_cfg = config_at(model_cfg, cfg.module)
+    net_cfg = config_at(model_cfg, config.module)
+    owner = f"{type(net).__module__}.{type(net).__qualname__}"
     build = (
         f"hydra.utils.instantiate(cfg)  # cfg:\n{OmegaConf.to_yaml(net_cfg)}"
         if net_cfg
-        else f"{type(net).__module__}.{type(net).__qualname__}(...)  # as your LightningModule builds .{cfg.module}\n"
+        else f"{owner}(...)  # as your LightningModule builds .{config.module}\n"
     )
     log.info(
-        f"wrote {output} ({len(net.state_dict())} tensors of .{cfg.module}). Load it with:\n"
+        f"wrote {output} ({len(net.state_dict())} tensors of .{config.module}). Load it with:\n"
         f"  net = {build}"
         f"  net.load_state_dict(torch.load('{output}', weights_only=True))"
     )

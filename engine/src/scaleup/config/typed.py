@@ -1,4 +1,4 @@
-"""The training job's config as one typed record, made once from the checked config and read everywhere after.
+"""Each job's config as one typed record, made once from the checked config and read everywhere after.
 
 The engine's own sections are the schema's models (config/schema.py), read as attributes with types; the user's own
 sections (data, model, callbacks, logger) stay the dicts their `_target_`s take. Nothing here has a default of its
@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from scaleup.config.schema import (
     Checkpointing,
     DataBatches,
+    EvalTrainer,
     Loader,
     LRScheduleSettings,
     Monitor,
@@ -31,6 +32,16 @@ def train_config(cfg: DictConfig) -> TrainConfig:
     """`python train.py`'s composed config, every value checked (one UserError naming each wrong one), as the
     typed record the job reads."""
     return TrainConfig.of(validate_config(cfg, "train"))
+
+
+def eval_config(cfg: DictConfig) -> EvalConfig:
+    """`python eval.py`'s config, checked, as the record the job reads."""
+    return EvalConfig.of(validate_config(cfg, "eval"))
+
+
+def export_config(cfg: DictConfig) -> ExportConfig:
+    """`python export.py`'s config, checked, as the record the job reads."""
+    return ExportConfig.of(validate_config(cfg, "export"))
 
 
 def data_batches(data: dict[str, Any]) -> DataBatches:
@@ -94,6 +105,47 @@ class TrainConfig:
             logger=config.get("logger") or {},
             plain=config,
         )
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """`python eval.py`'s config: the checkpoint, your package, the per-device batch (None: training's), whether to
+    compile, the `data` keys that override the checkpoint's stored ones, and the Trainer's settings."""
+
+    ckpt_path: str
+    package: str
+    batch_size: int | None
+    compile: bool
+    data: dict[str, Any]
+    trainer: EvalTrainer
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> EvalConfig:
+        return cls(
+            ckpt_path=config["ckpt_path"],
+            package=config["package"],
+            batch_size=config["batch_size"],
+            compile=config["compile"],
+            data=config["data"],
+            trainer=section(EvalTrainer, config["trainer"]),
+        )
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """`python export.py`'s config: the checkpoint, your package, the file to write (and whether to overwrite it),
+    and the attribute path of the module to save."""
+
+    ckpt_path: str
+    package: str
+    output_path: str
+    overwrite: bool
+    module: str
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> ExportConfig:
+        keys = ("ckpt_path", "package", "output_path", "overwrite", "module")
+        return cls(**{key: config[key] for key in keys})
 
 
 def values(record: Section) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 The engine's own sections are the schema's models (config/schema.py), read as attributes with types; the user's own
 sections (data, model, callbacks, logger) stay the dicts their `_target_`s take. Nothing here has a default of its
-own: every value is the composed config's (the YAML groups state the defaults), checked before the record is made.
+own: every value is the composed config's (the YAML groups state the defaults), checked before the record is made,
+or for a batch key the data section leaves out, what the data module's constructor makes of it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ or for a batch key the data section leaves out, what the data module's construct
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from omegaconf import DictConfig
@@ -55,6 +55,14 @@ def data_batches(data: dict[str, Any]) -> DataBatches:
     return section(DataBatches, defaults | data)
 
 
+def record(cls: type[Any], config: dict[str, Any], typed: dict[str, type[Section]], **given: Any) -> Any:
+    """The dataclass `cls` from `config`: each of its fields named in `typed` as that section's record, those
+    `given` as given, every other one as the config holds it."""
+    sections = {name: section(model, config[name]) for name, model in typed.items()}
+    rest = {field.name: config[field.name] for field in fields(cls) if field.name not in sections | given}
+    return cls(**rest, **sections, **given)
+
+
 def section(model: type[Section], values: dict[str, Any]) -> Any:
     """`values` as `model`'s record, without checking them again (validate_config did): a key of another option
     (an FSDP key in a DDP run) is no attribute, and a key the model does not declare is kept as an extra."""
@@ -87,21 +95,20 @@ class TrainConfig:
     @classmethod
     def of(cls, config: dict[str, Any]) -> TrainConfig:
         """The record of a checked, resolved train config (`to_plain` of the composed one)."""
-        return cls(
-            seed=config["seed"],
-            dry_run=config["dry_run"],
-            ckpt_path=config["ckpt_path"],
-            package=config["package"],
-            monitor=section(Monitor, config["monitor"]),
-            checkpoint=section(Checkpointing, config["checkpoint"]),
-            performance=section(Performance, config["performance"]),
-            loader=section(Loader, config["loader"]),
-            lr_schedule=section(LRScheduleSettings, config["lr_schedule"]),
-            trainer=section(TrainerArgs, config["trainer"]),
-            strategy=section(Strategy, config["strategy"]),
+        engine = {
+            "monitor": Monitor,
+            "checkpoint": Checkpointing,
+            "performance": Performance,
+            "loader": Loader,
+            "lr_schedule": LRScheduleSettings,
+            "trainer": TrainerArgs,
+            "strategy": Strategy,
+        }
+        return record(
+            cls,
+            config,
+            engine,
             batches=data_batches(config["data"]),
-            data=config["data"],
-            model=config["model"],
             callbacks=config.get("callbacks") or {},  # callbacks=[] and logger=[] leave no key
             logger=config.get("logger") or {},
             plain=config,
@@ -122,14 +129,7 @@ class EvalConfig:
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> EvalConfig:
-        return cls(
-            ckpt_path=config["ckpt_path"],
-            package=config["package"],
-            batch_size=config["batch_size"],
-            compile=config["compile"],
-            data=config["data"],
-            trainer=section(EvalTrainer, config["trainer"]),
-        )
+        return record(cls, config, {"trainer": EvalTrainer})
 
 
 @dataclass(frozen=True)
@@ -145,11 +145,10 @@ class ExportConfig:
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> ExportConfig:
-        keys = ("ckpt_path", "package", "output_path", "overwrite", "module")
-        return cls(**{key: config[key] for key in keys})
+        return record(cls, config, {})
 
 
-def values(record: Section) -> dict[str, Any]:
+def values(settings: Section) -> dict[str, Any]:
     """A section's keys and values as the config gave them (with the extras a section passes on, such as every
     lightning.Trainer argument): what a constructor takes as keyword arguments."""
-    return {**{name: getattr(record, name) for name in record.model_fields_set}, **(record.model_extra or {})}
+    return {**{name: getattr(settings, name) for name in settings.model_fields_set}, **(settings.model_extra or {})}

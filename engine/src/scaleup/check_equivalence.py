@@ -34,7 +34,6 @@ import torch
 from omegaconf import OmegaConf
 
 from scaleup.config.plain import flatten
-from scaleup.config.typed import TrainConfig
 from scaleup.plan.resolve import Plan
 
 STEPS = 8
@@ -292,7 +291,7 @@ def main(argv: list[str]) -> int:
         if ran != RUNS:  # e.g. a config of the user's that sets the accumulation or the device count its own way
             print(f"error: the runs were meant as (processes, accumulation) {RUNS} but ran as {ran}", file=sys.stderr)
             return 2
-        model_cfg = TrainConfig.of(OmegaConf.to_container(OmegaConf.load(run_dirs["1"] / "config.yaml"))).model
+        model_cfg = OmegaConf.to_container(OmegaConf.load(run_dirs["1"] / "config.yaml").model)
         drawn = json.loads((run_dirs["2"] / GENERATORS).read_text())
     code, lines = verdict(checkpoints, precision, explanations(plans, model_cfg), drawn)
     print("\n".join(lines))

@@ -9,7 +9,8 @@ or for a batch key the data section leaves out, what the data module's construct
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, fields
+import typing
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig
@@ -55,12 +56,15 @@ def data_batches(data: dict[str, Any]) -> DataBatches:
     return section(DataBatches, defaults | data)
 
 
-def record(cls: type[Any], config: dict[str, Any], typed: dict[str, type[Section]], **given: Any) -> Any:
-    """The dataclass `cls` from `config`: each of its fields named in `typed` as that section's record, those
-    `given` as given, every other one as the config holds it."""
-    sections = {name: section(model, config[name]) for name, model in typed.items()}
-    rest = {field.name: config[field.name] for field in fields(cls) if field.name not in sections | given}
-    return cls(**rest, **sections, **given)
+def record(cls: type[Any], config: dict[str, Any], **given: Any) -> Any:
+    """The dataclass `cls` from `config`: a field typed as a section is that section's record, one `given` is as
+    given, every other one is as the config holds it."""
+    fields = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        if name not in given:
+            typed = isinstance(hint, type) and issubclass(hint, Section)
+            fields[name] = section(hint, config[name]) if typed else config[name]
+    return cls(**fields, **given)
 
 
 def section(model: type[Section], values: dict[str, Any]) -> Any:
@@ -95,19 +99,9 @@ class TrainConfig:
     @classmethod
     def of(cls, config: dict[str, Any]) -> TrainConfig:
         """The record of a checked, resolved train config (`to_plain` of the composed one)."""
-        engine = {
-            "monitor": Monitor,
-            "checkpoint": Checkpointing,
-            "performance": Performance,
-            "loader": Loader,
-            "lr_schedule": LRScheduleSettings,
-            "trainer": TrainerArgs,
-            "strategy": Strategy,
-        }
         return record(
             cls,
             config,
-            engine,
             batches=data_batches(config["data"]),
             callbacks=config.get("callbacks") or {},  # callbacks=[] and logger=[] leave no key
             logger=config.get("logger") or {},
@@ -129,7 +123,7 @@ class EvalConfig:
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> EvalConfig:
-        return record(cls, config, {"trainer": EvalTrainer})
+        return record(cls, config)
 
 
 @dataclass(frozen=True)
@@ -145,7 +139,7 @@ class ExportConfig:
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> ExportConfig:
-        return record(cls, config, {})
+        return record(cls, config)
 
 
 def values(settings: Section) -> dict[str, Any]:

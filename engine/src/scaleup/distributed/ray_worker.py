@@ -44,12 +44,10 @@ def worker_topology(accelerator: str) -> dict[str, Any]:
 
 def worker_config(job: dict[str, Any]) -> DictConfig:
     """The job's config for this worker; installs Hydra's runtime and the job's logging as `@hydra.main` does."""
-    from scaleup.config.typed import TrainConfig
-
     register_resolvers()
     cfg = OmegaConf.merge(job["config"], {"trainer": worker_topology(job["accelerator"])})
     # The first attempt starts where the user said; a restarted worker group resumes this job's last checkpoint.
-    if exists(last_checkpoint(TrainConfig.of(job["config"]).checkpoint.dirpath)):
+    if exists(last_checkpoint(cfg.checkpoint.dirpath)):
         cfg.ckpt_path = "last"
     schema = OmegaConf.structured(HydraConf)
     OmegaConf.set_struct(schema, False)  # Hydra's composed config has keys beyond its schema (`env`)

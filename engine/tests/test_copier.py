@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import site
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -92,10 +93,16 @@ def pin(made: Path, tag: str) -> str:
 
 def venv_with(where: Path, *projects: Path) -> Path:
     """A fresh venv that sees this interpreter's packages (torch ...), with `projects` installed into it as the
-    README installs them, from no index: the engine can only come from their pins. Returns its python."""
+    README installs them, from no index: the engine can only come from their pins. Returns its python.
+
+    This interpreter's site-packages are listed in a .pth file of the new venv: `venv --system-site-packages` would
+    show the *base* interpreter's instead, which in a user's venv holds none of them (an old setuptools, no torch).
+    Their .pth files are not run, so this checkout's editable engine stays out of sight."""
     venv = where / "venv"
-    sh(where, sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv)
+    sh(where, sys.executable, "-m", "venv", "--without-pip", venv)
     python = venv / "bin" / "python"
+    site_dirs = sh(where, python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").stdout.strip()
+    Path(site_dirs, "outer-site-packages.pth").write_text("\n".join(dict.fromkeys(site.getsitepackages())) + "\n")
     editables = [arg for project in projects for arg in ("-e", f"{project}[test]")]
     sh(where, sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-index", "--no-build-isolation",
        *editables)  # fmt: skip

@@ -2,8 +2,9 @@
 
 Moves your package, src/<current name>/ (`myproject` in the template), to src/NAME/ and replaces the current name as
 a whole word in every tracked text file: imports, `_target_` strings in configs, pyproject, README, tests, notebooks,
-benchmarks, scripts. The machinery, engine/src/scaleup/, is never touched: it keeps its name in every project, so the
-template's next version still applies to it (`copier update`).
+benchmarks, scripts. The template's own files are never touched: the engine (engine/, whose package `scaleup` keeps
+its name in every project, so the template's next version still applies to it), the reference docs/, copier.yml,
+project/ (what copier puts in a made project) and this script.
 The UPPER and Capitalised spellings follow (OLD_SEED -> NAME_SEED, OldThing -> NameThing); a longer word that only
 contains the name (e.g. "oldness") is left alone. Two files keep the old name on purpose: LICENSE keeps the original
 copyright line (the MIT licence asks every copy to carry it) and gains one for NAME; CHANGELOG.md keeps its history
@@ -42,7 +43,10 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-MACHINERY = "scaleup"  # engine/src/scaleup/: never renamed, never edited
+MACHINERY = "scaleup"  # the engine's package: never renamed, never edited
+# The template's own, never edited by a rename: the engine, its reference docs, copier's settings, what copier puts in
+# a made project (renamed there, by the copy), and this script (its TEMPLATE_NAME is the template's name)
+TEMPLATE_OWN = ("engine", "docs", "project", "copier.yml", "scripts/rename.py")
 TEMPLATE_NAME = "myproject"  # your package's name in the template itself
 ANSWERS = ".copier-answers.yml"  # copier's record of the template's path and version, and the answers
 KEEP_HISTORY = ("LICENSE", "CHANGELOG.md")  # edited by their own rules, never search-and-replaced
@@ -116,8 +120,8 @@ def current_name(root: Path) -> str:
     return packages[0]
 
 
-def is_machinery(path: str) -> bool:
-    return Path(path).parts[:2] == ("src", MACHINERY)
+def is_template_own(path: str) -> bool:
+    return Path(path).parts[0] in TEMPLATE_OWN or path in TEMPLATE_OWN
 
 
 def rendered_files(root: Path, template: Path) -> list[str]:
@@ -298,10 +302,11 @@ def pin_engine(root: Path, source: str, commit: str | None) -> str:
 
 
 def move_paths(root: Path, old: str, new: str) -> list[str]:
-    """`git mv` every path component that is the old name (src/old -> src/new), outermost first."""
+    """`git mv` every path component that is the old name (src/old -> src/new), outermost first, outside the
+    template's own files."""
     moves = []
     while True:
-        for path in tracked_files(root):
+        for path in (path for path in tracked_files(root) if not is_template_own(path)):
             parts = Path(path).parts
             hit = next((i for i, part in enumerate(parts) if replace_name(part, old, new)[1]), None)
             if hit is not None:
@@ -362,7 +367,7 @@ def rewrite_files(root: Path, files: list[str], old: str, new: str, author: str 
     for path in files:
         file = root / path
         text = read_text(file)
-        if text is None or is_machinery(path):
+        if text is None or is_template_own(path):
             continue
         if path == "LICENSE":
             updated, count = add_license_line(text, new, author), 1
@@ -383,7 +388,7 @@ def leftovers(root: Path, old: str) -> list[str]:
     """Spellings the rules do not cover (e.g. 'OldName' for old_name): reported for a look by hand."""
     found = []
     for path in tracked_files(root):
-        text = "" if path in KEEP_HISTORY else read_text(root / path) or ""
+        text = "" if path in KEEP_HISTORY or is_template_own(path) else read_text(root / path) or ""
         found += [
             f"{path}:{number}: {line.strip()[:80]}"
             for number, line in enumerate(text.splitlines(), 1)
@@ -438,10 +443,11 @@ def main(argv: list[str] | None = None, root: Path | None = None) -> int:
     if stale := leftovers(root, old):
         print("left as they are (check by hand):", *(f"  {line}" for line in stale), sep="\n")
     uninstall = [f"  pip uninstall -y {old}                 # the old name is installed here"]
+    engine = '-e "./engine[test]" ' if (root / ENGINE).is_dir() else ""  # a clone of the template holds the engine
     print(
         "next steps:",
         *(uninstall if importlib.util.find_spec(old) else []),
-        '  python -m pip install -c constraints.txt -e ".[test]"',
+        f'  python -m pip install -c constraints.txt {engine}-e ".[test]"',
         '  pytest -m "not slow"',
         "  ruff check --fix . && ruff format .   # import order and line wrapping may change with the name",
         f'  git add -A && git commit -m "Rename {old} to {new}"',

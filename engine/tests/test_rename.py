@@ -36,6 +36,15 @@ PROJECT = {
     "LICENSE": "MIT License\n\nCopyright (c) 2026 The oldpkg authors\n\nPermission is hereby granted.\n",
     "CHANGELOG.md": "# Changelog\n\n## [Unreleased]\n\n### Added\n- A thing in oldpkg.\n\n## [0.1.0]\n- First.\n",
 }
+# The template's own files in a clone, which name the example package and which a rename leaves as they are
+TEMPLATE_OWN = {
+    "engine/src/scaleup/plain.py": '"""Stored targets of oldpkg move to the renamed package."""\n',
+    "engine/tests/test_old.py": 'assert stored == "oldpkg"\n',
+    "docs/contract.md": "Your code lives in `src/oldpkg/`.\n",
+    "copier.yml": "# copier copies src/oldpkg/\n",
+    "project/README.md": "# oldpkg\n",
+    "scripts/rename.py": 'TEMPLATE_NAME = "oldpkg"\n',
+}
 
 
 def git(cwd: Path, *args: str) -> str:
@@ -60,7 +69,7 @@ def project(tmp_path_factory) -> Path:
 
 
 def test_renames_package_imports_targets_and_every_spelling(tmp_path, capsys):
-    root = write_project(tmp_path, PROJECT)
+    root = write_project(tmp_path, PROJECT | TEMPLATE_OWN)
     assert rename.main(["new_pkg"], root=root) == 0
     out = capsys.readouterr().out
 
@@ -95,7 +104,10 @@ def test_renames_package_imports_targets_and_every_spelling(tmp_path, capsys):
     assert "edited  src/new_pkg/models.py (3 replacement(s))" in out
     # Words that only contain the old name are left, and listed for a look by hand.
     assert "left as they are (check by hand):\n  src/new_pkg/models.py:11: class OldpkgnessCheck" in out
-    assert 'python -m pip install -c constraints.txt -e ".[test]"' in out
+    # A clone of the template: its own files untouched, and the install command its engine folder needs
+    assert {path: (root / path).read_text() for path in TEMPLATE_OWN} == TEMPLATE_OWN
+    assert "engine/" not in out.split("next steps:")[0]
+    assert 'python -m pip install -c constraints.txt -e "./engine[test]" -e ".[test]"' in out
     assert 'git add -A && git commit -m "Rename oldpkg to new_pkg"' in out
 
 

@@ -427,7 +427,11 @@ def main(argv: list[str] | None = None, root: Path | None = None) -> int:
             root = root or Path.cwd()
             author = args.author or f"The {args.name} authors"
             *changes, pin = render(root, args.name, args.template, author, update, commit)
-            print(f"renamed {TEMPLATE_NAME} -> {args.name}: {len(changes)} file(s)", pin.strip(), sep="\n")
+            # An update also renders the old and the new version in copier's scratch folders, outside git: only the
+            # project itself (a git work tree, which copier updates only) reports, so nothing is said of an update
+            # that then stops (copier without a terminal asks for --defaults).
+            if not update or git(root, "rev-parse", "--is-inside-work-tree").returncode == 0:
+                print(f"renamed {TEMPLATE_NAME} -> {args.name}: {len(changes)} file(s)", pin.strip(), sep="\n")
             return 0
         root = root or ROOT
         old = current_name(root)

@@ -236,6 +236,13 @@ def test_copier_project_takes_the_next_version_and_keeps_old_checkpoints_and_sha
     outputs = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
     for name, proc in procs.items():
         assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{outputs[name][-4000:]}"
+    assert "pins the engine at commit" not in outputs["eval"]
+    # A project still pinned to v1.0.0, run in this venv (whose engine is v1.1.0's), says so at start-up
+    old_pin = sh(made / "mynet", python, "train.py", "dry_run=true", f"hydra.run.dir={tmp_path / 'old_pin'}")
+    assert (
+        f"this project pins the engine at commit {commits(made)['v1.0.0'][:12]}, but the engine installed here was "
+        f"built from {commits(made)['v1.1.0'][:12]}"
+    ) in old_pin.stderr + old_pin.stdout
     trained_metrics = read_json(trained / "metrics.json")
     assert read_json(tmp_path / "eval/metrics.json")["test/acc"] == trained_metrics["test/acc"]
     assert read_json(resumed / "metrics.json")["test/samples"] == trained_metrics["test/samples"] == 360

@@ -231,6 +231,10 @@ def test_a_made_project_pins_the_engine_to_the_template_commit_and_an_update_mov
     assert made(second, "update").count(f"@ git+file://localhost{template}@{second}#subdirectory=engine") == 2
     (root / "pyproject.toml").write_text(pyproject)
     assert made(second, "update").count(f"@ git+file://localhost{template}@{second}#subdirectory=engine") == 2
+    assert capsys.readouterr().out == ""  # copier's scratch copies, outside git: silent
+    git(root, "init", "-q")  # the project itself, which copier updates only in git: says what it did
+    made(second, "update")
+    assert capsys.readouterr().out.startswith(f"renamed {name} -> new_pkg: ")
     # Without --commit (a template run by hand), the commit its checkout is at
     assert rename.main(["new_pkg", "--template", str(template), "--operation", "update"], root=root) == 0
     assert f"@{second}#subdirectory=engine" in (root / "pyproject.toml").read_text()

@@ -16,6 +16,7 @@ import hydra
 from omegaconf import DictConfig
 
 from scaleup.distributed.run_dir import register_resolvers
+from scaleup.engine_pin import warn_if_another_engine
 from scaleup.errors import exit_on_user_error, one_line_composition_errors
 
 # Each job's function, imported when it runs (eval.py need not import the training code).
@@ -35,5 +36,10 @@ def main(job: str, configs: str | Path) -> None:
     configs = Path(configs).resolve()
     register_resolvers()
     run = exit_on_user_error(job_function(job))
-    hydra_main = hydra.main(version_base="1.3", config_path=str(configs), config_name=job)(run)
+
+    def start(cfg: DictConfig) -> Any:
+        warn_if_another_engine(configs.parent)  # the project's pyproject.toml, beside its configs/
+        return run(cfg)
+
+    hydra_main = hydra.main(version_base="1.3", config_path=str(configs), config_name=job)(start)
     one_line_composition_errors(configs, job)(hydra_main)()

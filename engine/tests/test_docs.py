@@ -265,3 +265,19 @@ def test_make_install_is_the_readmes_install_command():
     """`make install` installs at the versions the README's command pins (constraints.txt)."""
     recipe = re.search(r"^install:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)[1]
     assert f"`{recipe.replace('$(PYTHON)', 'python')}`" in (ROOT / "README.md").read_text()
+
+
+def test_every_readme_section_cited_elsewhere_exists():
+    """`(README, "Your project")` in a config, a docstring or a doc names a heading or a bold lead-in of README.md."""
+    readme = (ROOT / "README.md").read_text()
+    sections = set(re.findall(r"^#+ (.+)$", readme, re.MULTILINE)) | set(re.findall(r"\*\*([^*]+)\*\*", readme))
+    cited = re.compile(r'README, "([^"]+)"(?:: \*\*([^*]+)\*\*)?')
+    files = [*CONFIGS.rglob("*.yaml"), *(ROOT / "src").rglob("*.py"), *DOCS[1:]]
+    stale = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in files
+        for match in cited.finditer(path.read_text())
+        for name in match.groups()
+        if name is not None and name.rstrip(".,") not in sections
+    ]
+    assert stale == []

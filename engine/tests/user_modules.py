@@ -11,6 +11,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from scaleup.observability.metrics import StageMetrics
+from testbed.data import DigitsDataModule
 from testbed.models import ImageClassifier
 
 
@@ -78,6 +79,20 @@ class PlainDataModule(L.LightningDataModule):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
+
+
+class StreamedDigits(torch.utils.data.IterableDataset):
+    """A stream of samples: no `__len__`, no `__getitem__`, nothing a sampler can split between ranks."""
+
+    def __iter__(self):
+        yield from ((torch.zeros(1, 8, 8), 0) for _ in range(64))
+
+
+class StreamingDataModule(DigitsDataModule):
+    """The suite's digits, with a training split that is a stream (an IterableDataset)."""
+
+    def build_splits(self) -> dict[str, torch.utils.data.Dataset]:
+        return {**super().build_splits(), "train": StreamedDigits()}
 
 
 class LitAutoEncoder(L.LightningModule):

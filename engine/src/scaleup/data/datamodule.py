@@ -76,6 +76,15 @@ class GlobalBatchDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits is None:
             self.splits = self.build_splits()
+            for split, dataset in self.splits.items():
+                if isinstance(dataset, IterableDataset):
+                    raise UserError(
+                        f"data: the {split} split of {type(self).__name__} is an IterableDataset "
+                        f"({type(dataset).__name__}): the template splits each global batch between ranks by index, "
+                        "which a stream does not offer, so every rank would read all of it. Return map-style "
+                        "datasets (__getitem__ and __len__) from build_splits(), or write the data as shards "
+                        "(`python -m scaleup.data.convert`, then data=sharded: docs/sharded-data.md)"
+                    )
 
     def model_settings(self) -> dict[str, Any]:
         """Settings only the data knows, for the model: dotted keys under `model`, e.g. `{"net.num_classes": 10}`.
@@ -132,7 +141,7 @@ class GlobalBatchDataModule(L.LightningDataModule):
         )
 
     def _seeded(self, split: str) -> bool:
-        return not isinstance(self.splits[split], IterableDataset) and self.draws_random_numbers(split)
+        return self.draws_random_numbers(split)
 
     def _batch_and_rank(self) -> tuple[BatchPlan, int]:
         self.setup()

@@ -44,7 +44,9 @@ def test_a_datamodule_outside_the_contract_is_refused(tmp_path):
 def test_an_iterable_dataset_is_refused_in_one_line_naming_the_sharded_data(tmp_path):
     """A stream cannot be split into per-rank slices of global batches: each rank would read it whole."""
     with pytest.raises(UserError) as refused:
-        in_process(["data._target_=user_modules.StreamingDataModule", "trainer.max_steps=1", f"hydra.run.dir={tmp_path}"])
+        in_process(
+            ["data._target_=user_modules.StreamingDataModule", "trainer.max_steps=1", f"hydra.run.dir={tmp_path}"]
+        )
     assert str(refused.value) == (
         "data: the train split of StreamingDataModule is an IterableDataset (StreamedDigits): the template splits "
         "each global batch between ranks by index, which a stream does not offer, so every rank would read all of "

@@ -153,3 +153,46 @@ def test_a_directory_a_glob_or_best_finds_the_checkpoint(tmp_path):
         find_checkpoint(f"{folder}/nothing-*.ckpt")
     with pytest.raises(UserError, match=r"is a directory without last.ckpt in"):
         find_checkpoint(tmp_path, prefer="last")
+
+
+def write_sharded(path: pathlib.Path, net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A sharded checkpoint laid out as FSDP writes one (checkpoints/sharded.py), here by one process: the weights and
+    the optimizer state, keyed by parameter name by torch's state_dict API, through torch.distributed.checkpoint;
+    Lightning's loop state in meta.pt."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    shards = {"state_dict": get_model_state_dict(net), "optimizer_0": get_optimizer_state_dict(net, optimizer)}
+    dcp.save(shards, checkpoint_id=path, no_dist=True)
+    torch.save({"global_step": 1}, path / "meta.pt")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process writes every shard
+@pytest.mark.parametrize(
+    ("kind", "settings", "stateful"),
+    [(torch.optim.SGD, {}, False), (torch.optim.SGD, {"momentum": 0.9}, True), (torch.optim.AdamW, {}, True)],
+    ids=["SGD without momentum", "SGD with momentum", "AdamW"],
+)
+def test_a_sharded_optimizer_state_reads_as_one_process_holds_it(kind, settings, stateful, tmp_path):
+    """Read on one process, a sharded checkpoint's optimizer state is the optimizer's own `state_dict()` (keyed by
+    index over its two param groups), also where it is empty: SGD without momentum stores no `state` entry, and
+    eval and export called such a checkpoint "not a PyTorch checkpoint" (a KeyError taken for an unreadable file)."""
+    net = DigitsCNN()
+    weights = [p for name, p in net.named_parameters() if name.endswith("weight")]
+    others = [p for name, p in net.named_parameters() if not name.endswith("weight")]
+    optimizer = kind([{"params": weights}, {"params": others, "weight_decay": 0.0}], lr=0.1, **settings)
+    net(torch.randn(4, 1, 8, 8)).sum().backward()
+    optimizer.step()
+    write_sharded(tmp_path / "last.ckpt", net, optimizer)
+    loaded = load_checkpoint(tmp_path / "last.ckpt")
+    assert loaded["global_step"] == 1 and len(loaded["optimizer_states"]) == 1
+    assert all(torch.equal(loaded["state_dict"][name], value) for name, value in net.state_dict().items())
+    stored, expected = loaded["optimizer_states"][0], optimizer.state_dict()
+    assert stored["param_groups"] == expected["param_groups"]
+    assert (
+        list(stored["state"])
+        == list(expected["state"])
+        == (list(range(len(weights) + len(others))) if stateful else [])
+    )
+    for index, state in expected["state"].items():
+        assert all(torch.equal(stored["state"][index][name], value) for name, value in state.items()), index

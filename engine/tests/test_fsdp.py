@@ -1,13 +1,13 @@
 """strategy=fsdp (FSDP2) on 2 CPU processes (gloo), in float64: the same weights as DDP on 1, sharded checkpoints
 that resume on another device count and evaluate and export on one CPU, atomic under kill -9.
 
-Three multi-process training runs in all. The EXACT recipe on 2 FSDP processes (micro-batches of 32, the cap does not
+Four multi-process training runs in all. The EXACT recipe on 2 FSDP processes (micro-batches of 32, the cap does not
 bite), its model built on the meta device, is compared with the shared 1-process baseline (conftest
 `baseline("one")`, accumulation 2), and its sharded checkpoint at step 13 resumes on 1 process. The WIDE recipe
 (micro-batches of 16) resumes the 1-process WIDE reference's ordinary checkpoint at step 3 (conftest
 `wide_reference`) on 2 torchrun nodes x 2 processes with hybrid sharding; its sharded checkpoint at step 4 resumes on
 2 FSDP processes accumulating 6 micro-batches (one gradient reduction per step). All end with the references'
-weights.
+weights. The fourth, one short epoch of SGD without momentum (no optimizer state), evaluates and exports.
 """
 
 import json
@@ -28,6 +28,7 @@ from conftest import (
     EXACT_EPOCHS,
     EXACT_STEPS_PER_EPOCH,
     EXACT_TEST,
+    QUICK,
     TESTS,
     TOLERANCE,
     WIDE,
@@ -55,6 +56,8 @@ pytestmark = pytest.mark.slow
 STEPS = EXACT_EPOCHS * EXACT_STEPS_PER_EPOCH
 FSDP_RUN = [*EXACT, "trainer.devices=2", "strategy=fsdp", "checkpoint.every_n_train_steps=5"]
 LAST_SAVED_AT = (5, 8, 10, 15, 16, 20, 24)  # every 5th step and every epoch's end (8 steps each)
+# SGD without momentum: an optimizer that keeps no state
+STATELESS_FSDP = ["trainer.devices=2", "strategy=fsdp", "model.optimizer.momentum=0", "model.optimizer.nesterov=false"]
 
 
 def state(run_dir, name="checkpoints/last.ckpt"):
@@ -158,6 +161,28 @@ def test_sharded_checkpoint_evaluates_and_exports_on_one_cpu(fsdp_run, tmp_path)
         key.removeprefix("net."): value for key, value in state(fsdp_run, best.relative_to(fsdp_run)).items()
     }
     assert_same_weights(exported, trained_net, rtol=0, atol=0)
+
+
+def test_a_sharded_checkpoint_of_an_optimizer_without_state_evaluates_and_exports(tmp_path):
+    """SGD without momentum keeps no state: its sharded checkpoint holds no optimizer `state` entry. Eval and export
+    read it on one CPU (they called it "not a PyTorch checkpoint (it may be truncated ...)", which a user may delete)
+    with the run's test accuracy and its weights; the one-process reading has the empty state and both param groups.
+    (Each optimizer kind, with and without state: test_checkpoint.py::test_a_sharded_optimizer_state_reads_...)"""
+    run_dir = tmp_path / "run"
+    check(run([*QUICK, "trainer.max_epochs=1", *STATELESS_FSDP, f"hydra.run.dir={run_dir}"]))
+    last = load_checkpoint(run_dir / "checkpoints/last.ckpt")
+    assert (run_dir / "checkpoints/last.ckpt/__1_0.distcp").is_file()  # sharded
+    assert last["optimizer_states"][0]["state"] == {}
+    assert [len(group["params"]) for group in last["optimizer_states"][0]["param_groups"]] == [4, 7]
+    metrics = in_process([f"ckpt_path={run_dir}", f"hydra.run.dir={tmp_path / 'eval'}"], job="eval")
+    assert metrics["test/acc"] == read_json(run_dir / "metrics.json")["test/acc"]
+    output = tmp_path / "net.pt"
+    in_process(
+        [f"ckpt_path={run_dir}/checkpoints/last.ckpt", f"output_path={output}", f"hydra.run.dir={tmp_path}"],
+        job="export",
+    )
+    trained = {key.removeprefix("net."): value for key, value in last["state_dict"].items()}
+    assert_same_weights(torch.load(output, weights_only=True), trained, rtol=0, atol=0)
 
 
 def test_a_sharded_checkpoint_with_a_file_lost_or_cut_is_one_line(fsdp_run, tmp_path):

@@ -85,26 +85,38 @@ def load_checkpoint(path: str | Path, weights: bool = True) -> dict[str, Any]:
     """
     if not exists(path):
         raise UserError(f"checkpoint {path} does not exist (checkpoints are in <run dir>/checkpoints/)")
-    try:
-        if not is_url(path) and sharded.is_sharded(path):
-            sharded.check_complete(Path(path))
-            return sharded.read_sharded(path, weights=weights)
-        with get_filesystem(path).open(str(path), "rb") if is_url(path) else open(path, "rb") as f:
-            checkpoint = torch.load(f, map_location="cpu", weights_only=True)
-    # torch's weights-only unpickler fails on many text files with a KeyError or an IndexError instead
-    except (pickle.UnpicklingError, LookupError) as err:
-        if "Unsupported global" in str(err):  # a class or function the file wants imported
-            raise UserError(
-                f"refused to load {path}: it contains pickled Python objects, not just tensors and plain "
-                "containers, and loading it could run arbitrary code. Re-save the weights as a plain "
-                "state_dict (only if you trust the file)"
-            ) from None
-        raise UserError(f"{path} is not a PyTorch checkpoint (it may be truncated or another kind of file)") from None
-    except (RuntimeError, EOFError, ValueError) as err:
-        raise UserError(f"{path} is not a readable checkpoint: truncated or corrupt ({err})") from None
+    if is_url(path) or not sharded.is_sharded(path):
+        checkpoint = read_file(path)
+    else:
+        sharded.check_complete(Path(path))
+        checkpoint = sharded.read_sharded(path, read_file(Path(path) / sharded.METADATA), weights=weights)
     if not isinstance(checkpoint, Mapping):
         raise UserError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict or state_dict")
     return dict(checkpoint)
+
+
+def read_file(path: str | Path) -> Any:
+    """What `torch.save` wrote to `path` (a local file or a URL), read with `weights_only=True` on CPU. A file that
+    torch.save did not write, or not whole, is one line. Only torch.load's own failures are translated: an error
+    anywhere else is a bug and keeps its traceback."""
+    with get_filesystem(path).open(str(path), "rb") if is_url(path) else open(path, "rb") as f:
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        # torch's weights-only unpickler fails on many text files with a KeyError or an IndexError instead
+        except (pickle.UnpicklingError, LookupError) as err:
+            if "Unsupported global" in str(err):  # a class or function the file wants imported
+                raise UserError(
+                    f"refused to load {path}: it contains pickled Python objects, not just tensors and plain "
+                    "containers, and loading it could run arbitrary code. Re-save the weights as a plain "
+                    "state_dict (only if you trust the file)"
+                ) from None
+            raise UserError(
+                f"{path} is not a PyTorch checkpoint (it may be truncated or another kind of file)"
+            ) from None
+        # A file cut short: the zip reader fails with a RuntimeError, or (cut within its first ~70 kB) an OSError
+        # (EINVAL) from a seek before the file's start.
+        except (RuntimeError, EOFError, ValueError, OSError) as err:
+            raise UserError(f"{path} is not a readable checkpoint: truncated or corrupt ({err})") from None
 
 
 def strip_wrapper_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

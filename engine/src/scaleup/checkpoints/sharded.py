@@ -142,8 +142,9 @@ def check_complete(path: Path) -> None:
             )
 
 
-def read_sharded(path: str | Path, weights: bool = True) -> dict[str, Any]:
-    """A sharded checkpoint as the one-file checkpoint a single process writes, read without a process group.
+def read_sharded(path: str | Path, meta: dict[str, Any], weights: bool = True) -> dict[str, Any]:
+    """A sharded checkpoint as the one-file checkpoint a single process writes, read without a process group: its
+    `meta` (meta.pt, as read by the caller) with the shards added.
 
     `state_dict` holds full (unsharded) tensors on the CPU under the module's own names, and `optimizer_states`
     the optimizer state keyed by parameter index, as `torch.optim.Optimizer.state_dict()` gives it. With
@@ -152,8 +153,7 @@ def read_sharded(path: str | Path, weights: bool = True) -> dict[str, Any]:
     """
     from scaleup.compat.dcp import read_distributed_checkpoint, stored_tensor_shapes
 
-    path = Path(path)
-    checkpoint = torch.load(path / METADATA, map_location="cpu", weights_only=True)
+    path, checkpoint = Path(path), dict(meta)
     if not weights:
         shapes = stored_tensor_shapes(path, "state_dict")
         checkpoint["state_dict"] = {
@@ -169,10 +169,14 @@ def read_sharded(path: str | Path, weights: bool = True) -> dict[str, Any]:
 
 def by_index(state: dict[str, Any]) -> dict[str, Any]:
     """An optimizer state keyed by parameter name (torch.distributed.checkpoint's) keyed by index instead: the
-    parameters are numbered in the order of the param groups, as `Optimizer.state_dict()` numbers them."""
+    parameters are numbered in the order of the param groups, as `Optimizer.state_dict()` numbers them.
+
+    An optimizer without state (SGD without momentum) has no `state` entry on disk: torch.distributed.checkpoint
+    stores the leaves of a state dict, and an empty dict has none."""
     index: dict[str, int] = {}
     groups = []
     for group in state["param_groups"]:
         ids = [index.setdefault(name, len(index)) for name in group["params"]]
         groups.append({**group, "params": ids})
-    return {"state": {index[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+    per_parameter = state.get("state", {})
+    return {"state": {index[name]: value for name, value in per_parameter.items()}, "param_groups": groups}

@@ -39,6 +39,8 @@ def paths(tmp_path_factory) -> dict[str, str]:
     in_process([*TINY_RUN, *QUIET, "model.net.width=8", f"hydra.run.dir={tmp / 'run'}"])
     ckpt = tmp / "run" / "checkpoints" / "last.ckpt"
     (tmp / "truncated.ckpt").write_bytes(ckpt.read_bytes()[:1000])
+    for size in (5_000, 50_000):  # cut here, torch's zip reader fails with an OSError (EINVAL), not a RuntimeError
+        (tmp / f"cut{size}.ckpt").write_bytes(ckpt.read_bytes()[:size])
     torch.save({"net.0.weight": torch.zeros(1)}, tmp / "state_dict.pt")
     (tmp / "exists.pt").write_bytes(b"")
     # text torch's weights-only unpickler fails on with a KeyError (101: "e") and with an IndexError
@@ -139,6 +141,20 @@ CASES = [
     ),
     ("eval without checkpoint", "eval", [], "ckpt_path has no value (it is ??? in the config): pass ckpt_path="),
     ("truncated checkpoint", "eval", ["ckpt_path={tmp}/truncated.ckpt"], "is not a readable checkpoint"),
+    ("checkpoint cut at 5 kB", "eval", ["ckpt_path={tmp}/cut5000.ckpt"], "cut5000.ckpt is not a readable checkpoint"),
+    (
+        "checkpoint cut at 50 kB to resume",
+        "train",
+        ["ckpt_path={tmp}/cut50000.ckpt"],
+        "{tmp}/cut50000.ckpt is not a readable checkpoint: truncated or corrupt ([Errno 22] Invalid argument)",
+    ),
+    (
+        "state_dict to resume",
+        "train",
+        ["ckpt_path={tmp}/state_dict.pt"],
+        "{tmp}/state_dict.pt holds weights only (a plain state_dict, e.g. an export), not a run to resume: ckpt_path "
+        "takes a checkpoint that train.py wrote",
+    ),
     ("foreign checkpoint", "eval", ["ckpt_path={tmp}/state_dict.pt"], "was not written by this template's train.py"),
     ("text as checkpoint", "eval", ["ckpt_path={tmp}/notes.txt"], "{tmp}/notes.txt is not a PyTorch checkpoint"),
     (

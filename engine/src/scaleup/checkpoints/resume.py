@@ -85,6 +85,11 @@ def resume_point(
     if path is None:
         return ResumePoint()
     checkpoint = load_checkpoint(path, weights=False)  # a sharded one: its shapes, not its tensors
+    if "state_dict" not in checkpoint:
+        raise UserError(
+            f"{path} holds weights only (a plain state_dict, e.g. an export), not a run to resume: ckpt_path takes a "
+            "checkpoint that train.py wrote, e.g. <run dir>/checkpoints/last.ckpt"
+        )
     step = checkpoint.get("global_step", 0)
     check_same_network(path, checkpoint, stored_model(checkpoint, config.package), config.model, model)
     previous = stored_plan(checkpoint)  # None: not trained by scaleup's train.py

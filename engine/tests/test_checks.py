@@ -71,8 +71,11 @@ def test_no_loader_workers_on_multi_gpu_warns_unless_in_memory():
     assert warnings_for(plan(), num_workers=0, data_in_memory=True) == ""
 
 
-def test_warmup_longer_than_the_run_warns():
-    assert "the warmup (45 steps) is longer than the run (30 steps)" in warnings_for(plan(warmup_epochs=3))
+def test_warmup_longer_than_the_run_warns_only_where_the_lr_ramps():
+    ramping = plan(warmup_epochs=3, base_batch=32)  # peak 2 x the base LR
+    assert "the warmup (45 steps) is longer than the run (30 steps)" in warnings_for(ramping)
+    # At the base batch there is no warmup (0 steps): nothing to warn about, however long warmup_epochs is.
+    assert warnings_for(plan(warmup_epochs=3)) == ""
 
 
 def test_config_mistakes_are_refused():

@@ -31,7 +31,8 @@ def plan_of(*overrides: str, tmp_path) -> dict:
     ],
 )
 def test_the_plan_follows_the_debug_flags(option, steps_per_epoch, warmup, total, limit, tmp_path):
-    plan = plan_of(*([f"debug={option}"] if option else []), tmp_path=tmp_path)
+    ramping = "lr_schedule.base_batch_size=32"  # a peak above the base LR, so a warmup of warmup_epochs=1
+    plan = plan_of(*([f"debug={option}"] if option else []), ramping, tmp_path=tmp_path)
     assert (plan["steps_per_epoch"], plan["warmup_steps"], plan["total_steps"]) == (steps_per_epoch, warmup, total)
     assert plan["epoch_limit"] == limit
 
@@ -61,7 +62,7 @@ def test_fast_dev_run_runs_one_batch_of_each_and_saves_nothing(tmp_path):
 
 @pytest.mark.slow  # an end-to-end run
 def test_overfit_plans_its_short_epochs_and_keeps_the_sequential_sampler_quiet(tmp_path):
-    _, plan, log = run("overfit", tmp_path, "trainer.max_epochs=4")
+    _, plan, log = run("overfit", tmp_path, "trainer.max_epochs=4", "lr_schedule.base_batch_size=32")
     assert (plan["steps_per_epoch"], plan["warmup_steps"], plan["total_steps"]) == (3, 3, 12)
     assert load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 12  # the plan is what ran
     assert "not GlobalBatchSampler" not in log  # Lightning's own SequentialSampler, on purpose

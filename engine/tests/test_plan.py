@@ -53,19 +53,31 @@ def test_goyal_warmup_and_step_decay():
 
 
 @pytest.mark.parametrize(
-    ("global_batch", "lrs"),
+    ("rule", "global_batch", "warmup", "lrs"),
     [
-        # Below the base batch (256): the scaled LR, 0.1 x 32/256, from the first step; no ramp, never down.
-        (32, {0: 0.0125, 5: 0.0125, 10: 0.0125}),
-        # At the base batch: the base LR throughout the warmup.
-        (256, {0: 0.1, 5: 0.1, 10: 0.1}),
-        # Above it: from the base LR up to 0.1 x 1024/256 = 0.4 over the 10 warmup steps.
-        (1024, {0: 0.1, 5: 0.25, 10: 0.4}),
+        # Below the base batch (256): the scaled LR, 0.1 x 32/256, from the first step, then the cosine over all
+        # 3 x 312 steps; no warmup, which would only hold it flat.
+        ("linear", 32, 0, {0: 0.0125, 468: 0.00625, 936: 0.0}),
+        # At the base batch: the base LR at step 0, decaying from there over the 3 x 39 steps.
+        ("linear", 256, 0, {0: 0.1, 39: 0.075, 78: 0.025, 117: 0.0}),
+        # rule=none: the base LR at any batch, so no warmup either.
+        ("none", 1024, 0, {0: 0.1, 9: 0.075, 18: 0.025, 27: 0.0}),
+        # Above it: from the base LR up to 0.1 x 1024/256 = 0.4 over the warmup epoch (9 steps), then the cosine.
+        ("linear", 1024, 9, {0: 0.1, 3: 0.2, 9: 0.4, 18: 0.2, 27: 0.0}),
     ],
 )
-def test_warmup_never_starts_above_the_peak(global_batch, lrs):
-    schedule = LRSchedule(lr_factor(global_batch, 256, "linear"), warmup_steps=10, total_steps=100, decay="none")
-    assert {step: 0.1 * schedule.factor_at(step) for step in lrs} == pytest.approx(lrs)
+def test_warmup_only_ramps_up_to_a_peak_above_the_base_lr(rule, global_batch, warmup, lrs):
+    """A new user's run at the default batch planned "19 / 19 (cosine decay)" and kept the LR at its peak to the end:
+    a warmup from the base LR to a peak no higher was a flat hold, and the decay came after the run."""
+    plan = plan_for(batches={"global_batch_size": global_batch}, lr_schedule={"base_batch_size": 256, "rule": rule})
+    assert plan.warmup_steps == warmup
+    schedule = plan.schedule()
+    assert {step: 0.1 * schedule.factor_at(step) for step in lrs} == pytest.approx(lrs, abs=1e-12)
+
+
+def test_a_schedule_never_ramps_down():
+    with pytest.raises(ValueError, match=r"a warmup of 10 steps needs a peak above the base LR, not x0\.125"):
+        LRSchedule(lr_factor(32, 256, "linear"), warmup_steps=10, total_steps=100)
 
 
 def test_cosine_decay_ends_at_zero():
@@ -335,7 +347,7 @@ PRINTED = {
             ("learning rate", "0.1 @ 256 -> 0.1 @ 256 (linear)"),
             (
                 "warmup / total steps",
-                "39 / 117 (cosine decay); no ramp: at or below the base batch the scaled LR needs no warmup",
+                "0 / 117 (cosine decay); no warmup: the scaled LR is not above the base LR",
             ),
             ("steps per epoch", "39"),
             ("BatchNorm batch", "32 (the per-device micro-batch); tuned at 256"),

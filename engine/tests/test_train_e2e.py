@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import check, in_process, read_json, run
+from conftest import check, in_process, read_json, run, warmup_cosine
 from scaleup.build import build_model
 from scaleup.checkpoints.io import load_checkpoint
 from scaleup.errors import UserError
@@ -43,8 +43,19 @@ def test_tensorboard_events_hold_the_expected_tags(trained_run):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss_step", "train/loss", "val/acc", "val/loss", "lr-SGD/decay", "test/acc"} <= tags
-    lrs = [e.value for e in events.Scalars("lr-SGD/decay")]
-    assert lrs[0] == pytest.approx(0.1) and lrs[-1] < 0.01  # warmup starts at the base LR, cosine decays
+
+
+def test_at_the_base_batch_the_lr_decays_from_the_first_step_to_the_last(trained_run):
+    """Global batch 64 = the base batch: the peak LR is the base LR, so there is no warmup, and the cosine spans all
+    228 steps (a warmup from the base LR to the same peak held it flat through epoch 0, and a 1-epoch run at the
+    default batch never decayed at all)."""
+    plan = read_json(trained_run / "plan.json")
+    assert (plan["lr_factor"], plan["warmup_steps"], plan["total_steps"]) == (1.0, 0, 228)
+    events = EventAccumulator(str(trained_run / "tensorboard"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("lr-SGD/decay")}
+    assert min(logged) < 4 and max(logged) > 223  # logged every 4 steps, from the first to the last
+    assert logged == pytest.approx({step: warmup_cosine(step, 0.1, 0.1, 0, 228) for step in logged}, rel=1e-6)
 
 
 def test_eval_reproduces_the_training_runs_test_numbers(trained_run, tmp_path):

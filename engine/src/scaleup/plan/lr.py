@@ -30,26 +30,21 @@ class LRSchedule:
     """The factor on every base LR as a pure function of the optimizer step: resume needs only the global step."""
 
     peak: float  # factor at the end of warmup: lr_factor(global batch, base batch, rule)
-    warmup_steps: int
+    warmup_steps: int  # 0 unless peak > 1 (plan/resolve.py warmup_steps_for)
     total_steps: int
     decay: str = "cosine"
     milestones: tuple[int, ...] = ()  # optimizer steps, for decay="step"
     gamma: float = 0.1
 
-    @property
-    def warmup_start(self) -> float:
-        """The factor at step 0: the unscaled base LR (1), or the peak itself when that is lower.
-
-        Warmup keeps the first steps of a big-batch run at the LR the base recipe was tuned for, and ramps from
-        there to the scaled peak (Goyal et al. 2017, "gradual warmup"). Below the base batch the scaled LR is
-        already lower than the tuned one, so there is nothing to bridge: the schedule starts at the peak, and
-        never ramps down.
-        """
-        return min(1.0, self.peak)
+    def __post_init__(self) -> None:
+        if self.warmup_steps and self.peak <= 1:
+            raise ValueError(f"a warmup of {self.warmup_steps} steps needs a peak above the base LR, not x{self.peak}")
 
     def factor_at(self, step: int) -> float:
+        """The factor on every base LR at optimizer step `step`: the warmup ramps from the unscaled base LR (1) to
+        the peak (Goyal et al. 2017, "gradual warmup"), then the decay runs from the peak over the remaining steps."""
         if step < self.warmup_steps:
-            return self.warmup_start + (self.peak - self.warmup_start) * step / self.warmup_steps
+            return 1.0 + (self.peak - 1.0) * step / self.warmup_steps
         if self.decay == "cosine":
             span = max(1, self.total_steps - self.warmup_steps)
             progress = min(1.0, (step - self.warmup_steps) / span)

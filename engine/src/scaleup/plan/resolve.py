@@ -145,8 +145,8 @@ class Plan:
 
     def _steps_row(self) -> str:
         row = f"{known(self.warmup_steps)} / {known(self.total_steps)} ({self.decay} decay)"
-        if self.warmup_steps and self.lr_factor <= 1:
-            row += "; no ramp: at or below the base batch the scaled LR needs no warmup"
+        if self.lr_factor <= 1:
+            row += "; no warmup: the scaled LR is not above the base LR"
         return row
 
     def _per_device_row(self) -> str:
@@ -225,8 +225,17 @@ def check_split_sizes(dataset_sizes: Mapping[str, int], global_batch: int, world
             )
 
 
-def warmup_steps_for(lr_schedule: LRScheduleSettings, steps_per_epoch: int | None) -> int | None:
-    """`warmup_steps`, or `warmup_epochs` in optimizer steps (None until the epoch length is known)."""
+def warmup_steps_for(lr_schedule: LRScheduleSettings, steps_per_epoch: int | None, factor: float) -> int | None:
+    """`warmup_steps`, or `warmup_epochs` in optimizer steps (None until the epoch length is known), when the peak
+    LR is above the base LR (`factor` > 1); else 0.
+
+    Warmup keeps the first steps of a big-batch run at the LR the base recipe was tuned for and ramps from there to
+    the scaled peak. At or below the base batch (or with rule=none) the scaled LR is not above the tuned one: there
+    is nothing to ramp to, so the schedule starts at the peak and the decay spans the whole run (a "warmup" there
+    would only hold the LR flat, and push the decay past the end of a short run).
+    """
+    if factor <= 1:
+        return 0
     warmup_epochs, warmup_steps = lr_schedule.warmup_epochs, lr_schedule.warmup_steps
     if warmup_steps or not warmup_epochs:
         return int(warmup_steps or 0)
@@ -290,7 +299,7 @@ def build_plan(
         scaling_rule=rule,
         lr_factor=factor,
         lr=None if shared_lr is None else shared_lr * factor,
-        warmup_steps=warmup_steps_for(lr_schedule, steps_per_epoch),
+        warmup_steps=warmup_steps_for(lr_schedule, steps_per_epoch, factor),
         decay=str(lr_schedule.decay),
         milestones=tuple(lr_schedule.milestones or ()),
         gamma=float(lr_schedule.gamma),

@@ -13,7 +13,7 @@ from conftest import batches, engine_section, performance, train_config
 from scaleup.build import build_model
 from scaleup.distributed.launch import build_strategy
 from scaleup.errors import UserError
-from scaleup.plan.checks import TrainLoaderCheck, check_config, check_data_config, pitfall_warnings
+from scaleup.plan.checks import TrainLoaderCheck, check_config, pitfall_warnings
 from scaleup.plan.resolve import build_plan
 from scaleup.plan.topology import Topology
 
@@ -79,8 +79,6 @@ def test_warmup_longer_than_the_run_warns_only_where_the_lr_ramps():
 
 
 def test_config_mistakes_are_refused():
-    with pytest.raises(UserError, match=r"remove data\.shuffle"):
-        check_data_config({"shuffle": True})
     with pytest.raises(UserError, match="16-mixed needs a GPU"):
         check_config(train_config(), plan(accelerator="cpu", devices=1, precision="16-mixed"))
 

@@ -53,12 +53,19 @@ def paths(tmp_path_factory) -> dict[str, str]:
 # (id, job, overrides, a piece of the expected message). {tmp} and {ckpt} are filled in from `paths`.
 CASES = [
     # config values that pass the schema (config/schema.py) but not the objects built from them
-    ("unknown net argument", "train", ["+model.net.depth=3"], "unexpected keyword argument 'depth'"),
+    # an argument the constructor does not take: refused by its signature before the call
     (
-        "unknown data argument",
+        "unknown net argument",
+        "train",
+        ["+model.net.depth=3"],
+        "model.net.depth: DigitsCNN takes no argument 'depth' (its arguments: dropout, in_channels, norm, num_classes, "
+        "width)",
+    ),
+    (
+        "unknown data argument",  # followed through the data module's **loader_kwargs to the engine's base class
         "train",
         ["+data.colour=red"],
-        "data: GlobalBatchDataModule.__init__() got an unexpected keyword argument 'colour'",
+        "data.colour: DigitsDataModule takes no argument 'colour' (its arguments: augment, global_batch_size,",
     ),
     (
         "indivisible batch",
@@ -515,6 +522,34 @@ WRONG_VALUES = {
         "strategy.shard_modules: cannot import nope.Nope (No module named 'nope'); name its block classes (e.g. "
         "torchvision.models.resnet.BasicBlock), or null for every block of every network",
     ),
+    # a config form that does not do what was meant: each names the form that does
+    "data group removed": (
+        "train.py",
+        ["~data"],
+        "data is missing from the config (~data removes it), and train.py needs it; choose one of its options: "
+        "data=<option>",
+    ),
+    "model group removed": (
+        "train.py",
+        ["~model"],
+        "model is missing from the config (~model removes it), and train.py needs it; choose one of its options: "
+        "model=<option>",
+    ),
+    "key added that is there": (
+        "train.py",
+        ["+seed=1"],
+        "+seed=1: seed is already in the config; set it with seed=1 (a leading + adds a new key)",
+    ),
+    "trainer key at the top level": (
+        "train.py",
+        ["+max_epochs=3"],
+        "max_epochs=3 at the top level changes nothing: the key is trainer.max_epochs; pass trainer.max_epochs=3",
+    ),
+    "eval trainer key at the top level": (
+        "eval.py",
+        ["ckpt_path=nope.ckpt", "+devices=2"],
+        "devices=2 at the top level changes nothing: the key is trainer.devices; pass trainer.devices=2",
+    ),
 }
 # A value that must work as typed: a share of each epoch, which the dry run plans as half the steps.
 HALF_EPOCHS = ["train.py", ["trainer.limit_train_batches=0.5", "dry_run=true"]]
@@ -827,3 +862,16 @@ ACCEPTED = [
 @pytest.mark.parametrize("config", ACCEPTED)
 def test_schema_accepts(config, complete):
     validate_config(complete(config, "train"))
+
+
+@pytest.mark.slow  # the entry point in a process of its own
+def test_a_bug_in_the_users_init_keeps_its_traceback(tmp_path):
+    """A TypeError raised inside the user's LightningModule.__init__ is a bug in their code, not a config mistake:
+    the traceback shows their file and line (an unknown argument in the config is still one line, by signature)."""
+    source = (TESTS / "user_modules.py").read_text().splitlines()
+    bug = next(number for number, line in enumerate(source, 1) if line.endswith("# the bug"))
+    model = "model._target_=user_modules.BuggyClassifier"
+    failed = run_command([sys.executable, "train.py", *QUIET, model, f"hydra.run.dir={tmp_path}"])
+    assert failed.returncode == 1 and "error: model:" not in failed.stderr
+    assert f'user_modules.py", line {bug}, in __init__' in failed.stderr
+    assert "TypeError: empty(): argument 'size' (position 1) must be tuple of ints" in failed.stderr

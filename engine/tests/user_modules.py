@@ -81,6 +81,14 @@ class PlainDataModule(L.LightningDataModule):
         super().__init__()
 
 
+class BuggyClassifier(ImageClassifier):
+    """A bug in the user's own __init__: a TypeError raised by torch inside it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.buffer = torch.empty(None)  # the bug
+
+
 class StreamedDigits(torch.utils.data.IterableDataset):
     """A stream of samples: no `__len__`, no `__getitem__`, nothing a sampler can split between ranks."""
 
@@ -129,8 +137,9 @@ class LitAutoEncoder(L.LightningModule):
 
 class ReductionLogger(L.Callback):
     """Logs, from the eval batch hooks, a metric for each reduction Lightning offers, each the same whatever the
-    batches (a sample count, the largest and smallest per-sample pixel sum, a batch-size-weighted mean pixel); and,
-    at the validation epoch's end, each rank's own rank, which no reduction can make exact."""
+    batches (a sample count, the largest and smallest per-sample pixel sum, a batch-size-weighted mean pixel, and the
+    same mean with `sync_dist=True`, as many users write it); and, at the validation epoch's end, each rank's own
+    rank, which no reduction can make exact."""
 
     def _log(self, pl_module: L.LightningModule, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         x = batch[0].flatten(1)
@@ -138,6 +147,7 @@ class ReductionLogger(L.Callback):
         pl_module.log(f"{stage}_max_sum", x.sum(1).max(), reduce_fx="max")
         pl_module.log(f"{stage}_min_sum", x.sum(1).min(), reduce_fx="min")
         pl_module.log(f"{stage}_mean_pixel", x.mean(), batch_size=len(x))
+        pl_module.log(f"{stage}_synced_pixel", x.mean(), sync_dist=True)
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, *args) -> None:
         self._log(pl_module, "val", batch)

@@ -15,12 +15,12 @@ from hydra.utils import get_class, instantiate
 from torchmetrics import Metric
 
 from scaleup.config.plain import is_float64, lookup
+from scaleup.config.schema import argument_hints, fits
 from scaleup.config.typed import TrainConfig, values
 from scaleup.data.datamodule import GlobalBatchDataModule, apply_model_settings, sizes_for_plan
 from scaleup.distributed.fsdp import networks
 from scaleup.distributed.meta_init import MetaInit, build_on_meta, materialize_outside, tensors_of
 from scaleup.errors import UserError, config_errors
-from scaleup.plan.checks import check_data_config
 
 log = logging.getLogger("scaleup")
 
@@ -45,7 +45,6 @@ def build_model(model_cfg: dict[str, Any], precision: Any = "32-true") -> L.Ligh
 
 def build_datamodule(data_cfg: dict[str, Any], loader: dict[str, Any], seed: int) -> GlobalBatchDataModule:
     """The `data` config's DataModule, with the shared `loader` settings and the run's seed."""
-    check_data_config(data_cfg)
     with config_errors("data"):
         datamodule = instantiate(data_cfg, **loader, seed=seed)
     if not isinstance(datamodule, GlobalBatchDataModule):
@@ -116,13 +115,26 @@ def check_model_fits_data(model_cfg: dict[str, Any], data_cfg: dict[str, Any], s
     net = model_cfg.get("net")
     waiting = [key for key, value in net.items() if value is None] if isinstance(net, dict) else []
     unused = [key for key in settings if not has_key(model_cfg, key)]
+    data, model = data_cfg["_target_"], model_cfg["_target_"]
     if waiting and unused:
-        data, model = data_cfg["_target_"], model_cfg["_target_"]
         raise UserError(
             f"the model ({model}) does not fit the data ({data}): model.net.{', model.net.'.join(waiting)} "
             f"wait(s) for the data, which provides {', '.join(f'model.{key}' for key in settings)} instead. "
             "Choose a model made for this data (e.g. experiment=char_lm for text), or set those keys"
         )
+    if missing := [key for key in waiting if f"net.{key}" not in settings and refuses_none(net.get("_target_"), key)]:
+        given = f" (it gives {', '.join(f'model.{key}' for key in settings)})" if settings else ""
+        raise UserError(
+            f"model.net.{missing[0]} is null, to be taken from the data, and the data ({data}) does not give it"
+            f"{given}: set model.net.{missing[0]}=<value>"
+        )
+
+
+def refuses_none(target: str | None, argument: str) -> bool:
+    """Whether the type hint of `argument` of the class or function `target` names leaves out None (a net's
+    `num_classes: int`); an argument without a hint, or of a net config without a `_target_`, may take None."""
+    hinted = argument_hints(target).get(argument) if isinstance(target, str) else None
+    return hinted is not None and not fits(hinted[1], None)
 
 
 def has_key(tree: dict[str, Any], dotted: str) -> bool:

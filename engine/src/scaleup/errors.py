@@ -4,9 +4,9 @@ Two kinds of error count as the user's:
 - a `UserError` that the code raises on purpose, naming the fix;
 - an error that says the user's input is wrong wherever it is raised: a config value left `???` or a broken
   interpolation (omegaconf), a path that cannot be read or written (an OSError naming a file), and, while
-  objects are built from a config section (`config_errors`), the ValueError or TypeError a constructor raises
-  for a bad value or an unknown argument.
-Anything else is a bug and keeps its traceback. `HYDRA_FULL_ERROR=1` shows the traceback behind a user error too.
+  objects are built from a config section (`config_errors`), the ValueError or TypeError that a library's or the
+  engine's constructor raises for a bad value.
+Anything else is a bug and keeps its traceback: an exception raised inside the user's own code among them. `HYDRA_FULL_ERROR=1` shows the traceback behind a user error too.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ import difflib
 import functools
 import os
 import shutil
+import site
 import sys
+import sysconfig
+import traceback
 import typing
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -100,8 +103,11 @@ def as_user_error(err: BaseException) -> UserError | None:
 def config_errors(section: str) -> Iterator[None]:
     """Errors raised while building objects from the config section `section` are mistakes in that section.
 
-    A ValueError or TypeError from a constructor or factory (a value out of range, an unknown argument), also
-    when Hydra's instantiate wraps it, and Lightning's MisconfigurationException become `section: <message>`.
+    A ValueError or TypeError that a library's or the engine's constructor raises for a value (an optimizer's
+    negative LR, a Trainer argument), also when Hydra's instantiate wraps it, and Lightning's
+    MisconfigurationException become `section: <message>`. One raised inside the user's own code is a bug there
+    and keeps its traceback: its arguments were checked against the constructor's signature and hints before
+    the call (config/schema.py).
     """
     try:
         yield
@@ -109,9 +115,31 @@ def config_errors(section: str) -> Iterator[None]:
         if as_user_error(err) is not None:
             raise
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ is not None else err
-        if isinstance(cause, ValueError | TypeError | MisconfigurationException):
+        if isinstance(cause, ValueError | TypeError | MisconfigurationException) and not raised_in_users_code(cause):
             raise UserError(f"{section}: {_first_line(cause)}") from err
         raise
+
+
+# Where installed code lives (the standard library, site-packages) and the engine's own package: code outside
+# them is the user's (their project's package, its entry points, a test's modules).
+LIBRARY_DIRS = tuple(
+    os.path.realpath(path) + os.sep
+    for path in {
+        *(sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")),
+        *site.getsitepackages(),
+        str(Path(__file__).resolve().parent),
+    }
+)
+
+
+def is_users_code(filename: str) -> bool:
+    """Whether the source file `filename` is the user's code, not installed code nor the engine's."""
+    return bool(filename) and not filename.startswith("<") and not os.path.realpath(filename).startswith(LIBRARY_DIRS)
+
+
+def raised_in_users_code(err: BaseException) -> bool:
+    """Whether `err` was raised while the user's code ran (a frame of its traceback is in the user's code)."""
+    return any(is_users_code(frame.filename) for frame in traceback.extract_tb(err.__traceback__))
 
 
 def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -155,11 +183,15 @@ def composition_error(
     (`trainer.max_epoch=1`) against the keys beside it in the config that `compose` builds without it (`extra`:
     more known keys at the top level, e.g. a tool's own options). In a section that `job` (train, eval, export)
     reads alone, the schema's message (config/schema.py), which does not offer `+key=VALUE`: it would be refused.
+    A `+key=VALUE` of a key (or group) the config already holds: the form that sets it, `key=VALUE`.
     """
     from scaleup.config.schema import unknown_key_message
 
     if isinstance(err, OverrideParseException):
         return UserError(grammar_error(err))
+    if (added := added_twice(err, overrides)) is not None:
+        key, fixed = _override_key(added), added.removeprefix("+")
+        return UserError(f"{added}: {key} is already in the config; set it with {fixed} (a leading + adds a new key)")
     if isinstance(err, MissingConfigException) and err.options is not None and err.missing_cfg_file:
         group, _, option = err.missing_cfg_file.rpartition("/")
         searchpath = next((o for o in overrides if _override_key(o) == "hydra.searchpath"), None)
@@ -186,6 +218,18 @@ def composition_error(
     known = [*(node.keys() if isinstance(node, DictConfig) else ()), *([] if parent else extra)]
     hint = did_you_mean(name, known, f"{parent}." if parent else "")
     return UserError(f"{key}: there is no such key{hint} (a key of your own: +{key}=VALUE)")
+
+
+def added_twice(err: BaseException, overrides: list[str]) -> str | None:
+    """The `+key=VALUE` among `overrides` that Hydra refused (`err`) because `key` is already in the config (a key,
+    or a group with an option chosen: `+data=cifar10`), or None."""
+    message = str(err) if isinstance(err, ConfigCompositionException) else ""
+    for override in overrides:
+        key = _override_key(override)
+        there = f"An item is already at '{key}'" in message or message.startswith(f"Multiple values for {key}.")
+        if there and override.startswith("+") and not override.startswith("++"):
+            return override
+    return None
 
 
 def grammar_error(err: OverrideParseException) -> str:

@@ -38,8 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field, PydanticUserError, TypeAdapte
 from pydantic.fields import FieldInfo
 
 from scaleup.compat.precision import lightning_precisions
-from scaleup.config.plain import to_plain
-from scaleup.errors import UserError, did_you_mean
+from scaleup.conf import engine_groups
+from scaleup.config.plain import lookup, to_plain
+from scaleup.errors import UserError, did_you_mean, is_users_code
 from scaleup.plan.lr import DECAYS, SCALING_RULES
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -317,7 +318,7 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], job: str = "train") -> 
     """Refuse every value of `job`'s config (train, eval, export) whose type or range is wrong: one UserError
     with one `key=value must be ...` per key. Returns the config it checked, resolved into plain dicts."""
     config = to_plain(cfg) if isinstance(cfg, DictConfig) else cfg
-    problems: dict[str, str] = {}
+    problems: dict[str, str] = dict(misplaced_keys(config, job))
     for path, schema in SECTIONS[job].items():
         for key, text in section_problems(config, path, schema):
             problems.setdefault(key, text)
@@ -387,6 +388,41 @@ def unknown_key_message(job: str | None, path: str, name: str, section: Mapping[
     return schema.unknown_key(path, name, section) if schema is not None and schema.closed else None
 
 
+def misplaced_keys(config: Mapping[str, Any], job: str) -> list[tuple[str, str]]:
+    """(key, message) for each top-level key that `job` reads in one of its sections, not at the top level, where it
+    would change nothing: `+max_epochs=3` for `trainer.max_epochs=3`. Other keys of the user's own pass."""
+    sections = {path: schema for path, schema in SECTIONS[job].items() if path}
+    top = {*SECTIONS[job][""].model_fields, *(path.split(".")[0] for path in sections), *BUILT[job]}
+    owners = {name: path for path, schema in reversed(sections.items()) for name in section_keys(config, path, schema)}
+    problems = []
+    for name, value in config.items():
+        if name in owners and name not in top:
+            key, given = dotted(owners[name], name), render(value)
+            problems.append(
+                (name, f"{name}={given} at the top level changes nothing: the key is {key}; pass {key}={given}")
+            )
+    return problems
+
+
+def section_keys(config: Mapping[str, Any], path: str, schema: type[Section]) -> set[str]:
+    """The keys the section at `path` of `config` takes: those declared here and those the template reads there."""
+    section = lookup(config, path)
+    return {*schema.model_fields, *schema.known_keys(section if isinstance(section, Mapping) else {})}
+
+
+def missing_key_message(job: str, name: str) -> str:
+    """Why `job` cannot run without the top-level key `name` (`~data` removes the data group), with the form that sets
+    it: an option of a group (train.py takes data, model and the engine's sections from groups), a section's keys,
+    or a value."""
+    if job == "train" and (name in BUILT[job] or name in engine_groups()):
+        form = f"choose one of its options: {name}=<option>"
+    elif name in SECTIONS[job]:
+        form = f"set its keys: {name}.<key>=<value>"
+    else:
+        form = f"set it: {name}=<value>"
+    return f"{name} is missing from the config (~{name} removes it), and {job}.py needs it; {form}"
+
+
 def targets(tree: Any, path: str) -> typing.Iterator[tuple[str, dict[str, Any]]]:
     """Every node of `tree` with a `_target_` (the node itself included), by dotted path."""
     if not isinstance(tree, dict):
@@ -405,13 +441,67 @@ def constructor_problems(path: str, node: dict[str, Any]) -> list[tuple[str, str
         pkgutil.resolve_name(target)  # quietly: hydra's get_object would log an ERROR before raising
     except (ImportError, AttributeError) as err:
         return [(key, f"{key}={target} does not import ({err}): check the name, or install what it needs")]
-    problems = []
+    accepted = accepted_arguments(target)
+    problems = [
+        (
+            dotted(path, name),
+            f"{dotted(path, name)}: {target.rpartition('.')[2]} takes no argument '{name}' (its arguments: "
+            f"{', '.join(sorted(accepted))})",
+        )
+        for name in node
+        if accepted is not None and not str(name).startswith("_") and name not in accepted
+    ]
+    problems = [(key, EXPLAINED.get(key, text)) for key, text in problems]
     for name, (hint, adapter) in argument_hints(target).items():
         value = node.get(name)
         if value is None or (isinstance(value, dict) and "_target_" in value) or fits(adapter, value):
             continue
         problems.append((dotted(path, name), f"{dotted(path, name)}={render(value)} must be {describe(hint)}"))
     return problems
+
+
+# Arguments no constructor takes for a reason worth its own message
+EXPLAINED = {
+    "data.shuffle": "remove data.shuffle: the training sampler shuffles every epoch by itself (and a DataLoader "
+    "refuses shuffle=True together with a sampler)",
+}
+
+
+@functools.cache
+def accepted_arguments(target: str) -> frozenset[str] | None:
+    """The keyword arguments the class or function `target` names takes, or None where it takes any it is given.
+
+    A class's `**kwargs` are followed up its bases' `__init__`s (the usual `super().__init__(**kwargs)`) through the
+    user's code and the engine's; past another library's `**kwargs` (where they may go anywhere), any is taken.
+    An unknown argument is then refused by name before the call, so that a TypeError raised inside the user's own
+    code is the user's code's (errors.py)."""
+    try:
+        built = pkgutil.resolve_name(target)
+    except (ImportError, AttributeError):
+        return None
+    inits = (
+        [vars(c)["__init__"] for c in inspect.getmro(built) if "__init__" in vars(c)]
+        if isinstance(built, type)
+        else [built]
+    )
+    names: set[str] = set()
+    for init in inits:
+        try:
+            parameters = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        names |= {p.name for p in parameters if p.kind in named} - {"self"}
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            return frozenset(names)
+        if not is_users_or_engines(init):
+            return None
+    return None
+
+
+def is_users_or_engines(function: Any) -> bool:
+    """Whether `function` is the user's code or the engine's, not an installed library's."""
+    return function.__module__.split(".")[0] == "scaleup" or is_users_code(inspect.getsourcefile(function) or "")
 
 
 @functools.cache

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import lightning as L
 from torch import nn
@@ -22,15 +21,6 @@ log = logging.getLogger(__name__)
 
 def has_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
-
-
-def check_data_config(data_cfg: Mapping[str, Any]) -> None:
-    """Data settings refused before the data module is built, which would fail on them less helpfully."""
-    if "shuffle" in data_cfg:
-        raise UserError(
-            "remove data.shuffle: the training sampler shuffles every epoch by itself (and a DataLoader "
-            "refuses shuffle=True together with a sampler)"
-        )
 
 
 def check_config(config: TrainConfig, plan: Plan) -> None:

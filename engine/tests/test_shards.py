@@ -42,6 +42,7 @@ from conftest import (
 from scaleup.data.convert import main as convert
 from scaleup.data.convert import raw_sample
 from scaleup.data.image_batches import normalize
+from scaleup.data.index import SPLITS
 from scaleup.data.index import main as index_main
 from scaleup.data.samplers import resumed_steps
 from scaleup.data.sharded import ShardedDataModule
@@ -162,6 +163,36 @@ def test_indexer_refuses_samples_twice_a_field_it_cannot_read_and_no_target(shar
     assert not (split / "index.json").exists()
     (split / "shard-000009.tar").unlink()
     assert index_main([str(split)]) == 0 and len(ShardIndex.load(str(split))) == EXACT_VAL
+
+
+def test_converted_shards_indexed_again_keep_what_the_model_needs(shards, tmp_path, capsys):
+    """The converter's tars indexed again, a split alone then the whole folder: `net.num_classes` is counted from the
+    largest label (the converter's field `1.cls`: the indexer only read a field named `cls`, and dropped the class
+    count, so training failed inside the net), and a setting the converter recorded that tars cannot give (here a
+    vocabulary size) is kept. An index without the class count trains into one line naming the key."""
+    out = shutil.copytree(shards, tmp_path / "out")
+    converted = ShardIndex.load(f"{shards}/train").model_settings
+    assert converted == {"net.in_channels": 1, "net.num_classes": 10}
+    assert index_main([f"{out}/train"]) == 0
+    assert ShardIndex.load(f"{out}/train").model_settings == converted
+    doc = json.loads((out / "train/index.json").read_text())
+    doc["scaleup"]["model_settings"] = {"net.vocab_size": 65}  # what the tars cannot give, and an older index's
+    (out / "train/index.json").write_text(json.dumps(doc))
+    (out / "val/index.json").unlink()
+    assert index_main([str(out)]) == 0
+    assert ShardIndex.load(f"{out}/train").model_settings == converted | {"net.vocab_size": 65}
+    assert ShardIndex.load(f"{out}/val").model_settings == converted
+    for split in SPLITS:  # indexes without the class count, as the indexer wrote them
+        doc = json.loads((out / split / "index.json").read_text())
+        doc["scaleup"]["model_settings"] = {"net.in_channels": 1}
+        (out / split / "index.json").write_text(json.dumps(doc))
+    with pytest.raises(UserError) as raised:
+        in_process([*QUICK, "data=sharded", f"data.url={out}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert str(raised.value) == (
+        "model.net.num_classes is null, to be taken from the data, and the data (scaleup.data.sharded."
+        "ShardedDataModule) does not give it (it gives model.net.in_channels): set "
+        "model.net.num_classes=<value>"
+    )
 
 
 def module(url, global_batch_size: int = 64, **kwargs) -> ShardedDataModule:

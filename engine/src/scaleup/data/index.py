@@ -3,8 +3,10 @@
 For tars that `webdataset.ShardWriter` wrote, or that were downloaded: DIR holds one split's `*.tar` files, or
 `train/`, `val/` and `test/` folders that each hold a split's. Writes each split's `index.json` beside its tars
 and changes nothing else (no re-encoding): the samples of each tar, where each member's payload lies and its
-crc32, each tar's sha256, the fields and what the model needs (`net.num_classes` from the largest `.cls`,
-`net.in_channels` from the first image). Then `python train.py data=sharded data.url=DIR` trains on them.
+crc32, each tar's sha256, the fields and what the model needs (`net.num_classes` from the largest label, a `.cls`
+field such as the converter's `1.cls`; `net.in_channels` from the first image). A setting an earlier index there
+recorded and the tars cannot give (the converter's, e.g. a vocabulary size) is kept. Then
+`python train.py data=sharded data.url=DIR` trains on them.
 
 A sample is WebDataset's: the consecutive members that share a key (the name up to the first dot after the last
 slash, `n01440764_10026.JPEG` -> key `n01440764_10026`, field `JPEG`). `fields` chooses the fields and their
@@ -59,13 +61,19 @@ def read_tar(path: Path) -> list[tuple[str, dict[str, tuple[int, int]]]]:
     return samples
 
 
+def kind(field: str) -> str:
+    """A field's type, its last extension: `jpg`, `cls` (also `1.cls`, the converter's name for a sample's second
+    value)."""
+    return field.rsplit(".", 1)[-1].lower()
+
+
 def default_fields(found: dict[str, Any]) -> list[str]:
-    return sorted(found, key=lambda field: (field.rsplit(".", 1)[-1].lower() not in INPUTS, field))
+    return sorted(found, key=lambda field: (kind(field) not in INPUTS, field))
 
 
 def input_settings(path: Path, key: str, members: dict[str, tuple[int, int]], field: str, data: bytes) -> dict:
     """`net.in_channels` from the first sample's input: an image's channels, or the first of a 3-d array's."""
-    if field.rsplit(".", 1)[-1].lower() not in INPUTS:
+    if kind(field) not in INPUTS:
         return {}
     offset, size = members[field]
     try:
@@ -77,7 +85,7 @@ def input_settings(path: Path, key: str, members: dict[str, tuple[int, int]], fi
 
 def check_fields(path: Path, fields: list[str], first: dict[str, Any]) -> None:
     """A UserError unless `fields` are an input and a target (the label) of types the reader decodes."""
-    unknown = [f for f in fields if f.rsplit(".", 1)[-1].lower() not in STORED]
+    unknown = [f for f in fields if kind(f) not in STORED]
     if unknown:
         known = [f for f in fields if f not in unknown]
         raise UserError(
@@ -110,6 +118,7 @@ def index_split(directory: Path, chosen: list[str] | None) -> dict[str, Any]:
             raise UserError(f"{path} holds no samples")
         fields = fields or default_fields(samples[0][1])
         check_fields(path, fields, samples[0][1])
+        label = next((field for field in fields[1:] if kind(field) == "cls"), None)
         data = path.read_bytes()
         spans, crc32 = [], []
         for key, members in samples:
@@ -125,8 +134,8 @@ def index_split(directory: Path, chosen: list[str] | None) -> dict[str, Any]:
                 )
             spans.append([value for field in fields for value in members[field]])
             crc32.append([zlib.crc32(data[o : o + n]) for o, n in (members[field] for field in fields)])
-            if "cls" in fields:
-                offset, size = members["cls"]
+            if label is not None:
+                offset, size = members[label]
                 classes = max(classes, int(data[offset : offset + size]))
         if path == tars[0]:
             settings |= input_settings(path, *samples[0], fields[0], data)
@@ -134,9 +143,17 @@ def index_split(directory: Path, chosen: list[str] | None) -> dict[str, Any]:
         shardlist.append(entry | {"sha256": hashlib.sha256(data).hexdigest(), "crc32": crc32, "spans": spans})
     if classes >= 0:
         settings["net.num_classes"] = classes + 1
-    doc = index_document(shardlist, fields, settings)
+    doc = index_document(shardlist, fields, earlier_settings(directory) | settings)
     (directory / INDEX).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     return doc
+
+
+def earlier_settings(directory: Path) -> dict[str, Any]:
+    """The model settings an index already in `directory` recorded (the converter's, from the data module), or none."""
+    try:
+        return dict(json.loads((directory / INDEX).read_text())["scaleup"]["model_settings"])
+    except (OSError, ValueError, KeyError, TypeError):  # no index there, or not one of ours
+        return {}
 
 
 def main(argv: list[str]) -> int:

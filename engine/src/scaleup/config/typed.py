@@ -26,8 +26,10 @@ from scaleup.config.schema import (
     Section,
     Strategy,
     TrainerArgs,
+    missing_key_message,
     validate_config,
 )
+from scaleup.errors import UserError
 
 
 def train_config(cfg: DictConfig) -> TrainConfig:
@@ -56,15 +58,23 @@ def data_batches(data: dict[str, Any]) -> DataBatches:
     return section(DataBatches, defaults | data)
 
 
-def record(cls: type[Any], config: dict[str, Any], **given: Any) -> Any:
-    """The dataclass `cls` from `config`: a field typed as a section is that section's record, one `given` is as
-    given, every other one is as the config holds it."""
+def record(cls: type[Any], config: dict[str, Any], job: str, **given: Any) -> Any:
+    """The dataclass `cls` from `job`'s `config`: a field typed as a section is that section's record, one `given` is
+    as given, every other one is as the config holds it."""
     fields = {}
     for name, hint in typing.get_type_hints(cls).items():
         if name not in given:
-            typed = isinstance(hint, type) and issubclass(hint, Section)
-            fields[name] = section(hint, config[name]) if typed else config[name]
+            value = needed(config, name, job)
+            fields[name] = section(hint, value) if isinstance(hint, type) and issubclass(hint, Section) else value
     return cls(**fields, **given)
+
+
+def needed(config: dict[str, Any], name: str, job: str) -> Any:
+    """`config[name]`, which `job` reads: where the config does not hold it (`~data` removed it), a UserError naming
+    the form that sets it."""
+    if name not in config:
+        raise UserError(missing_key_message(job, name))
+    return config[name]
 
 
 def section(model: type[Section], values: dict[str, Any]) -> Any:
@@ -102,7 +112,8 @@ class TrainConfig:
         return record(
             cls,
             config,
-            batches=data_batches(config["data"]),
+            "train",
+            batches=data_batches(needed(config, "data", "train")),
             callbacks=config.get("callbacks") or {},  # callbacks=[] and logger=[] leave no key
             logger=config.get("logger") or {},
             plain=config,
@@ -123,7 +134,7 @@ class EvalConfig:
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> EvalConfig:
-        return record(cls, config)
+        return record(cls, config, "eval")
 
 
 @dataclass(frozen=True)
@@ -139,7 +150,7 @@ class ExportConfig:
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> ExportConfig:
-        return record(cls, config)
+        return record(cls, config, "export")
 
 
 def values(settings: Section) -> dict[str, Any]:

@@ -99,6 +99,30 @@ def test_converter_refuses_a_wrong_argument_in_one_line(args, message, tmp_path,
     assert list(tmp_path.iterdir()) == []  # nothing written, not even ./s3:
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (  # was a TypeError in a worker process, under multiprocessing's traceback
+            ["data._target_=user_modules.DictDigitsDataModule"],
+            "error: sample 0 of the train split: cannot store a dict in a shard (tensors, arrays, ints, text, "
+            "images). A sample is stored as one such value or a tuple (input, target, ...) of them: return tuples "
+            "from the datasets you convert",
+        ),
+        (["data.val_size=-3"], "error: data.val_size=-3 must be a number >= 0"),  # was torch's RuntimeError
+    ],
+    ids=["dict samples", "negative val_size"],
+)
+def test_converter_refuses_data_it_cannot_store_or_a_wrong_value_in_one_line(shards, args, message, tmp_path, capsys):
+    """Refused as train.py refuses it, before anything in `out` is touched: an earlier conversion there stays."""
+    out = shutil.copytree(shards, tmp_path / "out")
+    before = sorted(out.rglob("*"))
+    capsys.readouterr()
+    assert convert(["data=digits", f"out={out}", "workers=2", *args]) == 2
+    err = capsys.readouterr().err
+    assert err == f"{message}\n"
+    assert sorted(out.rglob("*")) == before and len(ShardIndex.load(f"{out}/train")) == EXACT_TRAIN
+
+
 def test_converting_again_replaces_the_earlier_conversion_whole(shards, tmp_path, capsys):
     """9 training shards of 64, converted again with 2000 a shard and no test split: one shard per split, no test/,
     the indexer counting the training split once; a folder holding anything else is refused, nothing removed."""

@@ -157,3 +157,24 @@ class ReductionLogger(L.Callback):
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pl_module.log("val_rank", float(trainer.global_rank))
+
+
+class DictSamples(torch.utils.data.Dataset):
+    """A split whose samples are dicts (Hugging Face's convention): `{"image": ..., "label": ...}`."""
+
+    def __init__(self, samples: torch.utils.data.Dataset) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        image, label = self.samples[index]
+        return {"image": image, "label": label}
+
+
+class DictDigitsDataModule(DigitsDataModule):
+    """The suite's digits, each sample a dict: batches are dicts of tensors."""
+
+    def build_splits(self) -> dict[str, torch.utils.data.Dataset]:
+        return {name: DictSamples(split) for name, split in super().build_splits().items()}

@@ -35,7 +35,14 @@ from torch.utils.data import Dataset, Subset
 from scaleup.config.arguments import split_arguments
 from scaleup.config.project import compose_project
 from scaleup.data.index import SPLITS
-from scaleup.data.shards.format import IMAGE_TYPES, encode_field, end_of_archive, member_spans, sample_bytes
+from scaleup.data.shards.format import (
+    IMAGE_TYPES,
+    UnstorableValue,
+    encode_field,
+    end_of_archive,
+    member_spans,
+    sample_bytes,
+)
 from scaleup.data.shards.index import INDEX, index_document
 from scaleup.errors import UserError, composition_error
 
@@ -76,6 +83,17 @@ def raw_sample(dataset: Dataset, index: int) -> list[tuple[str, bytes]]:
     ]
 
 
+def stored_sample(dataset: Dataset, split: str, index: int) -> list[tuple[str, bytes]]:
+    """`raw_sample`, or a UserError naming the sample where a value has no field type (a dict sample)."""
+    try:
+        return raw_sample(dataset, index)
+    except UnstorableValue as err:
+        raise UserError(
+            f"sample {index} of the {split} split: {err}. A sample is stored as one such value or a tuple "
+            "(input, target, ...) of them: return tuples from the datasets you convert"
+        ) from None
+
+
 def png_bytes(image: Any) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
@@ -93,7 +111,7 @@ def write_shard(task: tuple[str, int, int, str]) -> dict[str, Any]:
     digest, size, crc32, spans = hashlib.sha256(), 0, [], []
     with open(partial, "wb") as out:
         for index in range(first, last):
-            stored = raw_sample(dataset, index)
+            stored = stored_sample(dataset, split, index)
             names = [field for field, _ in stored]
             if fields is not None and names != fields:
                 raise UserError(f"sample {index} of {split} has fields {names}, sample {first} {fields}")
@@ -150,10 +168,12 @@ class _InProcess:
 
 
 def build_source(overrides: list[str]) -> tuple[dict[str, Dataset], dict[str, Any]]:
-    """The data module the overrides choose (as `python train.py` would build it): its splits and model settings."""
+    """The data module the overrides choose (as `python train.py` would build it, its values checked as train.py
+    checks them): its splits and model settings."""
     from omegaconf import OmegaConf
 
     from scaleup.build import build_datamodule
+    from scaleup.config.schema import validate_config
     from scaleup.distributed.run_dir import register_resolvers
 
     register_resolvers()
@@ -165,6 +185,8 @@ def build_source(overrides: list[str]) -> tuple[dict[str, Dataset], dict[str, An
         if user_error is None:
             raise
         raise user_error from err
+    # train.py's checks of the sections read here (the run's paths resolve only in a run)
+    validate_config(OmegaConf.masked_copy(cfg, ["seed", "data", "loader"]))
     if cfg.data.get("augment"):
         raise UserError(
             "data.augment=true would store one random draw of each training sample in the shards, the same every "
@@ -245,6 +267,9 @@ def main(argv: list[str]) -> int:
         per_shard, workers = positive_int(options, "samples_per_shard"), positive_int(options, "workers")
         earlier = earlier_conversion(out)
         splits, settings = build_source(overrides)
+        for split, dataset in splits.items():  # samples the shards cannot hold: refused before `out` is touched
+            if len(dataset):
+                stored_sample(dataset, split, 0)
         replace(out, earlier)
         checksums = convert(splits, out, per_shard, workers, settings)
     except UserError as err:

@@ -32,6 +32,10 @@ class ShardFormatError(ValueError):
     """A shard whose bytes are not the tar the index describes (the caller names the shard)."""
 
 
+class UnstorableValue(TypeError):
+    """A sample's value that no field type holds (a dict, a float, None): the converter names the sample."""
+
+
 def member_bytes(name: str, data: bytes) -> bytes:
     """One tar member: header and payload padded to whole blocks, with no time, owner or other varying field."""
     info = tarfile.TarInfo(name)
@@ -50,7 +54,7 @@ def encode_field(value: Any, position: int, image_type: str | None = None) -> tu
     if image_type is not None:
         return f"{position}.{image_type}", bytes(value)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer, torch.Tensor, np.ndarray, str)):
-        raise TypeError(f"cannot store a {type(value).__name__} in a shard (tensors, arrays, ints, text, images)")
+        raise UnstorableValue(f"cannot store a {type(value).__name__} in a shard (tensors, arrays, ints, text, images)")
     if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
         value = int(value)  # a class label held as a tensor (TensorDataset)
     if isinstance(value, (int, np.integer)):

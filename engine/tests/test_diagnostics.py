@@ -38,18 +38,32 @@ class Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(delay: float, tmp_path) -> dict[str, float]:
+class DictData(SlowData):
+    """Samples as dicts, as docs/contract.md allows: batches are dicts of tensors."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x, y = super().__getitem__(i)
+        return {"x": x, "y": y}
+
+
+class TinyOnDicts(Tiny):
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self(batch["x"]), batch["y"])
+
+
+def fit(delay: float, tmp_path, module: L.LightningModule | None = None, data: type = SlowData, flops: bool = True):
+    """One epoch of `module` (a Tiny) with the diagnostics: the logged metrics."""
     trainer = L.Trainer(
         max_epochs=1,
         accelerator="cpu",
-        callbacks=[TrainingDiagnostics(flops=True)],
+        callbacks=[TrainingDiagnostics(flops=flops)],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    trainer.fit(Tiny(), DataLoader(SlowData(delay), batch_size=4))
+    trainer.fit(module or Tiny(), DataLoader(data(delay), batch_size=4))
     return {name: float(value) for name, value in trainer.callback_metrics.items()}
 
 
@@ -74,6 +88,24 @@ def test_a_slow_loader_is_data_wait_and_flops_are_counted(tmp_path, caplog):
     [line] = [r for r in caplog.records if r.getMessage().startswith("loaders:")]
     assert line.levelname == "WARNING" and f"delivers {per_worker:.0f} samples/s (data.num_workers=0" in line.message
     assert f"keeping up needs about {math.ceil(needed)} workers per device" in line.message
+
+
+@pytest.mark.parametrize(("module", "data"), [(Tiny, SlowData), (TinyOnDicts, DictData)], ids=["tuples", "dicts"])
+def test_flops_are_counted_as_the_module_consumes_its_batches_and_change_nothing(module, data, tmp_path):
+    """The forward of the first training step, counted in the step itself: 96 FLOPs per sample for Linear(8, 2)
+    whatever the batch's structure (with dict batches it called the module on the dict: a TypeError inside
+    torch's Linear), and the weights trained equal those of a run that counts nothing."""
+    weights = []
+    for flops in (True, False):
+        torch.manual_seed(0)
+        net = module()
+        metrics = fit(0.0, tmp_path, net, data, flops=flops)
+        weights.append(net.net.weight.detach().clone())
+        if flops:
+            assert metrics["perf/tflops_per_s"] == pytest.approx(96 * metrics["perf/samples_per_s"] / 1e12)
+        else:
+            assert "perf/tflops_per_s" not in metrics
+    assert torch.equal(*weights)
 
 
 @pytest.mark.parametrize(

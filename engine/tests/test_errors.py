@@ -179,12 +179,6 @@ CASES = [
         "/proc/nope: No such file or directory; check that path",
     ),
     ("export over a file", "export", ["ckpt_path={ckpt}", "output_path={tmp}/exists.pt"], "exists.pt already exists"),
-    (
-        "checkpoints into /proc",
-        "train",
-        [*TINY_RUN, *QUIET, "checkpoint.dirpath=/proc/nope"],
-        "/proc/nope: No such file or directory",
-    ),
 ]
 
 
@@ -549,6 +543,19 @@ WRONG_VALUES = {
         "eval.py",
         ["ckpt_path=nope.ckpt", "+devices=2"],
         "devices=2 at the top level changes nothing: the key is trainer.devices; pass trainer.devices=2",
+    ),
+    # directories a run writes into later, checked when it starts: not after an epoch, nor as a failed download
+    "checkpoints into /proc": (
+        "train.py",
+        ["checkpoint.dirpath=/proc/nope"],
+        "cannot write checkpoints into /proc/nope: No such file or directory; pass checkpoint.dirpath=<a directory "
+        "you can write>",
+    ),
+    "data directory in /proc": (
+        "train.py",
+        ["paths.data_dir=/proc/nope", "data=cifar10"],
+        "cannot create data.root=/proc/nope/cifar10 in paths.data_dir=/proc/nope: No such file or directory; pass "
+        "paths.data_dir=<a directory you can write> (or data.root=<where the data is>)",
     ),
 }
 # A value that must work as typed: a share of each epoch, which the dry run plans as half the steps.

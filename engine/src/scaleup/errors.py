@@ -19,6 +19,7 @@ import shutil
 import site
 import sys
 import sysconfig
+import tempfile
 import traceback
 import typing
 from collections.abc import Callable, Iterable, Iterator
@@ -284,6 +285,20 @@ def new_directories(path: Path) -> list[Path]:
     """The directories that creating `path` would make: `path` and its missing parents, deepest first."""
     path = Path(os.path.abspath(path))
     return [directory for directory in (path, *path.parents) if not directory.exists()]
+
+
+def why_unwritable(directory: str | Path) -> OSError | None:
+    """Why a run could not write into `directory` (creating it and its missing parents where they are not there), or
+    None where it can. Asked of its nearest existing ancestor with a scratch directory made and removed there: a
+    read-only or special file system (/proc), a missing permission or a file in the way is found without leaving
+    anything behind, whatever number of processes ask at once."""
+    path = Path(os.path.abspath(directory))
+    existing = next(folder for folder in (path, *path.parents) if folder.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".scaleup-", dir=existing))
+    except OSError as err:
+        return err
+    return None
 
 
 def remove_refused_run(created: list[Path]) -> None:

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from scaleup.build import build_data_and_model
 from scaleup.checkpoints.resume import ResumePoint, resume_point
 from scaleup.compat.loops import ignore_unresumable_loader_warning
+from scaleup.config.outputs import check_outputs
 from scaleup.config.plain import write_yaml
 from scaleup.config.typed import TrainConfig, train_config
 from scaleup.distributed.launch import check_launch, prepare_launch, shards_the_model
@@ -40,6 +41,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     config = train_config(cfg)  # every value's type and range, before the seed and the topology read theirs
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     topology = resolve_topology(config.trainer, dry_run=config.dry_run)
+    check_outputs(config)  # before an epoch is trained, or data downloaded, for nothing
     check_launch(topology, dry_run=config.dry_run)
     # Same seed on every rank before the data and the model are built: the same splits (also where a data module
     # splits with the global random state) and identical initial weights everywhere.

@@ -12,8 +12,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.throughput import get_available_flops, measure_flops
+from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.utilities.data import extract_batch_size
+from torch.utils.flop_counter import FlopCounterMode
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,10 @@ class TrainingDiagnostics(L.Callback):
     and `perf/loader_workers_needed` (per device, `loader_workers_needed`), which the first epoch's end also states
     in one line. With `flops=True` also
     `perf/tflops_per_s` (global, model FLOPs: 3x the forward's) and `perf/mfu` (that over the devices' peak for
-    the training precision, where Lightning knows the GPU).
+    the training precision, where Lightning knows the GPU). The forward is counted in the run's first training
+    step, as the module consumes its batch (a tensor, a tuple, a dict, ...): torch's FlopCounterMode from the
+    batch's start to the backward. No extra forward pass, so no BatchNorm statistic, random stream or metric of
+    the run changes.
 
     With DDP the slowest rank sets everyone's pace: a high data wait means the loaders cannot keep up (raise
     `data.num_workers`), and uneven memory means something runs on one rank only. Per step it costs two CUDA
@@ -106,6 +110,8 @@ class TrainingDiagnostics(L.Callback):
     def __init__(self, flops: bool = False) -> None:
         self.flops = flops
         self._flops_per_sample: float | None = None
+        self._counter: FlopCounterMode | None = None  # open during the step whose forward is counted
+        self._counted_samples = 0
         self._clock: StreamClock | None = None
         self._marks: deque = deque()  # start, end, start, end, ... not yet folded into the sums
         self._last_end: Any = None
@@ -127,15 +133,32 @@ class TrainingDiagnostics(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.flops and self._flops_per_sample is None:
-            self._flops_per_sample = model_flops_per_sample(pl_module, batch)
+        if self.flops and self._flops_per_sample is None and self._counter is None:
+            self._counter, self._counted_samples = FlopCounterMode(display=False), batch_size(batch)
+            self._counter.__enter__()
         self._marks.append(self._clock.mark())  # the batch is on the device: fetch and copy are behind us
         if len(self._marks) > 2 * FOLD_EVERY:
             self._fold(wait_for_all=False)
 
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self._stop_counting()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._stop_counting()  # the counter is a mode on this thread: never left on after the run
+
+    def _stop_counting(self) -> None:
+        """Training FLOPs per sample from the forward counted in this step: 3x, the backward costing about twice the
+        forward. (A step without a backward, whose training_step returned None, ends the count at its end.)"""
+        if self._counter is None:
+            return
+        counter, self._counter = self._counter, None
+        counter.__exit__(None, None, None)
+        self._flops_per_sample = 3 * counter.get_total_flops() / max(self._counted_samples, 1)
+
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._stop_counting()
         self._marks.append(self._clock.mark())
         self._samples += batch_size(batch)
         self._steps += 1
@@ -172,7 +195,8 @@ class TrainingDiagnostics(L.Callback):
             "perf/loader_workers_needed": ranks[:, 4].max().item(),  # per device, for the hungriest rank
         }
         if trainer.is_global_zero and not self._reported and per_worker > 0:
-            self._report_workers(metrics, workers, exact)
+            in_memory = getattr(trainer.datamodule, "in_memory", False)
+            self._report_workers(metrics, workers, exact, in_memory)
             self._reported = True
         if self._flops_per_sample:
             achieved = self._flops_per_sample * metrics["perf/samples_per_s"]
@@ -191,9 +215,14 @@ class TrainingDiagnostics(L.Callback):
                 "logging, evaluation or saving on rank 0)"
             )
 
-    def _report_workers(self, metrics: dict[str, float], workers: int, exact: bool) -> None:
+    def _report_workers(self, metrics: dict[str, float], workers: int, exact: bool, in_memory: bool) -> None:
         """One line, after the run's first epoch: the step's compute, one worker's rate, the workers that rate
-        needs; a warning when the loaders hold training back and more workers would not."""
+        needs; a warning when the loaders hold training back and more workers would not.
+
+        Never a warning for a data module that holds its data in memory (`in_memory = True`: loader workers would
+        only add start-up time): its batches are cheap to make, and much of the wait between two small steps is
+        the training loop's own work between batches (hooks, logging), which workers do not shorten (digits on a
+        CPU: "data wait 30%" with the main process delivering 120,000 samples/s)."""
         steps, needed = max(self._steps, 1), max(1, math.ceil(metrics["perf/loader_workers_needed"]))
         line = (
             f"loaders: a step computes {self._samples / steps:.0f} samples per device in "
@@ -202,7 +231,7 @@ class TrainingDiagnostics(L.Callback):
             f"wait {metrics['perf/data_wait']:.0%}): keeping up needs {'about' if exact else 'at most'} {needed} "
             f"worker{'s' if needed > 1 else ''} per device, each on a CPU core of its own"
         )
-        short = exact and metrics["perf/data_wait"] > DATA_BOUND and needed > workers
+        short = exact and metrics["perf/data_wait"] > DATA_BOUND and needed > workers and not in_memory
         (log.warning if short else log.info)(line)
 
 
@@ -212,19 +241,3 @@ def compute_dtype(precision: str) -> torch.dtype:
         if str(precision).startswith(prefix):
             return dtype
     return torch.float32
-
-
-@torch.no_grad()
-def model_flops_per_sample(pl_module: L.LightningModule, batch: Any) -> float:
-    """Training FLOPs per sample: one forward pass on the batch's inputs (its first element for a tuple or list,
-    else the batch itself) counted by torch's FlopCounterMode, times 3 (the backward pass costs about twice the
-    forward). Counted in eval mode without gradients, so no BatchNorm statistic, gradient or random stream of the
-    run changes."""
-    inputs = batch[0] if isinstance(batch, tuple | list) else batch
-    was_training = pl_module.training
-    pl_module.eval()
-    try:
-        forward = measure_flops(pl_module, lambda: pl_module(inputs))
-    finally:
-        pl_module.train(was_training)
-    return 3 * forward / extract_batch_size(batch)

@@ -99,7 +99,7 @@ class TrainingDiagnostics(L.Callback):
     the training precision, where Lightning knows the GPU). The forward is counted in the run's first training
     step, as the module consumes its batch (a tensor, a tuple, a dict, ...): torch's FlopCounterMode from the
     batch's start to the backward. No extra forward pass, so no BatchNorm statistic, random stream or metric of
-    the run changes.
+    the run changes; that step, slowed down by the counting, is left out of the timings.
 
     With DDP the slowest rank sets everyone's pace: a high data wait means the loaders cannot keep up (raise
     `data.num_workers`), and uneven memory means something runs on one rank only. Per step it costs two CUDA
@@ -110,8 +110,8 @@ class TrainingDiagnostics(L.Callback):
     def __init__(self, flops: bool = False) -> None:
         self.flops = flops
         self._flops_per_sample: float | None = None
-        self._counter: FlopCounterMode | None = None  # open during the step whose forward is counted
-        self._counted_samples = 0
+        self._counter: FlopCounterMode | None = None  # open from the counted step's start to its backward
+        self._counted_samples = 0  # the batch size of the step whose forward is counted, until that step ends
         self._clock: StreamClock | None = None
         self._marks: deque = deque()  # start, end, start, end, ... not yet folded into the sums
         self._last_end: Any = None
@@ -133,9 +133,10 @@ class TrainingDiagnostics(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.flops and self._flops_per_sample is None and self._counter is None:
+        if self.flops and self._flops_per_sample is None and not self._counted_samples:
             self._counter, self._counted_samples = FlopCounterMode(display=False), batch_size(batch)
             self._counter.__enter__()
+            return  # counting slows this step down: it is left out of the timings
         self._marks.append(self._clock.mark())  # the batch is on the device: fetch and copy are behind us
         if len(self._marks) > 2 * FOLD_EVERY:
             self._fold(wait_for_all=False)
@@ -158,7 +159,10 @@ class TrainingDiagnostics(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._stop_counting()
+        if self._counted_samples:
+            self._stop_counting()
+            self._counted_samples = 0
+            return
         self._marks.append(self._clock.mark())
         self._samples += batch_size(batch)
         self._steps += 1

@@ -9,6 +9,7 @@ Private names are imported inside the tests that need them: a name a release rem
 import contextlib
 import copy
 import inspect
+import multiprocessing
 import os
 import queue
 import signal
@@ -281,6 +282,44 @@ def test_plain_self_log_keeps_each_rank_its_own_epoch_value():
     assert metric.meta.reduce_fx is torch.mean and metric.is_tensor and metric.meta.on_epoch
     assert (metric.value.item(), metric.cumulated_batch_size.item()) == (6.0, 3)
     assert metric.compute().item() == 2.0
+
+
+def synced_means(rank: int, store: str, out) -> None:
+    """One of 2 gloo ranks: a `sync_dist=True` mean of 1.0 over 91 samples (rank 0) and 2.0 over 90 (rank 1), as
+    Lightning computes it with its DDP reduction, and once more with the sample count made a float first."""
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    results = _ResultCollection(training=False)
+    value, samples = (1.0, 91) if rank == 0 else (2.0, 90)
+    for name in ("as_logged", "float_count"):
+        results.log(
+            "validation_step", name, torch.tensor(value), batch_size=samples, sync_dist=True,
+            sync_dist_fn=_sync_ddp_if_available,
+        )  # fmt: skip
+    as_logged, float_count = results["validation_step.as_logged"], results["validation_step.float_count"]
+    float_count.cumulated_batch_size = float_count.cumulated_batch_size.to(float_count.value.dtype)
+    out.put((rank, as_logged.compute().item(), as_logged.cumulated_batch_size.item(), float_count.compute().item()))
+    dist.destroy_process_group()
+
+
+def test_sync_dist_truncates_the_sample_count_of_a_mean(tmp_path):
+    """ExactEvalMetrics: Lightning syncs a `sync_dist=True` mean as the rank average of the sums over the rank average
+    of the sample counts, the count averaged in place as an integer, which truncates (181 / 2 = 90): the mean of 91
+    samples at 1.0 and 90 at 2.0, 271 / 181, comes out as 135.5 / 90. A count made a float before it is exact."""
+    fork = multiprocessing.get_context("fork")  # torch is imported already: the ranks start in a moment
+    out = fork.Queue()
+    ranks = [fork.Process(target=synced_means, args=(rank, tmp_path / "store", out)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    results = sorted(out.get(timeout=60) for _ in ranks)
+    for process in ranks:
+        process.join(timeout=60)
+    assert [process.exitcode for process in ranks] == [0, 0]
+    for _, as_logged, count_after, float_count in results:
+        assert as_logged == pytest.approx(135.5 / 90) and count_after == 90  # the state itself now says 90
+        assert float_count == pytest.approx(271 / 181)
 
 
 class SigtermInTest(L.Callback):

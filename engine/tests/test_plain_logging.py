@@ -12,18 +12,22 @@ from conftest import QUICK, check, in_process, read_json, run
 from scaleup.observability.rows import log_rows
 from user_modules import LitAutoEncoder
 
-# 2 epochs of digits in float64; val 180 and test 360 samples split 90/90 and 180/180 over 2 ranks, in batches of
-# 32 (the last one short): the batch-size weighting of the mean matters.
+# 2 epochs of digits in float64; val 181 and test 359 samples split 91/90 and 180/179 over 2 ranks, in batches of
+# 32 (the last one short): the batch-size weighting of the mean matters, and odd totals catch a sample count
+# halved in integers.
 LIT = [
     *QUICK,
     "model=lit_autoencoder",
     "monitor.metric=val_loss",
     "monitor.mode=min",
     "trainer.precision=64-true",
+    "data.val_size=181",
+    "data.test_size=359",
 ]
-# Every other reduction (sum, max, min, a mean with an explicit batch size) and one value no reduction makes exact.
+# Every other reduction (sum, max, min, a mean with an explicit batch size, a mean with sync_dist=True) and one
+# value no reduction makes exact.
 REDUCTIONS = ["+callbacks.reductions._target_=user_modules.ReductionLogger"]
-REDUCED = ("samples", "max_sum", "min_sum", "mean_pixel")
+REDUCED = ("samples", "max_sum", "min_sum", "mean_pixel", "synced_pixel")
 EXACT_TO = 1e-12  # float64: the 2-process sums differ from the 1-process ones only in the order of additions
 
 
@@ -80,7 +84,7 @@ def test_plain_self_log_val_and_test_loss_are_the_same_on_two_processes(one_proc
     one, two = read_json(run_dir / "metrics.json"), read_json(tmp_path / "metrics.json")
     for name in ("val_loss", "test_loss", *(f"{stage}_{name}" for stage in ("val", "test") for name in REDUCED)):
         assert two[name] == pytest.approx(one[name], rel=0, abs=EXACT_TO), name
-    assert (two["val_samples"], two["test_samples"]) == (180, 360)
+    assert (two["val_samples"], two["test_samples"]) == (181, 359)
     # Logged at the epoch's end, after the reduction: named once, loudly.
     log = (tmp_path / "train.log").read_text()
     assert log.count("NOT EXACT on 2 processes: val_rank (logged with a plain tensor") == 1

@@ -35,8 +35,9 @@ REDUCE_GROUPS = (
 EPOCH_END_HOOKS = ("on_validation_epoch_end", "on_test_epoch_end")
 
 
-def _plain_epoch_metrics(trainer: L.Trainer) -> Iterator[tuple[str, Any]]:
-    """(key, metric) for this epoch's plain-tensor, epoch-level `self.log` values that Lightning keeps per rank."""
+def _epoch_tensor_metrics(trainer: L.Trainer, *, synced: bool) -> Iterator[tuple[str, Any]]:
+    """(key, metric) for this epoch's tensor-valued, epoch-level `self.log` values: those Lightning keeps per rank
+    (`synced=False`), or those logged with `sync_dist=True` (`synced=True`)."""
     for key, metric in (trainer._results or {}).items():
         meta = metric.meta
         # rank_zero_only=True: logged by rank 0 alone, on purpose.
@@ -44,9 +45,15 @@ def _plain_epoch_metrics(trainer: L.Trainer) -> Iterator[tuple[str, Any]]:
             metric.is_tensor
             and meta.on_epoch
             and not metric.has_reset
-            and not (meta.sync.should or meta.sync.rank_zero_only)
+            and not meta.sync.rank_zero_only
+            and meta.sync.should == synced
         ):
             yield key, metric
+
+
+def _plain_epoch_metrics(trainer: L.Trainer) -> Iterator[tuple[str, Any]]:
+    """(key, metric) for this epoch's plain-tensor, epoch-level `self.log` values that Lightning keeps per rank."""
+    return _epoch_tensor_metrics(trainer, synced=False)
 
 
 def _reducible(metric: Any) -> bool:
@@ -59,19 +66,23 @@ class ExactEvalMetrics(Callback):
 
     Lightning 2.6.6. Reason: without `sync_dist=True` Lightning keeps each rank's own epoch value and reports rank
     0's (tests/user_modules.py LitAutoEncoder's test_loss on digits: 0.6789 on 2 processes, 0.6824 on 1; each rank's
-    ModelCheckpoint even names a different best file), and with `sync_dist=True` it averages per-rank means,
-    mis-weighting ranks with fewer samples (Lightning #21859). This reads the private ResultCollection
-    (`trainer._results`, `_ResultMetric.value`, `.cumulated_batch_size`, `.meta`).
-    Canary: test_plain_self_log_keeps_each_rank_its_own_epoch_value.
+    ModelCheckpoint even names a different best file), and with `sync_dist=True` it averages each rank's sum and
+    each rank's sample count over the ranks, the count (an integer tensor) divided by the world size in integers:
+    181 samples on 2 ranks count as 90, not 90.5, and the mean comes out 0.55% high (a user's val loss: 1.4047 on
+    2 processes, 1.3902 on 1). This reads the private ResultCollection (`trainer._results`, `_ResultMetric.value`,
+    `.cumulated_batch_size`, `.meta`). Canaries: test_plain_self_log_keeps_each_rank_its_own_epoch_value,
+    test_sync_dist_truncates_the_sample_count_of_a_mean.
 
     At the end of each validation/test epoch, before Lightning computes the epoch values, every rank's accumulated
     state is summed once across ranks: for a mean, the sum of value x batch size and the sum of batch sizes (so the
     epoch value is weighted by batch size over all samples, as on one process); sums are summed, maxima and minima
-    reduced with max and min. Metrics logged as torchmetrics objects or with `sync_dist=True` are left alone
-    (Lightning reduces them). Training-stage metrics are out of scope: each rank keeps its own. What cannot be made
-    exact is named once, loudly, at the end of the first validation or test: values logged in the module's own
-    `on_validation_epoch_end`/`on_test_epoch_end` (they are logged after this runs) and metrics of a second eval
-    dataloader. Lightning refuses any other `reduce_fx` itself.
+    reduced with max and min. A mean logged with `sync_dist=True` keeps Lightning's reduction, its sample count made
+    a float after each batch, so that Lightning's division by the world size is exact; sums, maxima and minima with
+    `sync_dist=True` are exact as Lightning reduces them, and so are torchmetrics objects. Training-stage metrics
+    are out of scope: each rank keeps its own. What cannot be made exact is named once, loudly, at the end of the
+    first validation or test: plain values logged in the module's own `on_validation_epoch_end`/`on_test_epoch_end`
+    (they are logged after this runs) and plain metrics of a second eval dataloader. Lightning refuses any other
+    `reduce_fx` itself.
 
     Every rank runs the same collectives in the same order: one all_gather of the metric names (a name logged on
     some ranks only counts zero samples, or no maximum, on the others), then one all_reduce per kind of reduction,
@@ -84,10 +95,10 @@ class ExactEvalMetrics(Callback):
         self._quiet: set[str] = set()
 
     def on_validation_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        self._silence_sync_dist_advice(trainer)
+        self._after_batch(trainer)
 
     def on_test_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        self._silence_sync_dist_advice(trainer)
+        self._after_batch(trainer)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reduce(trainer)
@@ -134,11 +145,27 @@ class ExactEvalMetrics(Callback):
         for metric in local.values():
             metric._computed = None  # Lightning computed a per-rank value after the last batch: recompute it
 
+    def _after_batch(self, trainer: L.Trainer) -> None:
+        if trainer.world_size > 1:
+            self._count_synced_means_in_floats(trainer)
+            self._silence_sync_dist_advice(trainer)
+
+    @staticmethod
+    def _count_synced_means_in_floats(trainer: L.Trainer) -> None:
+        """A `sync_dist=True` mean's sample count as a float of the value's dtype, before Lightning reduces it.
+
+        Lightning reduces such a mean when it first computes it, after the last batch: the rank average of the sums
+        over the rank average of the sample counts, the count averaged in place, and an integer count drops the
+        half of an odd total (181 samples on 2 ranks count as 90). A float count keeps it, so the mean is the sum
+        over all samples over their number, as on one process. A count already a float stays one as batches add to
+        it; Lightning makes it an integer again at each epoch's start."""
+        for _, metric in _epoch_tensor_metrics(trainer, synced=True):
+            if REDUCTIONS[metric.meta.reduce_fx] == "mean" and not metric.cumulated_batch_size.is_floating_point():
+                metric.cumulated_batch_size = metric.cumulated_batch_size.to(metric.value.dtype)
+
     def _silence_sync_dist_advice(self, trainer: L.Trainer) -> None:
         """Lightning advises `sync_dist=True` for these metrics when it first computes them, after the last batch:
         it no longer applies (and would mis-weight uneven ranks)."""
-        if trainer.world_size == 1:
-            return
         for _, metric in _plain_epoch_metrics(trainer):
             name = metric.meta.name
             if name not in self._quiet and _reducible(metric):

@@ -186,8 +186,9 @@ class StageMetrics(nn.Module):
     Why it is exact: torchmetrics keeps per-process states (correct counts, loss sums, sample counts) and
     all-gathers them once, at epoch end, so the result counts every sample once however unevenly the samples fall
     over ranks, and evaluation runs no collective per step (uneven batch counts cannot hang). `self.log(value,
-    sync_dist=True)` instead averages per-rank means, which mis-weights ranks with fewer samples. Choose metrics
-    whose state is sums or counts (accuracy with `average="micro"`, means, perplexity), not per-batch averages.
+    sync_dist=True)` in an epoch-end hook instead averages each rank's one value, which mis-weights ranks with fewer
+    samples. Choose metrics whose state is sums or counts (accuracy with `average="micro"`, means, perplexity), not
+    per-batch averages.
     """
 
     def __init__(

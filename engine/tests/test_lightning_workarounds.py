@@ -38,8 +38,7 @@ from scaleup.compat.fast_paths import fast_paths as fast_paths_on
 from scaleup.compat.loggers import is_logging_step
 from scaleup.compat.loops import UNRESUMABLE_LOADER_WARNING, EpochEndResume, LoaderWorkersStop
 from scaleup.compat.model_parallel import optimizer_states_keyed_in_group_order
-from scaleup.compat.optimizers import documented_formats
-from scaleup.compat.precision import lightning_precisions, model_parallel_precision
+from scaleup.compat.precision import model_parallel_precision
 from scaleup.observability.metrics import SampleSum, TopKAccuracy
 
 BATCHES_PER_EPOCH = 4
@@ -118,22 +117,6 @@ def test_spawn_worker_leaves_the_process_group_up(tmp_path, monkeypatch):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def test_private_configure_optimizers_parses_every_return_format():
-    """parse_configure_optimizers: Lightning's only parser of configure_optimizers' return formats is private."""
-    import lightning.pytorch.core.optimizer as optimizer_module
-    from lightning.pytorch.core.optimizer import _configure_optimizers
-
-    assert [name for name in dir(optimizer_module) if "configure_optimizers" in name] == ["_configure_optimizers"]
-    sgd = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
-    step = torch.optim.lr_scheduler.StepLR(sgd, step_size=1)
-    for returned in (sgd, [sgd], ([sgd], [step]), {"optimizer": sgd, "lr_scheduler": step}):
-        optimizers, schedulers, _ = _configure_optimizers(returned)
-        assert optimizers == [sgd]
-        assert len(schedulers) == (0 if returned in (sgd, [sgd]) else 1)
-        # Where Lightning's parser is gone, the documented formats parse the same.
-        assert documented_formats(returned) == (optimizers, schedulers)
 
 
 def test_log_hyperparams_with_metrics_adds_a_scalar_point(tmp_path):
@@ -381,11 +364,6 @@ def test_should_update_logs_follows_log_every_n_steps(tmp_path):
     recorder = LoggingSteps()
     trainer(tmp_path, callbacks=[recorder], max_steps=6, log_every_n_steps=2).fit(Tiny())
     assert recorder.seen == [False, True, False, True, False, True]
-
-
-def test_private_precision_spellings_include_the_templates():
-    """lightning_precisions. The spellings `Trainer(precision=...)` takes live in a private type of Lightning's."""
-    assert {"64-true", "32-true", "bf16-mixed", "16-mixed", 64, "64"} <= set(lightning_precisions())
 
 
 HOOKS = [name for name in vars(L.Callback) if name.startswith("on_") or name in ("setup", "teardown")]

@@ -73,6 +73,8 @@ def test_base_lrs_reads_every_return_format_and_names_groups_like_the_lr_monitor
     assert base_lrs(Module(sgd)) == {"SGD/stem": 0.5, "SGD/pg2": 0.1}
     assert base_lrs(Module([sgd, adam])) == {"SGD/stem": 0.5, "SGD/pg2": 0.1, "Adam/pg1": 1e-3}
     assert base_lrs(Module(None)) == {}
+    assert base_lrs(Module({"optimizer": adam})) == {"Adam/pg1": 1e-3}
+    assert base_lrs(Module([{"optimizer": sgd}, {"optimizer": adam}])) == base_lrs(Module([sgd, adam]))
     step = torch.optim.lr_scheduler.StepLR(adam, 1)
     for returned in (([adam], [step]), {"optimizer": adam, "lr_scheduler": {"scheduler": step, "interval": "step"}}):
         with pytest.raises(

@@ -5,8 +5,6 @@ method, with the parameters it must take) and the versions it was written and te
 imported when the engine is: `Workaround.problem()` imports and inspects when a job asks, so a Lightning release
 that drops a name breaks no import. What a failed check does depends on the workaround:
 
-- a speed-only fast path steps aside (compat/fast_paths.py): Lightning's own code runs, one warning says so,
-  results are the same;
 - a correctness workaround refuses to start in one line (`require`), naming the tested range and what to do;
 - a few have a public fallback that gives the same result (the precision spellings, the optimizer parser).
 """
@@ -92,8 +90,6 @@ def require(*workarounds: Workaround) -> None:
 
 #: Private names with a public fallback that gives the same result: used where present, never checked.
 WITH_FALLBACK = (
-    Private("lightning.pytorch.core.optimizer:_configure_optimizers"),
-    Private("lightning.fabric.connector:_PRECISION_INPUT"),
     Private("torch.distributed.checkpoint.default_planner:_EmptyStateDictLoadPlanner"),
     Private("torch.distributed.checkpoint.state_dict_loader:_load_state_dict"),
     Private("torch.utils.tensorboard.writer:SummaryWriter._get_file_writer"),

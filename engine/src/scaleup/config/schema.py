@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, Field, PydanticUserError, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from scaleup.compat.precision import lightning_precisions
+from scaleup.compat.precision import PRECISIONS
 from scaleup.conf import engine_groups
 from scaleup.config.plain import lookup, to_plain
 from scaleup.errors import UserError, did_you_mean, is_users_code
@@ -67,7 +67,7 @@ Devices = Annotated[
 
 
 # Lightning's own spellings (64-true, bf16-mixed, 16, ...), and the template's auto (resolved by the plan).
-Precision = Literal[("auto", *lightning_precisions())]
+Precision = Literal[("auto", *PRECISIONS)]
 
 
 class Section(BaseModel):
@@ -125,7 +125,6 @@ class Checkpointing(ClosedSection):
 class Performance(ClosedSection):
     tf32: bool
     channels_last: bool
-    fast_paths: bool = True
 
 
 class LRScheduleSettings(ClosedSection):

@@ -17,13 +17,13 @@ import contextlib
 import functools
 import logging
 import math
+import pkgutil
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from hydra._internal.utils import _locate
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
@@ -32,6 +32,7 @@ from scaleup.checkpoints.sharded import save_sharded
 from scaleup.compat.model_parallel import configure_model_counts_as_overridden, optimizer_states_keyed_in_group_order
 from scaleup.distributed.meta_init import META, MetaInit, materialize_shards, tensors_of
 from scaleup.errors import UserError
+from scaleup.plan.checks import BATCH_NORMS
 
 if TYPE_CHECKING:
     from scaleup.config.schema import Strategy
@@ -97,13 +98,13 @@ def unit_names(model: nn.Module, shard_modules: Iterable[str] | None) -> list[st
 def block_class(name: str) -> type:
     """The class that `name`, an entry of strategy.shard_modules, names.
 
-    Hydra's `_locate`, not `hydra.utils.get_class`: that one logs its error before raising it, and the user would
-    read the message twice (and Hydra's spans three lines: its cause says it in one).
+    `pkgutil.resolve_name`, not `hydra.utils.get_class`: that one logs its error before raising it, and the user
+    would read the message twice.
     """
     try:
-        found = _locate(name)
-    except ImportError as err:
-        raise UserError(f"strategy.shard_modules: cannot import {name} ({err.__cause__ or err}); {BLOCKS}") from None
+        found = pkgutil.resolve_name(name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise UserError(f"strategy.shard_modules: cannot import {name} ({err}); {BLOCKS}") from None
     if not isinstance(found, type):
         raise UserError(f"strategy.shard_modules: {name} is not a class; {BLOCKS}")
     return found
@@ -158,7 +159,7 @@ def batch_norms(model: nn.Module) -> list[str]:
         f"{root}.{name}"
         for root, net in networks(model)
         for name, module in net.named_modules()
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and holds_parameters(module)
+        if isinstance(module, BATCH_NORMS) and holds_parameters(module)
     ]
 
 

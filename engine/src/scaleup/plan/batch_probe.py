@@ -25,13 +25,12 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import default_collate
 from torchmetrics import Metric
 
 from scaleup.callbacks.run_files import ConfigInCheckpoint
 from scaleup.errors import UserError
-from scaleup.plan.checks import batchnorm_warning
+from scaleup.plan.checks import BATCH_NORMS, batchnorm_warning
 from scaleup.plan.resolve import Plan
 
 log = logging.getLogger(__name__)
@@ -142,7 +141,7 @@ class AutoBatchSize(L.Callback):
     def _fits(self, trainer: L.Trainer, module: L.LightningModule, sample: Any, size: int) -> bool:
         device = trainer.strategy.root_device
         cuda = device.type == "cuda"
-        norms = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training]
+        norms = [m for m in module.modules() if isinstance(m, BATCH_NORMS) and m.training]
         for norm in norms:
             norm.eval()
         if cuda:

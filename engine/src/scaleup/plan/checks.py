@@ -19,8 +19,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# Every BatchNorm torch has (the layers that compute statistics over the micro-batch)
+BATCH_NORMS = (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d,
+    nn.SyncBatchNorm,
+)  # fmt: skip
+
+
 def has_batchnorm(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    return any(isinstance(m, BATCH_NORMS) for m in module.modules())
 
 
 def check_config(config: TrainConfig, plan: Plan) -> None:

@@ -2,10 +2,11 @@
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import lightning as L
+from torch.optim import Optimizer
 
-from scaleup.compat.optimizers import parse_configure_optimizers
 from scaleup.errors import UserError
 
 SCALING_RULES = ("linear", "sqrt", "none")
@@ -59,12 +60,12 @@ def base_lrs(module: L.LightningModule) -> dict[str, float]:
     tags (`SGD/head`, or `SGD/pg1` for a group without a "name"). Refuses a returned LR scheduler.
 
     Calls `configure_optimizers` once before the Trainer exists, so the plan can show the LRs and a scheduler is
-    refused before any process starts (Lightning's own parser reads every return format it accepts).
+    refused before any process starts.
     """
     returned = module.configure_optimizers()
     if returned is None:  # Lightning allows it: a module that steps no optimizer
         return {}
-    optimizers, schedulers = parse_configure_optimizers(returned)
+    optimizers, schedulers = optimizers_and_schedulers(returned)
     if schedulers:
         scheduler = schedulers[0]["scheduler"] if isinstance(schedulers[0], dict) else schedulers[0]
         raise UserError(
@@ -78,3 +79,17 @@ def base_lrs(module: L.LightningModule) -> dict[str, float]:
         for optimizer in optimizers
         for index, group in enumerate(optimizer.param_groups)
     }
+
+
+def optimizers_and_schedulers(returned: Any) -> tuple[list[Optimizer], list[Any]]:
+    """(optimizers, LR schedulers) from what `configure_optimizers` returned, in each format Lightning's documentation
+    lists: an optimizer, a list of them, a dict with "optimizer" and "lr_scheduler", a list of such dicts, or
+    (optimizers, schedulers)."""
+    if isinstance(returned, Optimizer):
+        return [returned], []
+    if isinstance(returned, dict):
+        return [returned["optimizer"]], [returned["lr_scheduler"]] if "lr_scheduler" in returned else []
+    if isinstance(returned, tuple) and len(returned) == 2 and all(isinstance(part, list) for part in returned):
+        return list(returned[0]), list(returned[1])
+    parsed = [optimizers_and_schedulers(item) for item in returned]
+    return [o for optimizers, _ in parsed for o in optimizers], [s for _, schedulers in parsed for s in schedulers]

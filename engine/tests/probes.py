@@ -239,6 +239,33 @@ class OwnGeneratorNoise(ImageClassifier):
         return torch.nn.functional.cross_entropy(logits, target) * scale.to(logits.dtype)
 
 
+class LazyGeneratorNoise(ImageClassifier):
+    """OwnGeneratorNoise's generator made on the first training step and kept as an attribute: absent when
+    training starts."""
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        if not hasattr(self, "noise"):
+            self.noise = torch.Generator().manual_seed(self.global_rank)
+        return super().training_step(batch, batch_idx) * (1 + 0.1 * torch.rand((), generator=self.noise).item())
+
+
+class StepGeneratorNoise(ImageClassifier):
+    """OwnGeneratorNoise's generator made in every training step, seeded by the rank, in a local variable: no
+    attribute of the module holds it."""
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        noise = torch.Generator().manual_seed(self.global_rank)
+        return super().training_step(batch, batch_idx) * (1 + 0.1 * torch.rand((), generator=noise).item())
+
+
+class FunctionalDropout(ImageClassifier):
+    """Dropout on the logits through `F.dropout`, not a dropout layer: drawn from torch's global generator by
+    position (the same on any topology), but a mask for a whole batch is not two masks for its halves."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.net(x), 0.1, self.training)
+
+
 class KillJobOnce(L.Callback):
     """SIGKILLs this process at optimizer step `step` of sweep job `job` (a search's trial `job`), once: the marker
     file remembers, so that the same command, run again, goes through. A crash no handler sees (kill -9, OOM)."""

@@ -9,7 +9,6 @@ global batch of 64.
 
 import math
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
@@ -23,20 +22,16 @@ from conftest import (
     EXACT_VAL,
     EXACT_WARMUP_STEPS,
     LR_TAG,
-    ROOT,
     TOLERANCE,
     TOPOLOGIES,
     assert_same_weights,
-    clean_env,
     in_process,
     read_json,
     run_command,
     warmup_cosine,
     weights,
 )
-from scaleup.check_equivalence import explanations, verdict
-from scaleup.check_equivalence import main as check_equivalence
-from scaleup.plan.resolve import Plan
+from scaleup.check_equivalence import GENERATORS, HELD, RUNS, last_checkpoint, run_arguments, verdict
 
 pytestmark = pytest.mark.slow
 
@@ -146,18 +141,13 @@ def test_uneven_memory_across_ranks_is_reported(baseline):
     assert rank1 - rank0 > 0.5  # most of the 1 GiB held on rank 1 (peak RSS, in GB)
 
 
-def equivalence_check(monkeypatch, overrides):
-    monkeypatch.chdir(ROOT)
-    for name in ("PYTHONPATH", "OMP_NUM_THREADS"):  # its runs find engine/tests/probes.py and share the 2 cores
-        monkeypatch.setenv(name, clean_env()[name])
-    return check_equivalence(overrides)
-
-
 def test_equivalence_check_catches_a_global_count_loss():
     """The tool's own runs, in float64, on the seeds' pitfall: a loss divided by the global batch. Accumulating 2
-    micro-batches on one process halves its gradient, as 2 processes would. Run as the README says, with
-    `python -m`: the callback it hands its runs must be importable there (not `__main__.DrawnGenerators`)."""
-    command = [sys.executable, "-m", "scaleup.check_equivalence", "model.net.norm=group"]
+    micro-batches on one process halves its gradient, as 2 processes would. On the default model (BatchNorm) with
+    dropout, which the check holds (fixed statistics, no masks) so that they excuse nothing: they made it pass.
+    Run as the README says, with `python -m`: the callbacks it hands its runs must be importable there (not
+    `__main__.DrawnGenerators`)."""
+    command = [sys.executable, "-m", "scaleup.check_equivalence", "model.net.dropout=0.5"]
     command.append("model._target_=probes.GlobalCountLoss")
     proc = run_command(command)
     out = proc.stdout
@@ -165,6 +155,43 @@ def test_equivalence_check_catches_a_global_count_loss():
     assert out.startswith("comparing 2 CPU processes, 1 accumulating 2 micro-batches and 1 with the whole batch")
     assert "NOT EQUIVALENT in float64: splitting the batch into micro-batches changes the result" in out
     print(out)
+
+
+# The template's model with the layers that compute over the micro-batch: BatchNorm (its default), dropout, both;
+# and the layers the check holds (its dropout layer is there at p=0 too).
+BATCHNORM = "net.1, net.4, net.8 (BatchNorm2d); net.12 (Dropout)"
+MODELS = {
+    "batchnorm": ([], BATCHNORM),
+    "groupnorm+dropout": (["model.net.norm=group", "model.net.dropout=0.5"], "net.12 (Dropout)"),
+    "batchnorm+dropout": (["model.net.dropout=0.5"], BATCHNORM),
+}
+
+
+def whole_and_split(directory, overrides):
+    """The check's verdict on its whole-batch run and its run accumulating 2 micro-batches, both trained in this
+    process with the check's own arguments and callbacks. The 2-process run (the one that costs) stands in as the
+    latter: these tests are about the whole batch."""
+    for name in ("1", "1x2"):
+        in_process(run_arguments(*RUNS[name], ["trainer.precision=64-true", *overrides], directory / name))
+    checkpoints = {name: last_checkpoint(directory / name) for name in ("1", "1x2")}
+    drawn, held = read_json(directory / "1x2" / GENERATORS), read_json(directory / "1x2" / HELD)
+    return verdict({**checkpoints, "2": checkpoints["1x2"]}, "64-true", drawn["own"], drawn["global"], held)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_equivalence_check_holds_batchnorm_and_dropout(tmp_path, model):
+    """With BatchNorm on its fixed statistics and dropout off, a whole batch and its micro-batches compute the same
+    per sample: a mean over the device's batch agrees to rounding, a loss divided by the global count does not.
+    (BatchNorm and dropout used to excuse any difference, the global count's included: EQUIVALENT, exit 0.)"""
+    overrides, held = MODELS[model]
+    code, lines = whole_and_split(tmp_path / "mean", overrides)
+    assert code == 0, lines
+    assert float(lines[1].split("difference ")[1].split()[0]) < 1e-12
+    why = "BatchNorm on fixed statistics, dropout off: a whole batch and its micro-batches compute alike"
+    assert lines[2] == f"held in all three runs ({why}): {held}"
+    code, lines = whole_and_split(tmp_path / "global", [*overrides, "model._target_=probes.GlobalCountLoss"])
+    assert code == 1 and float(lines[1].split("difference ")[1].split()[0]) > 0.1
+    assert lines[-1].startswith("NOT EQUIVALENT in float64: splitting the batch into micro-batches changes the result")
 
 
 def runs(one, split, two, optimizers=({}, {}, {})):
@@ -193,51 +220,31 @@ def test_equivalence_verdict_in_float64_and_float32():
     assert code == 0 and lines[-1].startswith("EQUIVALENT in float32")
 
 
-def test_equivalence_verdict_compares_optimizer_state_not_running_statistics():
-    """BatchNorm's running statistics differ by design (2 processes keep rank 0's, 1 accumulating 2 updates them by
-    every micro-batch): named, not compared. The optimizer state must agree: a gradient scaled by a constant shows
-    in Adam's moments even where Adam's update hides it from the weights."""
-    w = torch.ones(3, dtype=torch.float64)
-    bn = {"net.1.weight": w, "net.1.running_mean": w, "net.1.running_var": w, "net.1.num_batches_tracked": 8}
-    rank0 = {**bn, "net.1.running_mean": w / 2, "net.1.running_var": w * 3, "net.1.num_batches_tracked": 4}
-    bn, rank0 = ({k: torch.as_tensor(v) for k, v in state.items()} for state in (bn, rank0))
-    code, lines = verdict(runs(bn, bn, rank0), "64-true")
-    assert code == 0 and lines[0].endswith("difference 0.00e+00 (net.1.weight), tolerance 1e-10")
-    assert lines[2] == (
-        "not compared, different by design: the running statistics of net.1 (BatchNorm): 2 processes keep rank 0's, "
-        "updated by its micro-batches only, 1 process updates them by every micro-batch"
-    )
-    moments = {0: {"exp_avg": w, "step": torch.tensor(8.0)}}
-    halved = {0: {"exp_avg": w / 2, "step": torch.tensor(8.0)}}
-    code, lines = verdict(runs(bn, bn, bn, (moments, halved, halved)), "64-true")
+def test_equivalence_verdict_compares_optimizer_state():
+    """The optimizer state must agree: a gradient scaled by a constant shows in Adam's moments even where Adam's
+    update hides it from the weights."""
+    w = {"net.1.weight": torch.ones(3, dtype=torch.float64)}
+    moments = {0: {"exp_avg": w["net.1.weight"], "step": torch.tensor(8.0)}}
+    halved = {0: {"exp_avg": w["net.1.weight"] / 2, "step": torch.tensor(8.0)}}
+    code, lines = verdict(runs(w, w, w, (moments, halved, halved)), "64-true")
     assert code == 1 and lines[1] == (
         "1 process: whole batch vs 2 x half: largest relative difference 5.00e-01 "
         "(optimizer_states[0].state[0].exp_avg), tolerance 1e-10"
     )
 
 
-def test_equivalence_verdict_names_what_the_plans_explain(baseline):
-    """The default model's BatchNorm (64 samples per statistic in the whole batch, 32 per micro-batch) and dropout
-    make the whole batch differ from its micro-batches by design; a generator of the user's own that training drew
-    from is named when 2 processes differ from the same micro-batches on 1."""
+def test_equivalence_verdict_names_the_randomness_behind_a_difference():
+    """A generator of the user's own that training drew from is named when 2 processes differ from the same
+    micro-batches on 1; the global generators that training steps still drew from (randomness the check cannot
+    hold) when the whole batch differs from its micro-batches."""
     one, off = {"w": torch.ones(3, dtype=torch.float64)}, {"w": torch.ones(3, dtype=torch.float64) + 1e-3}
-    plan = Plan.from_dict(read_json(baseline("one") / "plan.json"))
-    plans = {
-        "1": replace(plan, has_batchnorm=True, bn_batch_size=64, per_device_batch_size=64),
-        "1x2": replace(plan, has_batchnorm=True, bn_batch_size=32, per_device_batch_size=32),
-    }
-    reasons = explanations(plans, {"net": {"norm": "batch", "dropout": 0.5}})
-    assert reasons == [
-        "BatchNorm: its statistics come from 64 samples in one batch and 32 per micro-batch, so those runs "
-        "normalise differently by design",
-        "dropout (model.net.dropout=0.5): masks are drawn per micro-batch, so a batch of 64 and micro-batches of 32 "
-        "draw different ones",
-    ]
-    code, lines = verdict(runs(off, one, one), "64-true", reasons)
-    assert code == 0 and lines[-2].startswith("the whole batch differs from its micro-batches by design: BatchNorm")
-    code, lines = verdict(runs(one, one, off), "64-true", reasons, ["model.noise"])
+    code, lines = verdict(runs(one, one, off), "64-true", ["model.noise", "noise in training_step()"])
     assert code == 1 and lines[-1].startswith(
-        "NOT EQUIVALENT in float64: training drew from generators of your own (model.noise): seeded once per process"
+        "NOT EQUIVALENT in float64: training drew from generators of your own (model.noise, noise in "
+        "training_step()): seeded per process, not per sample"
     )
-    without = replace(plan, has_batchnorm=False)
-    assert explanations({"1": without, "1x2": without}, {"net": {"dropout": 0}}) == []
+    code, lines = verdict(runs(off, one, one), "64-true", randomness=["torch's"])
+    assert code == 1 and lines[-1].startswith(
+        "NOT EQUIVALENT in float64: splitting the batch into micro-batches changes the result, and training steps "
+        "drew from torch's global generator (randomness of your own"
+    )

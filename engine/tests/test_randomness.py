@@ -15,7 +15,6 @@ import torch
 
 from conftest import (
     EXACT_EPOCHS,
-    QUICK,
     TOLERANCE,
     WIDE,
     assert_same_weights,
@@ -25,6 +24,7 @@ from conftest import (
     run,
     weights,
 )
+from scaleup.check_equivalence import GENERATORS, RUNS, run_arguments
 from scaleup.data.seeding import SeededSamples, micro_batch_offset, mixed_seed, seed_generators
 from testbed.data import DigitsDataModule
 
@@ -97,19 +97,18 @@ def test_three_processes_equal_one(wide_reference, tmp_path):
 
 
 @pytest.mark.slow  # an end-to-end run
-def test_the_equivalence_check_names_a_generator_of_the_users_own(tmp_path):
-    """What `python -m scaleup.check_equivalence` names when 2 processes differ from 1: the module's own
-    torch.Generator, found among its attributes, whose state training changed."""
-    path = tmp_path / "generators.json"
-    in_process(
-        [
-            *QUICK,
-            "trainer.max_steps=2",
-            "logger=none",
-            "model._target_=probes.OwnGeneratorNoise",
-            "+callbacks.drawn._target_=scaleup.check_equivalence.DrawnGenerators",
-            f"+callbacks.drawn.path={path}",
-            f"hydra.run.dir={tmp_path}",
-        ]
-    )
-    assert json.loads(path.read_text()) == ["model.noise"]
+@pytest.mark.parametrize(
+    ("model", "own", "randomness"),
+    [
+        ("OwnGeneratorNoise", ["model.noise"], []),  # made in __init__
+        ("LazyGeneratorNoise", ["model.noise"], []),  # made in the first training_step, kept as an attribute
+        ("StepGeneratorNoise", ["noise in training_step()"], []),  # made in every training_step, a local variable
+        ("FunctionalDropout", [], ["torch's"]),  # F.dropout: the global generator, which no layer's eval() stops
+    ],
+)
+def test_the_equivalence_check_names_a_generator_of_the_users_own(tmp_path, model, own, randomness):
+    """What `python -m scaleup.check_equivalence` names when its runs differ, from one of its runs (8 steps, its own
+    arguments and callbacks): the module's own generators that training drew from, wherever they were made, and the
+    global generators that its steps still drew from once the check held BatchNorm and dropout layers."""
+    in_process(run_arguments(*RUNS["1x2"], [f"model._target_=probes.{model}"], tmp_path))
+    assert json.loads((tmp_path / GENERATORS).read_text()) == {"own": own, "global": randomness}

@@ -1,16 +1,19 @@
 """Does your module train the same on 1 and on 2 devices? `python -m scaleup.check_equivalence [--float32] [overrides]`.
 
 Runs `train.py` three times on CPU for a few steps, with the same seed and global batch, side by side, and
-compares the final weights and optimizer state:
+compares the final weights and optimizer state. In all three runs the layers that compute over the micro-batch
+are held: BatchNorm (any norm layer with running statistics) normalises with its running statistics, which stay
+as initialised, and torch's dropout layers are off, so a whole batch and its micro-batches compute the same per
+sample:
 - 2 processes (gloo) against 1 process accumulating 2 micro-batches: the same micro-batches, so the same
-  dropout masks and augmentations (both drawn by position, never by rank: docs/randomness.md) and the same
-  BatchNorm statistics in the forward pass. Any difference is your code's: per-rank randomness (a generator of
-  your own, seeded once per process: the check names it), a manual all_reduce without dividing by the world size.
-  BatchNorm's running statistics differ by design and are not compared: the 2-process checkpoint holds rank 0's,
-  updated by its micro-batches only, while 1 process updates them by every micro-batch.
-- 1 process with the whole batch against 1 process accumulating 2: differs by design where the model draws
-  per micro-batch (dropout masks of 64 samples are not two masks of 32) or normalises over it (BatchNorm), and
-  otherwise only if the loss depends on the micro-batch count: a loss normalised by a global count.
+  augmentations and in-model random numbers (both drawn by position, never by rank: docs/randomness.md). Any
+  difference is your code's: per-rank randomness (a generator of your own, in an attribute or a local variable
+  of a training step, seeded per process: the check names it), a manual all_reduce without dividing by the
+  world size.
+- 1 process with the whole batch against 1 process accumulating 2: differs if the loss depends on the
+  micro-batch count (a sum, or a mean over a global count), or if a training step draws random numbers of its
+  own from the global generators (a batch of 64 draws other numbers than 2 of 32: the check names them, and you
+  turn them off for it).
 
 It compares in float64 (`trainer.precision=64-true`) by default: there, a correct module agrees to ~1e-15. In
 float32 the runs agree only to rounding, which depends on the CPU's kernels and grows with training, so a
@@ -26,14 +29,15 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
-from omegaconf import OmegaConf
+from torch import nn
 
-from scaleup.config.plain import flatten
+from scaleup.plan.checks import BATCH_NORMS
 from scaleup.plan.resolve import Plan
 
 STEPS = 8
@@ -54,9 +58,18 @@ NAMES = {"64-true": "float64", "32-true": "float32"}
 RUNS = {"1": (1, 1), "1x2": (1, 2), "2": (2, 1)}
 # The module's import path for the child processes, which cannot import `__main__` (its name under `python -m`).
 MODULE = "scaleup.check_equivalence"
-GENERATORS = "generators.json"  # in each run directory: the generators of the user's own drawn from in training
-# The buffers in which torch's norm layers (BatchNorm, InstanceNorm) keep their running statistics.
-RUNNING_STATISTICS = ("running_mean", "running_var")
+GENERATORS = "generators.json"  # in each run directory: the generators training drew from (DrawnGenerators)
+HELD = "held_layers.json"  # in each run directory: the layers HeldLayers held, by name
+GENERATOR_TYPES = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+# The layers whose training mode depends on the micro-batch: BatchNorm normalises with its statistics (and
+# InstanceNorm, where it tracks running statistics, updates them once per micro-batch); dropout draws one mask per
+# micro-batch tensor.
+INSTANCE_NORMS = (
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d,
+    nn.LazyInstanceNorm3d,
+)  # fmt: skip
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+SPLIT_DEPENDENT = (*BATCH_NORMS, *INSTANCE_NORMS, *DROPOUTS)
 
 
 def relative_differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -67,19 +80,10 @@ def relative_differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     }
 
 
-def running_statistics(state_dict: dict[str, torch.Tensor]) -> list[str]:
-    """The modules in `state_dict` with running statistics (BatchNorm layers)."""
-    return sorted({key.rpartition(".")[0] for key in state_dict if key.rpartition(".")[2] in RUNNING_STATISTICS})
-
-
 def compared_state(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """What must agree between the runs: the weights except running statistics, and the optimizer state (momentum,
-    Adam's moments: a gradient scaled by a constant shows there even where Adam's update hides it)."""
-    state = {
-        key: value
-        for key, value in checkpoint["state_dict"].items()
-        if key.rpartition(".")[2] not in RUNNING_STATISTICS
-    }
+    """What must agree between the runs: the weights, and the optimizer state (momentum, Adam's moments: a gradient
+    scaled by a constant shows there even where Adam's update hides it)."""
+    state = dict(checkpoint["state_dict"])
     for i, optimizer in enumerate(checkpoint["optimizer_states"]):
         for param, values in optimizer["state"].items():
             state.update(
@@ -89,7 +93,7 @@ def compared_state(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _generators(obj: Any, name: str, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
-    if isinstance(obj, torch.Generator | np.random.Generator | np.random.RandomState | random.Random):
+    if isinstance(obj, GENERATOR_TYPES):
         yield name, obj
         return
     if depth == 0 or id(obj) in seen or isinstance(obj, torch.Tensor | L.Trainer | str | bytes | int | float):
@@ -126,47 +130,120 @@ def generator_state(generator: Any) -> str:
     return repr(generator.getstate())
 
 
-class DrawnGenerators(L.Callback):
-    """Writes `path`: the user's own generators (in the module and the data module) that training drew from.
+def global_states() -> dict[str, str]:
+    """The states of the global generators that StepSeed seeds before each training micro-batch."""
+    return {
+        "torch's": generator_state(torch.default_generator),
+        "numpy's": repr(np.random.get_state(legacy=False)),
+        "python's": repr(random.getstate()),
+    }
 
-    Added to the check's runs. Draws in loader workers change only the workers' copies of the dataset, so a
-    generator drawn from there shows only with data.num_workers=0.
+
+class HeldLayers(L.Callback):
+    """Puts the layers whose output depends on the micro-batch (SPLIT_DEPENDENT) in eval mode before every training
+    micro-batch: BatchNorm normalises with its running statistics, which then stay as initialised, and dropout is
+    off. A whole batch and its micro-batches then compute the same per sample, and what still tells them apart is
+    the loss. Added to the check's three runs; before every micro-batch, as a hook of the user's may call train().
+    Writes `path`: the held layers' names and classes."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        held = {name: type(m).__name__ for name, m in pl_module.named_modules() if isinstance(m, SPLIT_DEPENDENT)}
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps(held))
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        for module in pl_module.modules():
+            if isinstance(module, SPLIT_DEPENDENT):
+                module.eval()
+
+
+class DrawnGenerators(L.Callback):
+    """Writes `path`: {"own": the user's own generators that training drew from, "global": the global generators
+    that training micro-batches drew from after StepSeed seeded them}.
+
+    Own generators are those in the attributes of the module and the data module that training created or drew
+    from, and those in a local variable of any function a training micro-batch ran (seen as the function returns:
+    a generator made inside `training_step`). Draws in loader workers change only the workers' copies of the
+    dataset, so a generator drawn from there shows only with data.num_workers=0. Added to the check's runs after
+    the template's callbacks: its `on_train_batch_start` sees the global generators just seeded.
     """
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
         self.before: dict[str, str] = {}
+        self.in_steps: dict[str, Any] = {}  # name -> a generator held by a local variable in a training step
+        self.seeded: dict[str, str] = {}
+        self.global_drawn: set[str] = set()
 
-    def _states(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, str]:
-        found = {**own_generators(pl_module, "model"), **own_generators(trainer.datamodule, "data")}
-        return {name: generator_state(generator) for name, generator in found.items()}
+    @staticmethod
+    def _attributes(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        return {**own_generators(pl_module, "model"), **own_generators(trainer.datamodule, "data")}
+
+    def _watch_locals(self, frame: FrameType, event: str, arg: Any) -> None:
+        # The profile hook, on this thread during a training micro-batch: a generator made inside training_step
+        # is held by a local variable, which no attribute reaches; it shows as its function returns.
+        if event == "return":
+            for var, value in frame.f_locals.items():
+                if isinstance(value, GENERATOR_TYPES):
+                    self.in_steps[f"{var} in {frame.f_code.co_name}()"] = value
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.before = self._states(trainer, pl_module)
+        self.before = {name: generator_state(g) for name, g in self._attributes(trainer, pl_module).items()}
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.seeded = global_states()
+        sys.setprofile(self._watch_locals)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        sys.setprofile(None)
+        after = global_states()
+        self.global_drawn |= {name for name, state in after.items() if self.seeded[name] != state}
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        after = self._states(trainer, pl_module)
-        drawn = [name for name, state in after.items() if self.before.get(name, state) != state]
+        found = self._attributes(trainer, pl_module)
+        # a generator absent when training started was made during it (in training_step, say)
+        drawn = [name for name, g in found.items() if self.before.get(name) != generator_state(g)]
+        attributes = [id(g) for g in found.values()]
+        drawn += [name for name, g in self.in_steps.items() if id(g) not in attributes]
         if trainer.is_global_zero:
-            self.path.write_text(json.dumps(drawn))
+            self.path.write_text(json.dumps({"own": drawn, "global": sorted(self.global_drawn)}))
+
+
+def run_arguments(devices: int, accumulation: int, overrides: list[str], run_dir: Path) -> list[str]:
+    """The arguments of `train.py` for one of the check's runs, on `devices` CPU processes, in `run_dir`."""
+    return [
+        *CHECK,
+        *overrides,
+        f"trainer.devices={devices}",
+        *([f"trainer.accumulate_grad_batches={accumulation}"] if accumulation > 1 else []),
+        f"+callbacks.held_layers._target_={MODULE}.{HeldLayers.__name__}",
+        f"+callbacks.held_layers.path={run_dir / HELD}",
+        f"+callbacks.drawn_generators._target_={MODULE}.{DrawnGenerators.__name__}",
+        f"+callbacks.drawn_generators.path={run_dir / GENERATORS}",
+        f"hydra.run.dir={run_dir}",
+    ]
 
 
 def start_run(devices: int, accumulation: int, overrides: list[str], run_dir: Path) -> subprocess.Popen:
     """`train.py` on `devices` CPU processes, in the background, its output in <run_dir>.out."""
     run_dir.mkdir(parents=True)
-    command = [
-        sys.executable,
-        "train.py",
-        *CHECK,
-        *overrides,
-        f"trainer.devices={devices}",
-        *([f"trainer.accumulate_grad_batches={accumulation}"] if accumulation > 1 else []),
-        f"+callbacks.drawn_generators._target_={MODULE}.{DrawnGenerators.__name__}",
-        f"+callbacks.drawn_generators.path={run_dir / GENERATORS}",
-        f"hydra.run.dir={run_dir}",
-    ]
+    command = [sys.executable, "train.py", *run_arguments(devices, accumulation, overrides, run_dir)]
     with open(run_dir.with_suffix(".out"), "w") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+
+
+def last_checkpoint(run_dir: Path) -> dict[str, Any]:
+    """The state a run of the check ended with."""
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
 
 
 def finished_checkpoint(proc: subprocess.Popen, name: str, run_dir: Path) -> dict[str, Any] | None:
@@ -175,32 +252,12 @@ def finished_checkpoint(proc: subprocess.Popen, name: str, run_dir: Path) -> dic
         print(run_dir.with_suffix(".out").read_text()[-5000:], file=sys.stderr)
         print(f"error: the {describe(name)} run failed (above)", file=sys.stderr)
         return None
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    return last_checkpoint(run_dir)
 
 
 def describe(name: str) -> str:
     processes, accumulation = RUNS[name]
     return f"{processes}-process" + (f" accumulation-{accumulation}" if accumulation > 1 else "")
-
-
-def explanations(plans: dict[str, Plan], model_cfg: dict[str, Any]) -> list[str]:
-    """What the plans and config say makes the whole batch and 2 accumulated micro-batches on 1 process differ by
-    design, before any bug of yours."""
-    reasons = []
-    whole, split = plans["1"], plans["1x2"]
-    if whole.has_batchnorm and whole.bn_batch_size != split.bn_batch_size:
-        reasons.append(
-            f"BatchNorm: its statistics come from {whole.bn_batch_size} samples in one batch and "
-            f"{split.bn_batch_size} per micro-batch, so those runs normalise differently by design"
-        )
-    dropouts = {key: value for key, value in flatten(model_cfg).items() if "dropout" in key and value}
-    if dropouts:
-        settings = ", ".join(f"model.{key}={value}" for key, value in dropouts.items())
-        reasons.append(
-            f"dropout ({settings}): masks are drawn per micro-batch, so a batch of {whole.per_device_batch_size} "
-            f"and micro-batches of {split.per_device_batch_size} draw different ones"
-        )
-    return reasons
 
 
 def comparison(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], precision: str, what: str) -> tuple[bool, str]:
@@ -211,51 +268,74 @@ def comparison(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], precision
     return differences[worst] <= tolerance, line
 
 
+def split_advice(drawn: list[str] | tuple[str, ...]) -> str:
+    """Why 2 processes differ from the same micro-batches on 1."""
+    if drawn:
+        return (
+            f"training drew from generators of your own ({', '.join(drawn)}): seeded per process, not per sample, "
+            "their numbers depend on the rank; draw from torch's global generator instead, which the template seeds "
+            "per micro-batch and per sample (docs/randomness.md)"
+        )
+    return (
+        "the same micro-batches give other weights or optimizer state on 2 processes: look for randomness of your "
+        "own seeded per process (docs/randomness.md) and for a hand-made all_reduce that does not divide by the "
+        "world size"
+    )
+
+
+def whole_batch_advice(randomness: list[str] | tuple[str, ...]) -> str:
+    """Why the whole batch differs from its micro-batches, BatchNorm and dropout layers being held (HeldLayers)."""
+    if randomness:
+        generators = f"{' and '.join(randomness)} global generator{'s' if len(randomness) > 1 else ''}"
+        return (
+            f"splitting the batch into micro-batches changes the result, and training steps drew from {generators} "
+            "(randomness of your own: the check turns off torch's dropout layers only), so a whole batch draws "
+            "other numbers than its micro-batches. Turn that randomness off for the check with an override and run "
+            "it again; if the runs still differ, check the loss is a mean over the device's batch, and that nothing "
+            "divides by a global count."
+        )
+    return (
+        "splitting the batch into micro-batches changes the result. Check the loss is a mean over the device's "
+        "batch, and that nothing divides by a global count (BatchNorm and dropout layers were held: they are "
+        "not the cause)."
+    )
+
+
+def held_lines(held: dict[str, str]) -> list[str]:
+    """The line that names the layers HeldLayers held, by class (none for a model without such layers)."""
+    kinds: dict[str, list[str]] = {}
+    for name, kind in held.items():
+        kinds.setdefault(kind, []).append(name)
+    named = [
+        ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "") + f" ({kind})"
+        for kind, names in kinds.items()
+    ]
+    why = "BatchNorm on fixed statistics, dropout off: a whole batch and its micro-batches compute alike"
+    return [f"held in all three runs ({why}): {'; '.join(named)}"] if named else []
+
+
 def verdict(
     checkpoints: dict[str, dict[str, Any]],
     precision: str,
-    reasons: list[str] | tuple[str, ...] = (),
     drawn: list[str] | tuple[str, ...] = (),
+    randomness: list[str] | tuple[str, ...] = (),
+    held: dict[str, str] | None = None,
 ) -> tuple[int, list[str]]:
-    """(0 equivalent or 1 not, the lines to print) for the last checkpoints of the three RUNS, what the plans say
-    makes the whole batch and its micro-batches differ (`explanations`), and the user's own generators that
-    training drew from (`DrawnGenerators`)."""
+    """(0 equivalent or 1 not, the lines to print) for the last checkpoints of the three RUNS, the user's own
+    generators that training drew from and the global generators that its steps drew from (`DrawnGenerators`), and
+    the layers held (`HeldLayers`)."""
     name = NAMES.get(precision, precision)
     state = {run: compared_state(checkpoint) for run, checkpoint in checkpoints.items()}
     split_same, split_line = comparison(state["1x2"], state["2"], precision, "2 processes vs 1 accumulating 2")
     batch_same, batch_line = comparison(state["1"], state["1x2"], precision, "1 process: whole batch vs 2 x half")
-    lines = [split_line, batch_line]
-    if modules := running_statistics(checkpoints["2"]["state_dict"]):
-        named = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
-        lines.append(
-            f"not compared, different by design: the running statistics of {named} (BatchNorm): 2 "
-            "processes keep rank 0's, updated by its micro-batches only, 1 process updates them by every micro-batch"
-        )
+    lines = [split_line, batch_line, *held_lines(held or {})]
     if not split_same:
-        if drawn:
-            culprits = ", ".join(drawn)
-            because = (
-                f"training drew from generators of your own ({culprits}): seeded once per process, their numbers "
-                "depend on the rank, not on the samples; draw from torch's global generator instead, which the "
-                "template seeds per micro-batch and per sample (docs/randomness.md)"
-            )
-        else:
-            because = (
-                "the same micro-batches give other weights or optimizer state on 2 processes: look for randomness of "
-                "your own seeded per process (docs/randomness.md) and for a hand-made all_reduce that does not divide "
-                "by the world size"
-            )
-        return 1, [*lines, f"NOT EQUIVALENT in {name}: {because}"]
-    if not batch_same and not reasons:
-        advice = (
-            f"NOT EQUIVALENT in {name}: splitting the batch into micro-batches changes the result. Check the loss is "
-            "a mean over the device's batch, and that nothing divides by a global count."
-        )
+        return 1, [*lines, f"NOT EQUIVALENT in {name}: {split_advice(drawn)}"]
+    if not batch_same:
+        advice = f"NOT EQUIVALENT in {name}: {whole_batch_advice(randomness)}"
         if precision != "64-true":
             advice += " float32 rounding differs between CPUs: confirm in float64 (without --float32) first."
         return 1, [*lines, advice]
-    if not batch_same:
-        lines.append(f"the whole batch differs from its micro-batches by design: {'; '.join(reasons)}")
     return 0, [*lines, f"EQUIVALENT in {name}: moving to more devices changes the speed, not the result"]
 
 
@@ -291,9 +371,9 @@ def main(argv: list[str]) -> int:
         if ran != RUNS:  # e.g. a config of the user's that sets the accumulation or the device count its own way
             print(f"error: the runs were meant as (processes, accumulation) {RUNS} but ran as {ran}", file=sys.stderr)
             return 2
-        model_cfg = OmegaConf.to_container(OmegaConf.load(run_dirs["1"] / "config.yaml").model)
-        drawn = json.loads((run_dirs["2"] / GENERATORS).read_text())
-    code, lines = verdict(checkpoints, precision, explanations(plans, model_cfg), drawn)
+        generators = json.loads((run_dirs["2"] / GENERATORS).read_text())
+        held = json.loads((run_dirs["2"] / HELD).read_text())
+    code, lines = verdict(checkpoints, precision, generators["own"], generators["global"], held)
     print("\n".join(lines))
     return code
 

@@ -23,8 +23,9 @@ class ClassificationFigures(L.Callback):
     the model got wrong (from rank 0's share of the split), titled `true -> predicted`.
 
     The logits come from a forward hook on the LightningModule (its `forward` must return them), so nothing
-    is computed twice. Above `max_classes` classes the matrix is skipped: unreadable as an image, and gathering
-    it from every process would cost memory (1000 classes are 8 MB per process).
+    is computed twice; batches other than (images, labels), such as dicts, draw no figure. Above `max_classes`
+    classes the matrix is skipped: unreadable as an image, and gathering it from every process would cost memory
+    (1000 classes are 8 MB per process).
     """
 
     def __init__(self, max_samples: int = 16, max_classes: int = 50) -> None:
@@ -50,6 +51,8 @@ class ClassificationFigures(L.Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
+        if not (isinstance(batch, tuple | list) and len(batch) == 2 and isinstance(self._logits, torch.Tensor)):
+            return  # figures of (images, labels) batches and logits only: a dict batch draws none
         x, y = batch
         preds = self._logits.detach().argmax(-1)
         num_classes = self._logits.shape[-1]

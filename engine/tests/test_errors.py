@@ -278,6 +278,15 @@ ENTRY_POINTS = {
         ["-m", "seed=1,-5", "dry_run=true", "hydra.sweep.dir={tmp}/sweep"],
         "error: sweep job 1 (seed=-5): seed=-5 must be an integer in [0, 4294967295]",
     ),
+    # ... and plans every training job as its dry run would: what only the data and the model show
+    "sweep with a model for other data": (
+        "train.py",
+        ["-m", "model=digits_cnn,char_transformer", "hydra.sweep.dir={tmp}/sweep_models"],
+        "error: sweep job 1 (model=char_transformer): the model (myproject.models.CharLanguageModel) does not fit the "
+        "data (myproject.data.DigitsDataModule): model.net.vocab_size, model.net.block_size wait(s) for the data, "
+        "which provides model.net.num_classes, model.net.in_channels instead. Choose a model made for this data (e.g. "
+        "experiment=char_lm for text), or set those keys",
+    ),
 }
 
 MAX_EPOCHS = "an integer >= 1 (or -1 for no limit, null for Lightning's default); 0 would train nothing"
@@ -613,7 +622,7 @@ def test_a_refused_run_keeps_the_directory_it_was_given(entry_point_results, pat
 
 @pytest.mark.slow
 def test_a_sweep_refuses_before_its_first_job_starts(entry_point_results, paths):
-    assert not (Path(paths["tmp"]) / "sweep").exists()
+    assert not (Path(paths["tmp"]) / "sweep").exists() and not (Path(paths["tmp"]) / "sweep_models").exists()
 
 
 @pytest.mark.slow

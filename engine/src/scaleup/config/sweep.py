@@ -1,9 +1,15 @@
-"""A sweep (`python train.py -m seed=1,2,3`) checks every job's config before the first job starts."""
+"""A sweep (`python train.py -m seed=1,2,3`) checks every job's config, and plans every training job, before the first
+job starts."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from hydra import compose
@@ -11,7 +17,8 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, open_dict
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from scaleup.config.schema import SECTIONS, validate_config
 from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error, composition_error
@@ -27,9 +34,10 @@ def sweep_jobs(config: DictConfig) -> tuple[list[list[str]], set[str]]:
 
 def job_config(config_name: str, overrides: list[str], num: int) -> DictConfig:
     """Job `num`'s config, composed as the sweeper composes it, with Hydra's runtime set as the job would have it
-    (its output directory, which the config's paths interpolate)."""
+    (its mode, and its output directory, which the config's paths interpolate)."""
     cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
     with open_dict(cfg):
+        cfg.hydra.mode = RunMode.MULTIRUN
         cfg.hydra.job.num = num
         cfg.hydra.runtime.output_dir = os.path.abspath(os.path.join(cfg.hydra.sweep.dir, cfg.hydra.sweep.subdir))
     return cfg
@@ -37,9 +45,10 @@ def job_config(config_name: str, overrides: list[str], num: int) -> DictConfig:
 
 class SweepCheck(Callback):
     """Hydra's basic sweeper starts each job only when the one before it has finished: a mistake in the last job's
-    values would be found after the others trained. Compose and validate every job's config (config/schema.py)
-    before any starts: a mistake is one line naming the job, exit code 2, nothing written. Other sweepers (Optuna)
-    choose their values as they go; their jobs are checked when they start."""
+    values would be found after the others trained. Compose and validate every job's config (config/schema.py), and
+    make each training job's plan as its dry run would, before any starts: a mistake is one line naming the job,
+    exit code 2, nothing written. Other sweepers (Optuna) choose their values as they go; their jobs are checked when
+    they start."""
 
     def on_multirun_start(self, config: DictConfig, config_name: str | None = None, **kwargs: Any) -> None:
         if config_name not in SECTIONS or not str(config.hydra.sweeper._target_).endswith(".BasicSweeper"):
@@ -65,7 +74,8 @@ def first_mistake(config_name: str, jobs: list[list[str]]) -> tuple[int, UserErr
 
 
 def job_mistake(config_name: str, overrides: list[str], num: int) -> UserError | None:
-    """The user mistake in job `num`'s config (an unknown key or option, a wrong value), or None."""
+    """The user mistake in job `num`'s config (an unknown key or option, a wrong value) or, for a training job, in its
+    plan (a model made for other data, a batch that does not divide), or None."""
 
     def composed(given: list[str]) -> DictConfig:
         return compose(config_name, overrides=given)
@@ -74,9 +84,38 @@ def job_mistake(config_name: str, overrides: list[str], num: int) -> UserError |
         cfg = job_config(config_name, overrides, num)
         HydraConfig.instance().set_config(cfg)  # for the ${hydra:...} interpolations the values resolve
         validate_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), config_name)
+        if config_name == "train":
+            dry_run(cfg)
     except Exception as err:
         user_error = composition_error(err, composed, overrides, job=config_name) or as_user_error(err)
         if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         return user_error
     return None
+
+
+def dry_run(cfg: DictConfig) -> None:
+    """Plan the training job `cfg` (composed with its `hydra` node) as `dry_run=true` plans it: the data's sizes as
+    its module states them, the model on the meta device, nothing downloaded, trained or started. In a scratch run
+    directory, and silently: the job prints its plan when it runs."""
+    from scaleup.train import train
+
+    with tempfile.TemporaryDirectory() as scratch, silently():
+        with read_write(cfg.hydra):  # read-only once HydraConfig holds it
+            cfg.dry_run = True
+            cfg.hydra.runtime.output_dir = scratch
+        HydraConfig.instance().set_config(cfg)
+        train(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]))
+
+
+@contextlib.contextmanager
+def silently() -> Iterator[None]:
+    """No log record and no warning while inside."""
+    disabled = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(disabled)

@@ -106,8 +106,8 @@ class Search:
         return study
 
     def check(self, space: SearchSpace) -> None:
-        """Compose and validate a trial at each corner of the space: a key that does not exist or a value of the
-        wrong type is found before any trial starts."""
+        """Compose, validate and plan (as a dry run) a trial at each corner of the space: a key that does not exist, a
+        value of the wrong type or one the plan refuses is found before any trial starts."""
         jobs = [space.overrides(corner) for corner in space.corners()]
         if (found := first_mistake(self.config.hydra.job.config_name, jobs)) is not None:
             raise UserError(f"search: {found[1]}")  # it names the key and the value

@@ -492,12 +492,20 @@ def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callabl
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory) -> Path:
-    """One default-config training run (12 epochs of digits, ~10 s), shared by the end-to-end tests."""
-    return made_once(
-        tmp_path_factory,
-        "trained",
-        lambda run_dir: check(run(["trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"])),
-    )
+    """One default-config training run (12 epochs of digits, ~10 s), shared by the end-to-end tests; what it printed
+    (stdout, then stderr) is in `printed(trained_run)`, beside the run directory."""
+
+    def train(run_dir: Path) -> None:
+        result = check(run(["trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"]))
+        printed(run_dir).write_text(result.stdout + result.stderr)
+
+    return made_once(tmp_path_factory, "trained", train)
+
+
+def printed(run_dir: Path) -> Path:
+    """The file holding what the run in `run_dir` printed (trained_run's), beside the run directory: nothing in the
+    run directory but what the run itself writes."""
+    return run_dir.with_name(f"{run_dir.name}.printed")
 
 
 @pytest.fixture(scope="session")

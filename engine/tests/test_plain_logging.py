@@ -80,7 +80,9 @@ def test_a_readme_module_evaluates_and_exports(one_process, tmp_path):
 @pytest.mark.slow
 def test_plain_self_log_val_and_test_loss_are_the_same_on_two_processes(one_process, tmp_path):
     run_dir, _ = one_process
-    check(run([*LIT, *REDUCTIONS, "trainer.devices=2", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path}"]))
+    result = check(
+        run([*LIT, *REDUCTIONS, "trainer.devices=2", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path}"])
+    )
     one, two = read_json(run_dir / "metrics.json"), read_json(tmp_path / "metrics.json")
     for name in ("val_loss", "test_loss", *(f"{stage}_{name}" for stage in ("val", "test") for name in REDUCED)):
         assert two[name] == pytest.approx(one[name], rel=0, abs=EXACT_TO), name
@@ -88,6 +90,10 @@ def test_plain_self_log_val_and_test_loss_are_the_same_on_two_processes(one_proc
     # Logged at the epoch's end, after the reduction: named once, loudly.
     log = (tmp_path / "train.log").read_text()
     assert log.count("NOT EXACT on 2 processes: val_rank (logged with a plain tensor") == 1
+    # Nothing of torch's or Lightning's the user cannot act on, from either rank (observability/quiet.py).
+    noise = ("LeafSpec", "all_gather is deprecated", "litlogger")
+    printed = (result.stdout + result.stderr).splitlines()
+    assert [line for line in printed if any(word in line for word in noise)] == []
 
 
 @pytest.mark.slow

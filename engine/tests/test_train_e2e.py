@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import check, in_process, read_json, run, warmup_cosine
+from conftest import check, in_process, printed, read_json, run, warmup_cosine
 from scaleup.build import build_model
 from scaleup.checkpoints.io import load_checkpoint
 from scaleup.errors import UserError
@@ -56,6 +56,25 @@ def test_at_the_base_batch_the_lr_decays_from_the_first_step_to_the_last(trained
     logged = {e.step: e.value for e in events.Scalars("lr-SGD/decay")}
     assert min(logged) < 4 and max(logged) > 223  # logged every 4 steps, from the first to the last
     assert logged == pytest.approx({step: warmup_cosine(step, 0.1, 0.1, 0, 228) for step in logged}, rel=1e-6)
+
+
+# What a default run printed that its user cannot act on, each now silenced where it starts
+# (scaleup/observability/quiet.py, and the diagnostics for data held in memory).
+NOISE = (
+    "litlogger",  # Lightning's tip for its cloud logger, at every Trainer's start
+    "LeafSpec",  # torch's deprecation of what Lightning's CombinedLoader builds, once per process
+    "FLOPs",  # Lightning's summary counts none without an example_input_array and printed 0 everywhere
+    "will override existing callbacks",  # the module's own callbacks, attached again for the test after fit
+)
+
+
+def test_a_default_run_prints_only_what_to_act_on(trained_run):
+    """No line of NOISE and no warning: the default recipe on one CPU process has nothing to warn about (the data
+    wait of an in-memory data set is an info line: test_diagnostics), and the model summary is still there."""
+    lines = printed(trained_run).read_text().splitlines()
+    assert [line for line in lines if any(noise in line for noise in NOISE)] == []
+    assert [line for line in lines if "WARNING" in line or "Warning" in line] == []
+    assert any(line.startswith("params: 94.2 K trainable, 0 non-trainable") for line in lines)
 
 
 def test_eval_reproduces_the_training_runs_test_numbers(trained_run, tmp_path):

@@ -22,6 +22,7 @@ from scaleup.config.typed import TrainConfig, train_config
 from scaleup.distributed.launch import check_launch, prepare_launch, shards_the_model
 from scaleup.distributed.process_group import shut_down_process_group
 from scaleup.observability.loggers import close_loggers
+from scaleup.observability.quiet import quiet_reattached_callbacks
 from scaleup.observability.rows import log_rows
 from scaleup.plan.checks import pitfall_warnings
 from scaleup.plan.make import make_plan
@@ -80,7 +81,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             trainer.fit(model, datamodule=datamodule, ckpt_path=resume.path)
             report_early_stop(trainer)
         best = resume.best if resume.finished else job.best.best_model_path
-        trainer.test(model, datamodule=datamodule, ckpt_path=best or None, verbose=False)
+        with quiet_reattached_callbacks():
+            trainer.test(model, datamodule=datamodule, ckpt_path=best or None, verbose=False)
     close_loggers(trainer)
     shut_down_process_group()
     if not trainer.is_global_zero:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Checkpoint, EarlyStopping, LearningRateMonitor, ProgressBar
+from lightning.pytorch.callbacks import Checkpoint, EarlyStopping, LearningRateMonitor, ModelSummary, ProgressBar
 
 from scaleup.callbacks.ema import EMA
 from scaleup.callbacks.exact_metrics import ExactEvalMetrics
@@ -42,6 +42,7 @@ from scaleup.distributed.preemption import PreemptionCheckpoint, StopOnSigterm, 
 from scaleup.errors import config_errors
 from scaleup.observability.hparams import PlanHParams
 from scaleup.observability.progress import ThrottledRichProgressBar
+from scaleup.observability.quiet import SummaryWithoutUncountedFlops, quiet
 from scaleup.plan.batch_probe import AutoBatchSize
 from scaleup.plan.checks import MonitorCheck, TrainLoaderCheck
 from scaleup.plan.resolve import Plan
@@ -149,6 +150,7 @@ def template_callbacks(config: TrainConfig, plan: Plan, run_dir: Path) -> list[L
 
 def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> TrainerJob:
     """A Trainer with the template's callbacks and the user's, the loggers, and the plan's resolved settings."""
+    quiet()
     set_tf32(plan.tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
     callbacks = template_callbacks(config, plan, run_dir)
     best = callbacks[[type(cb) for cb in callbacks].index(LeanModelCheckpoint)]  # the first: the best epoch
@@ -161,6 +163,12 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     elif not any(isinstance(cb, ProgressBar) for cb in callbacks):
         callbacks.append(ThrottledRichProgressBar())
+    # Where Lightning would add its default summary (with a FLOPs column of zeros for a module that has no
+    # example_input_array), the template's instead; told to add none, Lightning does not say it skips its own.
+    summary = config.trainer.enable_model_summary is not False and not config.trainer.barebones
+    summary = summary and not any(isinstance(cb, ModelSummary) for cb in callbacks)
+    if summary:
+        callbacks.append(SummaryWithoutUncountedFlops())
     stop = StopOnSigterm()
     callbacks.append(stop)
     with config_errors("logger"):
@@ -186,6 +194,7 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
         "precision": plan.precision,
         "accumulate_grad_batches": plan.accumulate_grad_batches,
         "log_every_n_steps": plan.log_every_n_steps,
+        **({"enable_model_summary": False} if summary else {}),
     }
     plugins: list[Any] = [AtomicCheckpointIO(), *cluster_plugins()]  # a PyTorchJob's ranks: distributed/clusters.py
     if isinstance(strategy, FSDPStrategy):
@@ -207,6 +216,7 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
 
 def build_eval_trainer(topology: Topology, precision: Any, plan: Plan, run_dir: Path, progress_bar: bool) -> TrainerJob:
     """The Trainer of `eval.py`: the checkpoint's own speed settings, exact metrics into metrics.json, no logger."""
+    quiet()
     require(EXACT_EVAL, SIGTERM_HANDLER)
     stop = StopOnSigterm()
     tf32, channels_last = plan.tf32, plan.channels_last  # as trained

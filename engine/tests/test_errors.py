@@ -62,6 +62,12 @@ CASES = [
         "width)",
     ),
     (
+        "unknown callback argument",  # a callback without an __init__ of its own takes none
+        "train",
+        ["+callbacks.reductions={{_target_:user_modules.ReductionLogger,every:2}}"],
+        "callbacks.reductions.every: ReductionLogger takes no argument 'every' (it takes none)",
+    ),
+    (
         "unknown data argument",  # followed through the data module's **loader_kwargs to the engine's base class
         "train",
         ["+data.colour=red"],

@@ -444,8 +444,8 @@ def constructor_problems(path: str, node: dict[str, Any]) -> list[tuple[str, str
     problems = [
         (
             dotted(path, name),
-            f"{dotted(path, name)}: {target.rpartition('.')[2]} takes no argument '{name}' (its arguments: "
-            f"{', '.join(sorted(accepted))})",
+            f"{dotted(path, name)}: {target.rpartition('.')[2]} takes no argument '{name}' "
+            f"({'its arguments: ' + ', '.join(sorted(accepted)) if accepted else 'it takes none'})",
         )
         for name in node
         if accepted is not None and not str(name).startswith("_") and name not in accepted
@@ -478,8 +478,9 @@ def accepted_arguments(target: str) -> frozenset[str] | None:
         built = pkgutil.resolve_name(target)
     except (ImportError, AttributeError):
         return None
+    # object.__init__ takes no argument: a chain of **kwargs that reaches it is closed there
     inits = (
-        [vars(c)["__init__"] for c in inspect.getmro(built) if "__init__" in vars(c)]
+        [vars(c)["__init__"] for c in inspect.getmro(built) if "__init__" in vars(c) and c is not object]
         if isinstance(built, type)
         else [built]
     )
@@ -495,12 +496,17 @@ def accepted_arguments(target: str) -> frozenset[str] | None:
             return frozenset(names)
         if not is_users_or_engines(init):
             return None
-    return None
+    return frozenset(names) if isinstance(built, type) else None
 
 
 def is_users_or_engines(function: Any) -> bool:
     """Whether `function` is the user's code or the engine's, not an installed library's."""
-    return function.__module__.split(".")[0] == "scaleup" or is_users_code(inspect.getsourcefile(function) or "")
+    module = getattr(function, "__module__", None) or ""
+    try:
+        source = inspect.getsourcefile(function) or ""
+    except TypeError:  # a builtin
+        return False
+    return module.split(".")[0] == "scaleup" or is_users_code(source)
 
 
 @functools.cache

@@ -113,6 +113,30 @@ def test_a_search_on_two_processes_is_the_same_trial_for_trial(searches):
 
 
 @pytest.mark.slow
+def test_a_trial_ended_by_a_user_mistake_is_failed_and_the_fixed_command_goes_on(tmp_path):
+    """A mistake that shows only once a trial trains (a metric the module does not log: at its first validation)
+    stops the search in one line, the trial recorded as failed; the same command with the mistake fixed goes on
+    with a new trial (the failed one is not resumed with its old overrides)."""
+    tiny = ["trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1"]
+    args = ["hparams_search=digits_lr", *QUICK, "trainer.max_epochs=1", *tiny, "hydra.sweeper.n_trials=2"]
+    args.append(f"paths.log_dir={tmp_path}")
+    refused = run([*args, "monitor.metric=val/nosuch"], cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert [line for line in refused.stderr.splitlines() if line.startswith("error:")] == [
+        "error: search: trial 0: monitor.metric=val/nosuch is not logged by ImageClassifier, which logs val/acc, "
+        "val/acc5, val/loss, val/samples: set monitor.metric (and monitor.mode=min|max) to one of them, e.g. in your "
+        "experiment config (the trial is recorded as failed: once this is fixed, the same command goes on with new "
+        "trials)"
+    ]
+    sweep = tmp_path / "search" / "digits_lr"
+    assert [t.state.name for t in trials(sweep)] == ["FAIL"]
+    fixed = run(args, cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    assert "interrupted" not in fixed.stderr + fixed.stdout
+    assert [t.state.name for t in trials(sweep)] == ["FAIL", "COMPLETE"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("override", "message"),
     [

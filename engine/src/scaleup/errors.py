@@ -144,16 +144,22 @@ def raised_in_users_code(err: BaseException) -> bool:
 
 
 def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a user mistake raised by a job into `error: <message>` on stderr and exit code 2."""
+    """Turn a user mistake raised by a job into `error: <message>` on stderr and exit code 2. In a search's trial, the
+    mistake is raised for the launcher to return as the trial's failure: the search records the trial as failed and
+    stops with it (search/runner.py); an exit would leave the trial running in the study, resumed by every rerun."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from scaleup.search.trial import in_search  # it imports Lightning
+
         try:
             return fn(*args, **kwargs)
         except Exception as err:
             user_error = as_user_error(err)
             if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
+            if in_search():
+                raise user_error from err
             remove_refused_hydra_run()
             print(f"error: {user_error}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)

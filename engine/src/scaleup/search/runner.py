@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from scaleup.config.sweep import first_mistake
-from scaleup.errors import EXIT_USER_ERROR, UserError, new_directories, remove_refused_run
+from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error, new_directories, remove_refused_run
 from scaleup.observability.rows import log_rows
 from scaleup.search.results import report
 from scaleup.search.space import SearchSpace, parse_space
@@ -63,19 +63,25 @@ class Search:
         self.maximize = config.monitor.mode == "max"
 
     def run(self, arguments: list[str]) -> Any:
+        """The search; a user mistake, in its settings or in a trial, is `error: <message>` and exit code 2."""
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the search says what it does, and the table at the end
         try:
-            self.settings.check()
-            space = parse_space(OmegaConf.to_container(self.settings.params) or {}, arguments)
-            self.check(space)
-            if self.config.dry_run:
-                rows = [(key, repr(dist)) for key, dist in space.distributions.items()]
-                log_rows("search space (dry run: no trial starts; each would be a run of its own)", rows)
-                return None
-            study = self.open_study()
+            return self.search(arguments)
         except UserError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
+
+    def search(self, arguments: list[str]) -> Any:
+        """Check the settings and the space, open the study, finish its interrupted trials and launch new ones until
+        it holds `n_trials`; report."""
+        self.settings.check()
+        space = parse_space(OmegaConf.to_container(self.settings.params) or {}, arguments)
+        self.check(space)
+        if self.config.dry_run:
+            rows = [(key, repr(dist)) for key, dist in space.distributions.items()]
+            log_rows("search space (dry run: no trial starts; each would be a run of its own)", rows)
+            return None
+        study = self.open_study()
         OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
         for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             log.info(f"search: trial {trial.number} was interrupted; resuming it from its last checkpoint")
@@ -127,7 +133,8 @@ class Search:
     def launch(self, study: optuna.Study, trials: list[tuple[int, list[str]]]) -> None:
         """Run trials (number, command line) as jobs numbered as the trials (their run directories: <sweep
         dir>/<number>); tell the study how each ended. Trials launched together run at once where the launcher runs
-        jobs in parallel."""
+        jobs in parallel. A trial ended by a user mistake (a metric the module does not log) stops the search: the
+        next trials would end the same way."""
         batches: list[list[tuple[int, list[str]]]] = []  # consecutive trial numbers: one launch each
         for trial in trials:
             if batches and trial[0] == batches[-1][-1][0] + 1:
@@ -136,17 +143,28 @@ class Search:
                 batches.append([trial])
         for batch in batches:
             returns = self.launcher.launch([overrides for _, overrides in batch], initial_job_idx=batch[0][0])
-            for (number, _), ret in zip(batch, returns, strict=True):
-                self.tell(study, number, ret)
+            refused = [
+                f"trial {number}: {mistake}"
+                for (number, _), ret in zip(batch, returns, strict=True)
+                if (mistake := self.tell(study, number, ret)) is not None
+            ]
+            if refused:
+                raise UserError(
+                    f"search: {refused[0]} (the trial is recorded as failed: once this is fixed, the same command goes "
+                    "on with new trials)"
+                )
 
-    def tell(self, study: optuna.Study, number: int, ret: JobReturn) -> None:
+    def tell(self, study: optuna.Study, number: int, ret: JobReturn) -> UserError | None:
+        """Tell the study how trial `number` ended; returns the user mistake that ended it, if one did."""
         trial = study.get_trials(deepcopy=False)[number]
         if ret.status != JobStatus.COMPLETED:
+            study.tell(number, state=optuna.trial.TrialState.FAIL)
             try:
                 _ = ret.return_value  # raises the trial's error
             except Exception as err:
+                if (mistake := as_user_error(err)) is not None:
+                    return mistake
                 log.warning(f"search: trial {number} failed: {(str(err).splitlines() or [repr(err)])[0]}")
-            study.tell(number, state=optuna.trial.TrialState.FAIL)
         elif PRUNED_AT_STEP in trial.user_attrs:
             study.tell(number, state=optuna.trial.TrialState.PRUNED)
         elif (value := best_value(trial, self.maximize)) is None:
@@ -154,3 +172,4 @@ class Search:
             study.tell(number, state=optuna.trial.TrialState.FAIL)
         else:
             study.tell(number, value)
+        return None

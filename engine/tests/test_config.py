@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import PROJECT, config_groups, in_process, read_json
+from conftest import PROJECT, check, config_groups, in_process, read_json, run
 from scaleup.build import build_model
 from scaleup.config.plain import instantiate_each
 from scaleup.data.datamodule import apply_model_settings
@@ -159,6 +159,18 @@ def test_every_image_data_option_fits_every_image_model(data, tmp_path):
         with torch.device("meta"):
             logits = instantiate(net_cfg)(torch.empty(2, *IMAGE_SHAPES[data]))
         assert logits.shape == (2, net_cfg["num_classes"]) and plan["global_batch_size"] > 0, (data, model)
+
+
+@pytest.mark.slow  # the entry point in a process of its own
+def test_train_help_lists_every_group_the_engines_too():
+    """`python train.py --help` lists every config group with its options: the project's and the engine's (trainer,
+    strategy, callbacks, logger, lr_schedule, loader, debug, paths), which the top config finds through its
+    hydra.searchpath and Hydra's own list leaves out. Hydra's own groups (hydra/...) are --hydra-help's."""
+    shown = check(run(["--help"])).stdout
+    listed = shown.split("(group=option)\n\n", 1)[1].split("\n\n== Config ==", 1)[0].splitlines()
+    groups = {group: files for group, files in config_groups().items() if not group.startswith("hydra")}
+    assert listed == [f"{group}: {', '.join(f.stem for f in groups[group])}" for group in sorted(groups)]
+    assert {"trainer", "strategy", "lr_schedule", "callbacks", "logger", "loader", "debug", "data"} <= set(groups)
 
 
 def test_eval_help_shows_its_config_not_the_training_groups():

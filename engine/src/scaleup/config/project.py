@@ -1,5 +1,5 @@
-"""Where a project's configs are: `configs/` in the folder its commands run from (where train.py is); and a config
-composed from them set up as the run `@hydra.main` would start."""
+"""Where a project's configs are: `configs/` in the folder its commands run from (where train.py is); a config
+composed from them set up as the run `@hydra.main` would start; and the groups `--help` lists."""
 
 from __future__ import annotations
 
@@ -54,3 +54,27 @@ def set_up_run(cfg: DictConfig) -> Path:
         cfg.hydra.run.dir = cfg.hydra.runtime.output_dir = str(run_dir)
     HydraConfig.instance().set_config(cfg)
     return run_dir
+
+
+def config_groups() -> str:
+    """Every config group of the running app but Hydra's own, with its options: one `group: option, ...` line each,
+    as Hydra's `--help` lists them ($APP_CONFIG_GROUPS), the groups that the top config's `hydra.searchpath` adds
+    included (the engine's: trainer, strategy, ...), which Hydra's own list leaves out: it reads the search path
+    Hydra starts with, before the top config adds to it. For `hydra.help.template` (the engine's hydra/help/groups)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.object_type import ObjectType
+
+    loader, hydra = GlobalHydra.instance().config_loader(), HydraConfig.get()
+
+    def options(group: str, kind: ObjectType) -> list[str]:
+        overrides = list(hydra.overrides.task)  # a hydra.searchpath given there counts too
+        return sorted(loader.get_group_options(group, kind, config_name=hydra.job.config_name, overrides=overrides))
+
+    listed, folders = {}, [group for group in options("", ObjectType.GROUP) if group != "hydra"]
+    while folders:
+        group = folders.pop()
+        folders += [f"{group}/{inner}" for inner in options(group, ObjectType.GROUP)]
+        if names := options(group, ObjectType.CONFIG):
+            listed[group] = ", ".join(names)
+    return "\n".join(f"{group}: {listed[group]}" for group in sorted(listed))

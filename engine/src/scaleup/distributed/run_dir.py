@@ -100,3 +100,7 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("cwd", os.getcwd)
     if not OmegaConf.has_resolver("devnull"):
         OmegaConf.register_new_resolver("devnull", lambda: os.devnull)
+    if not OmegaConf.has_resolver("config_groups"):
+        from scaleup.config.project import config_groups
+
+        OmegaConf.register_new_resolver("config_groups", config_groups)  # --help's list (conf/hydra/help/groups.yaml)

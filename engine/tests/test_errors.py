@@ -284,14 +284,13 @@ ENTRY_POINTS = {
         ["-m", "seed=1,-5", "dry_run=true", "hydra.sweep.dir={tmp}/sweep"],
         "error: sweep job 1 (seed=-5): seed=-5 must be an integer in [0, 4294967295]",
     ),
-    # ... and plans every training job as its dry run would: what only the data and the model show
-    "sweep with a model for other data": (
+    # ... and plans every training job as its dry run would: what only the data and the model show (a model made for
+    # other data; here a batch larger than the training set)
+    "sweep with a batch larger than the data": (
         "train.py",
-        ["-m", "model=digits_cnn,char_transformer", "hydra.sweep.dir={tmp}/sweep_models"],
-        "error: sweep job 1 (model=char_transformer): the model (myproject.models.CharLanguageModel) does not fit the "
-        "data (myproject.data.DigitsDataModule): model.net.vocab_size, model.net.block_size wait(s) for the data, "
-        "which provides model.net.num_classes, model.net.in_channels instead. Choose a model made for this data (e.g. "
-        "experiment=char_lm for text), or set those keys",
+        ["-m", "data.global_batch_size=64,4096", "hydra.sweep.dir={tmp}/sweep_models"],
+        "error: sweep job 1 (data.global_batch_size=4096): the global batch (4096) is larger than the training set "
+        "(1257 samples); lower data.global_batch_size",
     ),
 }
 

@@ -7,8 +7,8 @@ from typing import Any
 # Every `Trainer(precision=...)` spelling Lightning 2.6 accepts (its documentation's list; pyproject.toml caps
 # Lightning below 2.7): what the config schema checks `trainer.precision` against.
 PRECISIONS = (
-    "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "32-true",
-    "64-true", 64, 32, 16, "64", "32", "16", "bf16",
+    64, 32, 16, "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true", "bf16-mixed",
+    "32-true", "64-true", "64", "32", "16", "bf16",
 )  # fmt: skip
 
 

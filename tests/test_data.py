@@ -49,6 +49,14 @@ def test_digits_fractional_sizes():
     }
 
 
+def test_negative_split_sizes_are_refused():
+    with pytest.raises(UserError) as refused:
+        DigitsDataModule(global_batch_size=8, val_size=-1).split_sizes()
+    assert str(refused.value) == "val_size=-1 must be >= 0: a count (>= 1), or a fraction (< 1) of 1797"
+    with pytest.raises(ValueError, match=r"^split sizes must be >= 0, got \{'train': 4096, 'val': 512, 'test': -1\}$"):
+        SyntheticDataModule(global_batch_size=8, test_size=-1)
+
+
 def test_synthetic_is_a_function_of_seed_and_index():
     dm = SyntheticDataModule(global_batch_size=8, train_size=1_281_167, image_shape=(3, 64, 64), num_classes=1000)
     train = dm.split_sizes() and dm.splits["train"]

@@ -437,20 +437,35 @@ WRONG_VALUES = {
         ["trainer.max_time=12h"],
         'trainer.max_time=12h must be null, "DD:HH:MM:SS" or a mapping such as {hours: 12}',
     ),
-    # data and model keys, from their constructors' type hints
-    "width 0": ("train.py", ["model.net.width=0"], "model.net.width=0 must be an integer >= 1"),
-    "dropout 1": ("train.py", ["model.net.dropout=1.0"], "model.net.dropout=1.0 must be a number in [0, 1)"),
+    # data and model keys, from their constructors' type hints: plain ones (int, float, Literal[...], tuple[...])...
+    "width 1.5": ("train.py", ["model.net.width=1.5"], "model.net.width=1.5 must be an integer"),
     "unknown norm": ("train.py", ["model.net.norm=layer"], "model.net.norm=layer must be one of batch, group, none"),
-    "val size -1": ("train.py", ["data.val_size=-1"], "data.val_size=-1 must be a number >= 0"),
+    # ... and ranges, where a module's hints carry them (Annotated[int, Field(ge=1)])
+    "ranged width 0": (
+        "train.py",
+        ["model.net._target_=user_modules.RangedCNN", "model.net.width=0"],
+        "model.net.width=0 must be an integer >= 1",
+    ),
+    "ranged dropout 1": (
+        "train.py",
+        ["model.net._target_=user_modules.RangedCNN", "model.net.dropout=1.0"],
+        "model.net.dropout=1.0 must be a number in [0, 1)",
+    ),
+    # a size the engine's split_lengths refuses, before anything is written
+    "val size -1": (
+        "train.py",
+        ["data.val_size=-1"],
+        "val_size=-1 must be >= 0: a count (>= 1), or a fraction (< 1) of 1797",
+    ),
     "cifar val size, before the download": (
         "train.py",
         ["data=cifar10", "data.val_size=abc"],
-        "data.val_size=abc must be a number >= 0",
+        "data.val_size=abc must be a number",
     ),
     "synthetic shape": (
         "train.py",
         ["data=synthetic", "data.image_shape=[3,32]"],
-        "data.image_shape=[3, 32] must be [channels, height, width], each an integer >= 1",
+        "data.image_shape=[3, 32] must be a list of 3 integers",
     ),
     "early stopping patience": (
         "train.py",
@@ -801,7 +816,7 @@ def complete(tmp_path_factory) -> Callable[[dict[str, Any], str], dict[str, Any]
         (
             {"model": {"net": {"_target_": "testbed.models.DigitsCNN", "dropout": "abc", "width": 1.5}}},
             "train",
-            "model.net.width=1.5 must be an integer >= 1; model.net.dropout=abc must be a number in [0, 1)",
+            "model.net.width=1.5 must be an integer; model.net.dropout=abc must be a number",
         ),
         (
             {
@@ -812,9 +827,9 @@ def complete(tmp_path_factory) -> Callable[[dict[str, Any], str], dict[str, Any]
             "callbacks.ema.decay=abc must be a number; logger.tb.default_hp_metric=3 must be true or false",
         ),
         (
-            {"data": {"_target_": "testbed.data.SyntheticDataModule", "train_size": 0, "val_size": "abc"}},
+            {"data": {"_target_": "testbed.data.SyntheticDataModule", "train_size": 1.5, "val_size": "abc"}},
             "train",
-            "data.train_size=0 must be an integer >= 1; data.val_size=abc must be an integer >= 0",
+            "data.train_size=1.5 must be an integer; data.val_size=abc must be an integer",
         ),
         (
             {
@@ -829,14 +844,14 @@ def complete(tmp_path_factory) -> Callable[[dict[str, Any], str], dict[str, Any]
             },
             "train",
             "model.size=0 must be an integer >= 1; model.scale=11 must be a number in (0, 10]; model.root=3 must be a "
-            "path; model.pair=[1, x] must be a list of numbers; model.mode=2 must be a string",
+            "path; model.pair=[1, x] must be a list of 2 numbers; model.mode=2 must be a string",
         ),
         (
             # lax conversions stay refused: a string read as a number or a boolean, a float as an integer
             {"model": {"_target_": f"{__name__}.Widget", "size": "5", "fast": "yes", "pair": [1.0, True]}},
             "train",
             "model.fast=yes must be true or false; model.size=5 must be an integer >= 1; model.pair=[1.0, true] must "
-            "be a list of numbers",
+            "be a list of 2 numbers",
         ),
         (
             {"model": {"_target_": f"{__name__}.Widget", "size": 2.0, "colour": "green"}},

@@ -1,18 +1,20 @@
 """A user's own code, as the contract allows it: used with `model._target_=user_modules.<Name>` in real runs."""
 
+import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
+from pydantic import Field
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from scaleup.observability.metrics import StageMetrics
 from testbed.data import DigitsDataModule
-from testbed.models import ImageClassifier
+from testbed.models import DigitsCNN, ImageClassifier, Norm
 
 
 class TwoGroupClassifier(ImageClassifier):
@@ -81,12 +83,39 @@ class PlainDataModule(L.LightningDataModule):
         super().__init__()
 
 
+class RangedCNN(DigitsCNN):
+    """The suite's CNN with ranges on its arguments (`Annotated[..., Field(...)]`, optional to a user's code): the
+    config's values are checked against them before anything is built."""
+
+    def __init__(
+        self,
+        num_classes: Annotated[int, Field(ge=1)] = 10,
+        in_channels: Annotated[int, Field(ge=1)] = 1,
+        width: Annotated[int, Field(ge=1)] = 32,
+        norm: Norm = "batch",
+        dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0,
+    ) -> None:
+        super().__init__(num_classes, in_channels, width, norm, dropout)
+
+
 class BuggyClassifier(ImageClassifier):
     """A bug in the user's own __init__: a TypeError raised by torch inside it."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.buffer = torch.empty(None)  # the bug
+
+
+class CallbackCensus(L.Callback):
+    """Writes the classes of the Trainer's callbacks, in their order, to `path` (JSON) when fit starts."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        names = [f"{type(cb).__module__}.{type(cb).__qualname__}" for cb in trainer.callbacks]
+        with open(self.path, "w") as f:
+            json.dump(names, f)
 
 
 class StreamedDigits(torch.utils.data.IterableDataset):

@@ -1,10 +1,8 @@
 """CIFAR-10 through torchvision, downloaded once by rank 0 of each node (Lightning's `prepare_data`)."""
 
 from pathlib import Path
-from typing import Annotated
 
 import torch
-from pydantic import Field
 from torch.utils.data import Dataset, Subset
 from torchvision.datasets import CIFAR10
 from torchvision.transforms import v2
@@ -41,7 +39,7 @@ class CIFAR10DataModule(ImageDataModule):
         self,
         root: str,
         download: bool = True,
-        val_size: Annotated[float, Field(ge=0)] = 5000,  # a count, or a fraction (< 1) of the training set
+        val_size: float = 5000,  # a count, or a fraction (< 1) of the training set
         split_seed: int = 0,
         **loader_kwargs,
     ) -> None:

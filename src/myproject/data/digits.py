@@ -1,9 +1,8 @@
 """scikit-learn's bundled handwritten digits: 1,797 real 8x8 images, no download."""
 
-from typing import Annotated, Any
+from typing import Any
 
 import torch
-from pydantic import Field
 from sklearn.datasets import load_digits
 from torch.utils.data import Dataset, TensorDataset
 
@@ -46,8 +45,8 @@ class DigitsDataModule(ClassificationDataModule):
 
     def __init__(
         self,
-        val_size: Annotated[float, Field(ge=0)] = 180,  # a count, or a fraction (< 1) of the data set
-        test_size: Annotated[float, Field(ge=0)] = 360,
+        val_size: float = 180,  # a count, or a fraction (< 1) of the data set
+        test_size: float = 360,
         split_seed: int = 0,
         augment: bool = False,  # random shifts and rotations of the training images
         **loader_kwargs,

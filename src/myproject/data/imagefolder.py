@@ -3,10 +3,9 @@
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import Field
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.utils import download_and_extract_archive
@@ -35,7 +34,7 @@ class ImageFolderDataModule(ImageDataModule):
     def __init__(
         self,
         root: str,
-        image_size: Annotated[int, Field(ge=1)] = 224,
+        image_size: int = 224,
         url: str | None = None,
         md5: str | None = None,
         decode_device: Literal["cpu", "cuda"] = "cpu",

@@ -1,11 +1,9 @@
 """Synthetic images of any size and count, generated on the fly: a 1.28M-sample set costs no memory."""
 
 from collections.abc import Sequence
-from typing import Annotated
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch.utils.data import Dataset
 
 from scaleup.api import ClassificationDataModule
@@ -42,21 +40,20 @@ class SyntheticImages(Dataset):
 class SyntheticDataModule(ClassificationDataModule):
     def __init__(
         self,
-        train_size: Annotated[int, Field(ge=1)] = 4096,
-        val_size: Annotated[int, Field(ge=0)] = 512,
-        test_size: Annotated[int, Field(ge=0)] = 512,
-        image_shape: Annotated[
-            Sequence[Annotated[int, Field(ge=1)]],
-            Field(min_length=3, max_length=3, description="[channels, height, width], each an integer >= 1"),
-        ] = (3, 32, 32),
-        num_classes: Annotated[int, Field(ge=1)] = 10,
-        noise: Annotated[float, Field(ge=0)] = 1.0,
+        train_size: int = 4096,
+        val_size: int = 512,
+        test_size: int = 512,
+        image_shape: tuple[int, int, int] = (3, 32, 32),  # channels, height, width
+        num_classes: int = 10,
+        noise: float = 1.0,
         data_seed: int = 0,
         **loader_kwargs,
     ) -> None:
         super().__init__(**loader_kwargs)
         self.num_classes = num_classes
         self.sizes = {"train": train_size, "val": val_size, "test": test_size}
+        if min(self.sizes.values()) < 0:  # the splits' index ranges would overlap
+            raise ValueError(f"split sizes must be >= 0, got {self.sizes}")
         self.image_shape, self.noise, self.data_seed = tuple(image_shape), noise, data_seed
         self.in_channels = self.image_shape[0]
 

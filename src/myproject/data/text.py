@@ -1,10 +1,9 @@
 """Characters of text that ships with scikit-learn (its data sets' descriptions): language modelling, no download."""
 
 from importlib.resources import files
-from typing import Annotated, Any
+from typing import Any
 
 import torch
-from pydantic import Field
 from torch.utils.data import Dataset
 
 from scaleup.api import GlobalBatchDataModule, split_lengths
@@ -45,9 +44,9 @@ class CharTextDataModule(GlobalBatchDataModule):
 
     def __init__(
         self,
-        block_size: Annotated[int, Field(ge=1)] = 64,
-        val_size: Annotated[float, Field(ge=0)] = 0.1,  # blocks: a count, or a fraction (< 1)
-        test_size: Annotated[float, Field(ge=0)] = 0.1,
+        block_size: int = 64,
+        val_size: float = 0.1,  # blocks: a count, or a fraction (< 1)
+        test_size: float = 0.1,
         **loader_kwargs,
     ) -> None:
         super().__init__(**loader_kwargs)

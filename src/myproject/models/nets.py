@@ -1,16 +1,14 @@
 """Plain `nn.Module` networks: no Lightning inside, so exported weights load anywhere."""
 
 from collections.abc import Callable
-from typing import Annotated, Literal, get_args
+from typing import Literal, get_args
 
 import torchvision
-from pydantic import Field
 from torch import nn
 
 # The hints say what each argument may be; the training job checks the config against them before it starts.
 Norm = Literal["batch", "group", "none"]
 NORMS = get_args(Norm)
-Count = Annotated[int, Field(ge=1)]
 
 
 def norm_layer(kind: Norm) -> Callable[[int], nn.Module]:
@@ -30,12 +28,14 @@ class DigitsCNN(nn.Sequential):
 
     def __init__(
         self,
-        num_classes: Count = 10,
-        in_channels: Count = 1,
-        width: Count = 32,
+        num_classes: int = 10,
+        in_channels: int = 1,
+        width: int = 32,
         norm: Norm = "batch",
-        dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0,
+        dropout: float = 0.0,
     ) -> None:
+        if not 0 <= dropout < 1:  # torch takes 1, which zeroes every feature
+            raise ValueError(f"dropout={dropout} must be in [0, 1)")
         make_norm = norm_layer(norm)
 
         def block(cin: int, cout: int) -> list[nn.Module]:
@@ -58,7 +58,7 @@ class DigitsCNN(nn.Sequential):
 
 
 def resnet(
-    name: str, num_classes: Count, in_channels: Count = 3, norm: Norm = "batch", small_input: bool = False
+    name: str, num_classes: int, in_channels: int = 3, norm: Norm = "batch", small_input: bool = False
 ) -> nn.Module:
     """torchvision's ResNet by name (`resnet18`, `resnet50`, ...), randomly initialised.
 

@@ -596,6 +596,9 @@ def describe(hint: Any) -> str:
         return options(hint)[0] if len(args) == 1 else f"one of {', '.join(options(hint))}"
     if hint is type(None):
         return "null"
+    if origin is tuple and args and Ellipsis not in args:  # a fixed length: tuple[int, int, int]
+        items = plural(describe(args[0])) if len(set(args)) == 1 else "items"
+        return f"a list of {len(args)} {items}"
     if origin in (list, tuple, set, frozenset, Sequence) or hint in (list, tuple, Sequence):
         return "a list" + (f" of {plural(describe(args[0]))}" if args and args[0] is not Ellipsis else "")
     if origin in (dict, Mapping) or hint in (dict, Mapping):

@@ -251,6 +251,9 @@ def split_lengths(total: int, val_size: float, test_size: float) -> tuple[int, i
     def count(size: float) -> int:
         return int(size) if size >= 1 else round(size * total)
 
+    for name, size in (("val_size", val_size), ("test_size", test_size)):
+        if size < 0:
+            raise UserError(f"{name}={size} must be >= 0: a count (>= 1), or a fraction (< 1) of {total}")
     val, test = count(val_size), count(test_size)
     train = total - val - test
     if train < 1:

@@ -1,12 +1,11 @@
 """scikit-learn's 1,797 digits (8x8, in memory), images drawn from their index, and a tree of image files."""
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import Field
 from sklearn.datasets import load_digits
 from torch.utils.data import Dataset, TensorDataset
 from torchvision.datasets import ImageFolder
@@ -51,8 +50,8 @@ class DigitsDataModule(ClassificationDataModule):
 
     def __init__(
         self,
-        val_size: Annotated[float, Field(ge=0)] = 180,
-        test_size: Annotated[float, Field(ge=0)] = 360,
+        val_size: float = 180,
+        test_size: float = 360,
         split_seed: int = 0,
         augment: bool = False,
         **loader_kwargs,
@@ -102,11 +101,11 @@ class Drawn(Dataset):
 class SyntheticDataModule(ClassificationDataModule):
     def __init__(
         self,
-        train_size: Annotated[int, Field(ge=1)] = 4096,
-        val_size: Annotated[int, Field(ge=0)] = 512,
-        test_size: Annotated[int, Field(ge=0)] = 512,
-        image_shape: Annotated[Sequence[Annotated[int, Field(ge=1)]], Field(min_length=3, max_length=3)] = (3, 32, 32),
-        num_classes: Annotated[int, Field(ge=1)] = 10,
+        train_size: int = 4096,
+        val_size: int = 512,
+        test_size: int = 512,
+        image_shape: tuple[int, int, int] = (3, 32, 32),
+        num_classes: int = 10,
         data_seed: int = 0,
         **loader_kwargs,
     ) -> None:

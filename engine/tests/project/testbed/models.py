@@ -2,20 +2,19 @@
 
 from collections.abc import Callable, Mapping
 from itertools import pairwise
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 import torchvision
 from hydra.utils import instantiate
-from pydantic import Field
 from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
 
-from scaleup.api import ClassificationFigures, StageMetrics, TopKAccuracy, build_optimizer, is_logging_step
+from scaleup.api import ClassificationFigures, StageMetrics, build_optimizer
 
 Norm = Literal["batch", "group", "none"]
-Count = Annotated[int, Field(ge=1)]
 
 
 def norm_layer(kind: Norm) -> Callable[[int], nn.Module]:
@@ -27,11 +26,11 @@ def norm_layer(kind: Norm) -> Callable[[int], nn.Module]:
 class DigitsCNN(nn.Sequential):
     def __init__(
         self,
-        num_classes: Count = 10,
-        in_channels: Count = 1,
-        width: Count = 32,
+        num_classes: int = 10,
+        in_channels: int = 1,
+        width: int = 32,
         norm: Norm = "batch",
-        dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0,
+        dropout: float = 0.0,
     ) -> None:
         widths = [in_channels, width, 2 * width, 4 * width]
         layers: list[nn.Module] = []
@@ -43,7 +42,7 @@ class DigitsCNN(nn.Sequential):
 
 
 def resnet(
-    name: str, num_classes: Count, in_channels: Count = 3, norm: Norm = "batch", small_input: bool = False
+    name: str, num_classes: int, in_channels: int = 3, norm: Norm = "batch", small_input: bool = False
 ) -> nn.Module:
     net = getattr(torchvision.models, name)(num_classes=num_classes, norm_layer=norm_layer(norm))
     if small_input or in_channels != 3:
@@ -68,16 +67,16 @@ class ImageClassifier(L.LightningModule):
         self.net = instantiate(dict(net))
         if compile:
             self.net.compile()
-        top5 = {"acc5": TopKAccuracy(k=5)} if net["num_classes"] > 5 else {}
-        self.metrics = StageMetrics({"acc": TopKAccuracy(k=1), **top5}, eval_only=list(top5))
+        classes = net["num_classes"]
+        top5 = {"acc5": MulticlassAccuracy(classes, top_k=5, average="micro")} if classes > 5 else {}
+        self.metrics = StageMetrics({"acc": MulticlassAccuracy(classes, average="micro"), **top5}, eval_only=list(top5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.evaluate(batch, "train")
-        if is_logging_step(self.trainer):
-            self.log("train/loss_step", loss, on_step=True, on_epoch=False)
+        self.log("train/loss_step", loss, on_step=True, on_epoch=False)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

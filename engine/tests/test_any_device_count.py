@@ -33,7 +33,7 @@ from conftest import (
 from probes import limited
 from scaleup.build import build_model
 from scaleup.checkpoints.io import load_checkpoint
-from scaleup.compat.loops import rescale_batch_progress
+from scaleup.callbacks.loop_repairs import rescale_batch_progress
 from scaleup.plan.batch_probe import (
     AUTO_MARGIN,
     AutoBatchSize,

@@ -1,21 +1,18 @@
 """Start-up pitfall checks and the DDP options, on the functions that decide them."""
 
-import logging
 from datetime import timedelta
 
-import lightning as L
 import pytest
-import torch
 from lightning.pytorch.strategies import DDPStrategy
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from conftest import batches, engine_section, performance, train_config
-from scaleup.build import build_model
 from scaleup.distributed.launch import build_strategy
 from scaleup.errors import UserError
-from scaleup.plan.checks import TrainLoaderCheck, check_config, pitfall_warnings
+from scaleup.plan.checks import check_config, own_train_loader_warning, pitfall_warnings
 from scaleup.plan.resolve import build_plan
 from scaleup.plan.topology import Topology
+from testbed.data import DigitsDataModule
 
 DDP_OPTIONS = {
     "timeout_minutes": 90,
@@ -99,39 +96,17 @@ def test_sweeps_spawn_and_single_process_stays_plain():
     )
 
 
-class Stream(torch.utils.data.IterableDataset):
-    def __iter__(self):
-        return iter([(torch.zeros(1, 8, 8), 0)] * 4)
+class OwnLoader(DigitsDataModule):
+    """A data module that builds its own train loader, as Lightning's docs write one: its own shuffle."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.splits["train"], batch_size=16, shuffle=True)
 
 
-@pytest.mark.parametrize(
-    ("loader", "message"),
-    [
-        (
-            DataLoader(
-                TensorDataset(torch.zeros(8, 1, 8, 8), torch.zeros(8, dtype=torch.long)), batch_size=4, shuffle=True
-            ),
-            "uses RandomSampler, not GlobalBatchSampler",
-        ),
-        (DataLoader(Stream(), batch_size=2), "is an IterableDataset: no sampler can shard it"),
-    ],
-)
-def test_custom_train_loaders_that_break_invariance_are_reported(loader, message, caplog):
-    model = build_model(
-        {
-            "_target_": "testbed.models.ImageClassifier",
-            "net": {"_target_": "testbed.models.DigitsCNN", "num_classes": 10},
-            "optimizer": {"_target_": "torch.optim.SGD", "lr": 0.1},
-        }
+def test_a_data_module_that_builds_its_own_train_loader_is_named_at_start_up():
+    assert own_train_loader_warning(DigitsDataModule()) is None
+    assert own_train_loader_warning(OwnLoader()) == (
+        "OwnLoader builds its own train loader: unless its sampler is train_sampler()'s GlobalBatchSampler, the order "
+        "of samples depends on the number of devices (and an IterableDataset is read whole by every rank), so "
+        "1-device and N-device runs will differ"
     )
-    trainer = L.Trainer(
-        max_steps=1,
-        callbacks=[TrainLoaderCheck()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    with caplog.at_level(logging.WARNING, logger="scaleup.plan.checks"):
-        trainer.fit(model, train_dataloaders=loader)
-    assert message in caplog.text

@@ -6,8 +6,6 @@ after an upgrade, Lightning changed that behaviour: delete the workaround its do
 Private names are imported inside the tests that need them: a name a release removed fails its own canary only.
 """
 
-import contextlib
-import copy
 import inspect
 import multiprocessing
 import os
@@ -29,17 +27,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from torchmetrics import SumMetric
 
-from scaleup.compat import fast_paths
 from scaleup.compat.dcp import read_distributed_checkpoint, stored_file_sizes, stored_tensor_shapes
-from scaleup.compat.fast_paths import LeanModelCheckpoint
-from scaleup.compat.fast_paths import fast_paths as fast_paths_on
-from scaleup.compat.loggers import is_logging_step
-from scaleup.compat.loops import UNRESUMABLE_LOADER_WARNING, EpochEndResume, LoaderWorkersStop
+from scaleup.callbacks.loop_repairs import UNRESUMABLE_LOADER_WARNING, LoopRepairs
 from scaleup.compat.model_parallel import optimizer_states_keyed_in_group_order
 from scaleup.compat.precision import model_parallel_precision
-from scaleup.observability.metrics import SampleSum, TopKAccuracy
 
 BATCHES_PER_EPOCH = 4
 
@@ -163,7 +155,7 @@ def test_ema_testing_a_checkpoint_after_fit_loads_the_training_weights(tmp_path)
 
 
 def test_resume_after_an_epoch_end_checkpoint_leaves_the_epoch_unstarted(tmp_path):
-    """EpochProgressRepair: resumed from a checkpoint at an epoch's last batch, Lightning does not count the next
+    """LoopRepairs: resumed from a checkpoint at an epoch's last batch, Lightning does not count the next
     epoch as started, so a checkpoint inside it says the epoch before, and resuming that repeats the epoch."""
     trainer(tmp_path, max_epochs=1, callbacks=[save_every(BATCHES_PER_EPOCH, tmp_path)]).fit(Tiny())
     trainer(tmp_path, max_steps=6, callbacks=[save_every(2, tmp_path)]).fit(Tiny(), ckpt_path=tmp_path / "step=4.ckpt")
@@ -206,14 +198,14 @@ def resumed_batches(tmp_path, ckpt, callbacks=(), **limits) -> tuple[list[tuple[
 
 
 def test_max_steps_resume_from_an_epoch_end_reenters_the_finished_epoch(tmp_path):
-    """EpochEndResume: with max_steps, Lightning restores a run whose epoch ran to its end as one to continue inside
+    """LoopRepairs: with max_steps, Lightning restores a run whose epoch ran to its end as one to continue inside
     that epoch: one batch past its end, then the epoch counts as done a second time."""
     seen, step, _ = resumed_batches(tmp_path, epoch_end_checkpoint(tmp_path), max_epochs=2, max_steps=100)
     assert seen == [(0, BATCHES_PER_EPOCH)] and step == BATCHES_PER_EPOCH + 1
 
 
 def test_resume_from_an_epoch_that_max_steps_cut_short_drops_its_rest(tmp_path):
-    """EpochEndResume: Lightning counts an epoch that max_steps cut short (2 of 4 batches) as processed; trained
+    """LoopRepairs: Lightning counts an epoch that max_steps cut short (2 of 4 batches) as processed; trained
     further without max_steps, the resume starts the next epoch and never trains the rest."""
     seen, step, _ = resumed_batches(tmp_path, epoch_end_checkpoint(tmp_path, max_steps=2), max_epochs=2)
     assert seen == [(1, i) for i in range(BATCHES_PER_EPOCH)] and step == 2 + BATCHES_PER_EPOCH
@@ -223,7 +215,7 @@ def test_resume_from_an_epoch_that_max_steps_cut_short_drops_its_rest(tmp_path):
 def test_epoch_end_resume_with_max_steps_trains_what_a_resume_without_trains(tmp_path, where):
     ckpt = epoch_end_checkpoint(tmp_path, where)
     without = resumed_batches(tmp_path, ckpt, max_epochs=2)  # Lightning's own resume
-    with_max_steps = resumed_batches(tmp_path, ckpt, [EpochEndResume()], max_epochs=2, max_steps=100)
+    with_max_steps = resumed_batches(tmp_path, ckpt, [LoopRepairs()], max_epochs=2, max_steps=100)
     assert without[:2] == with_max_steps[:2] == ([(1, i) for i in range(BATCHES_PER_EPOCH)], 2 * BATCHES_PER_EPOCH)
     assert torch.equal(without[2], with_max_steps[2])
 
@@ -231,12 +223,12 @@ def test_epoch_end_resume_with_max_steps_trains_what_a_resume_without_trains(tmp
 @pytest.mark.parametrize("max_steps", [-1, 100])
 def test_epoch_end_resume_trains_the_rest_of_an_epoch_that_max_steps_cut_short(tmp_path, max_steps):
     ckpt = epoch_end_checkpoint(tmp_path, max_steps=2)
-    seen, step, _ = resumed_batches(tmp_path, ckpt, [EpochEndResume()], max_epochs=2, max_steps=max_steps)
+    seen, step, _ = resumed_batches(tmp_path, ckpt, [LoopRepairs()], max_epochs=2, max_steps=max_steps)
     assert seen == [(0, 2), (0, 3), *[(1, i) for i in range(BATCHES_PER_EPOCH)]] and step == 2 * BATCHES_PER_EPOCH
 
 
 def test_resume_with_another_accumulation_keeps_the_micro_batch_count(tmp_path):
-    """BatchProgressRescale: a resumed run restores the epoch's batch counter in the checkpoint's micro-batches."""
+    """LoopRepairs: a resumed run restores the epoch's batch counter in the checkpoint's micro-batches."""
     trainer(tmp_path, max_steps=2, callbacks=[save_every(2, tmp_path)]).fit(Tiny())  # 2 batches of accumulation 1
     seen = []
 
@@ -350,190 +342,6 @@ def test_lightning_registers_its_own_sigterm_handler_after_setup(tmp_path):
         signal.signal(signal.SIGTERM, before)
 
 
-class LoggingSteps(L.Callback):
-    def __init__(self) -> None:
-        self.seen: list[bool] = []
-
-    def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
-        self.seen.append(is_logging_step(trainer))
-
-
-def test_should_update_logs_follows_log_every_n_steps(tmp_path):
-    """is_logging_step. Lightning keeps the rule of its logging steps in the private
-    `trainer._logger_connector.should_update_logs`: with log_every_n_steps=2, the 2nd, 4th and 6th step."""
-    recorder = LoggingSteps()
-    trainer(tmp_path, callbacks=[recorder], max_steps=6, log_every_n_steps=2).fit(Tiny())
-    assert recorder.seen == [False, True, False, True, False, True]
-
-
-HOOKS = [name for name in vars(L.Callback) if name.startswith("on_") or name in ("setup", "teardown")]
-
-
-class LooksUp(L.Callback):
-    """Records every hook Lightning looks up on it; overrides none."""
-
-    def __init__(self) -> None:
-        self.looked_up: set[str] = set()
-
-    def __getattribute__(self, name: str):
-        if name in HOOKS:
-            object.__getattribute__(self, "looked_up").add(name)
-        return object.__getattribute__(self, name)
-
-
-class Records(L.Callback):
-    """Records every hook call in order, each hook set on the instance (not the class)."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-        for hook in HOOKS:
-            setattr(self, hook, lambda *args, hook=hook, **kwargs: self.calls.append(hook))
-
-
-def test_lightning_calls_hooks_a_callback_does_not_override(tmp_path):
-    """fast_paths callback dispatch. Lightning looks up and calls the step hooks of a callback that overrides none
-    of them."""
-    idle = LooksUp()
-    trainer(tmp_path, callbacks=[idle], max_steps=2).fit(Tiny())
-    assert {"on_train_batch_start", "on_before_backward", "on_train_batch_end"} <= idle.looked_up
-
-
-def test_skipping_unoverridden_hooks_calls_the_same_hooks_in_the_same_order(tmp_path):
-    """With the fast path, callbacks that override hooks on their instance (Records) or their class (LoggingSteps)
-    get the same calls in the same order as from Lightning's own dispatch, through fit and test; an idle callback
-    is not even looked up."""
-    seen = {}
-    for name, paths in {"lightning": contextlib.nullcontext, "fast path": fast_paths_on}.items():
-        records, idle, steps = Records(), LooksUp(), LoggingSteps()
-        module = Tiny()
-        run = trainer(tmp_path / name, callbacks=[records, idle, steps], max_steps=6, log_every_n_steps=2)
-        with paths():
-            run.fit(module)
-            run.test(module)
-        seen[name] = (records.calls, steps.seen, bool(idle.looked_up & {"on_train_batch_start"}))
-    assert len(seen["lightning"][0]) == 60 and seen["lightning"][1] == [False, True] * 3
-    assert seen["fast path"][:2] == seen["lightning"][:2]
-    assert seen["lightning"][2] and not seen["fast path"][2]
-
-
-def test_with_a_profiler_every_callback_hook_is_still_timed(tmp_path):
-    """The callback fast path steps aside while a profiler runs (`debug=profiler`): its report times each hook."""
-    run = trainer(tmp_path, callbacks=[LooksUp()], max_steps=2, profiler="simple")
-    with fast_paths_on():
-        run.fit(Tiny())
-    assert any(name.startswith("[Callback]LooksUp.on_train_batch_start") for name in run.profiler.recorded_durations)
-
-
-MODULE_HOOKS = [*HOOKS, "training_step", "validation_step", "test_step", "backward", "optimizer_step",
-                "optimizer_zero_grad", "configure_gradient_clipping", "on_before_batch_transfer",
-                "transfer_batch_to_device", "on_after_batch_transfer"]  # fmt: skip
-
-
-class FxNames(Tiny):
-    """Records (hook, `_current_fx_name` inside it) for every hook Lightning calls on it, and logs from the step
-    and batch-end hooks (which `self.log` allows by `_current_fx_name`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, str | None]] = []
-        for hook in MODULE_HOOKS:
-            method = getattr(self, hook, None)
-            if callable(method):
-                setattr(self, hook, self._recorded(hook, method))
-
-    def _recorded(self, hook, method):
-        def recorded(*args, **kwargs):
-            self.calls.append((hook, self._current_fx_name))
-            output = method(*args, **kwargs)
-            if hook in ("training_step", "on_train_batch_end"):
-                self.log(f"logged_in_{hook}", 1.0)
-            return output
-
-        return recorded
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.train_dataloader()
-
-
-def test_lightning_wraps_every_module_hook_call_in_a_profiler_context(tmp_path, monkeypatch):
-    """fast_paths module, strategy and DataModule hooks called directly. With no profiler (PassThroughProfiler),
-    Lightning still opens a profiler context, named after the hook, around every module and strategy hook call of a
-    training step."""
-    from lightning.pytorch.profilers import PassThroughProfiler
-
-    opened = []
-    lightning_profile = PassThroughProfiler.profile
-    monkeypatch.setattr(
-        PassThroughProfiler, "profile", lambda self, name: opened.append(name) or lightning_profile(self, name)
-    )
-    trainer(tmp_path, max_steps=2).fit(FxNames())
-    assert {
-        "[LightningModule]FxNames.on_train_batch_start",
-        "[Strategy]SingleDeviceStrategy.training_step",
-        "[Strategy]SingleDeviceStrategy.backward",
-        "[LightningModule]FxNames.optimizer_step",
-    } <= set(opened)
-
-
-def test_direct_hook_calls_call_the_same_hooks_with_the_same_fx_names(tmp_path):
-    """With the workaround, the module sees the same hook calls in the same order, each with the same
-    `_current_fx_name`, and `self.log` works where Lightning allows it, through fit and test."""
-    seen = {}
-    for name, paths in {"lightning": contextlib.nullcontext, "workaround": fast_paths_on}.items():
-        module = FxNames()
-        run = trainer(tmp_path / name, max_steps=3, log_every_n_steps=1)
-        with paths():
-            run.fit(module)
-            logged = sorted(run.logged_metrics)
-            run.test(module)
-        seen[name] = (module.calls, logged)
-    calls, logged = seen["lightning"]
-    assert ("training_step", "training_step") in calls and ("optimizer_step", "optimizer_step") in calls
-    assert ("on_train_batch_end", "on_train_batch_end") in calls and len(calls) > 60
-    assert logged == ["logged_in_on_train_batch_end", "logged_in_training_step"]
-    assert seen["workaround"] == seen["lightning"]
-
-
-class BatchHookData(L.LightningDataModule):
-    """Scales each batch in its `on_after_batch_transfer`, counting the calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(torch.ones(8, 4)), batch_size=2)
-
-    def on_after_batch_transfer(self, batch, dataloader_idx):
-        self.calls += 1
-        return [batch[0] * 2]
-
-
-def test_direct_datamodule_hook_calls_transform_the_same_batches(tmp_path):
-    weights = {}
-    for name, paths in {"lightning": contextlib.nullcontext, "workaround": fast_paths_on}.items():
-        torch.manual_seed(0)
-        module, data = Tiny(), BatchHookData()
-        with paths():
-            trainer(tmp_path / name, max_steps=3).fit(module, data)
-        weights[name] = (data.calls, module.layer.weight.detach().clone())
-    assert weights["lightning"][0] == 3
-    assert weights["workaround"][0] == 3 and torch.equal(weights["workaround"][1], weights["lightning"][1])
-
-
-def test_with_a_profiler_every_hook_call_is_still_timed(tmp_path):
-    """The fast paths step aside while a profiler runs (`debug=profiler`): its report still times each hook."""
-    run = trainer(tmp_path, max_steps=2, profiler="simple")
-    with fast_paths_on():
-        run.fit(FxNames())
-    assert {"[LightningModule]FxNames.on_train_batch_start", "[Strategy]SingleDeviceStrategy.training_step"} <= set(
-        run.profiler.recorded_durations
-    )
-
-
 def test_model_parallel_strategy_refuses_a_module_without_configure_model():
     """configure_model_counts_as_overridden. ModelParallelStrategy.setup refuses a LightningModule that does not
     override `configure_model`, before it touches the model (no process group needed to see it)."""
@@ -604,217 +412,6 @@ def test_model_parallel_rekeys_optimizer_state_by_module_order():
     assert fixed["param_groups"][1]["params"] == ["0.bias", "1.bias"]
 
 
-class LogsEverything(Tiny):
-    """Logs a per-step value, an epoch mean and a torchmetrics Metric in training, and a value in test."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = SumMetric()
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        self.total.update(batch[0].sum())
-        self.log("step_loss", loss, on_step=True, on_epoch=False)
-        self.log("epoch_loss", loss, on_step=False, on_epoch=True, batch_size=len(batch[0]) + batch_idx)
-        self.log("total", self.total, on_step=False, on_epoch=True)
-        return loss
-
-
-def test_lightning_log_rebuilds_the_accumulator_on_every_call(monkeypatch):
-    """fast_paths self.log without redundant moves. Every `log` call moves the value's accumulator to the value's
-    device, and the move rebuilds the accumulator's metadata although nothing moves."""
-    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
-
-    moves = []
-    lightning_move = _ResultMetric.to
-
-    def counted(self, *args, **kwargs):
-        moves.append(args)
-        return lightning_move(self, *args, **kwargs)
-
-    monkeypatch.setattr(_ResultMetric, "to", counted)
-    results = _ResultCollection(training=True)
-    for _ in range(3):
-        results.log("training_step", "loss", torch.tensor(1.0), on_step=True, on_epoch=False, batch_size=1)
-    assert moves == [(torch.device("cpu"),)] * 3
-    metric = results["training_step.loss"]
-    metadata = metric.meta
-    lightning_move(metric, torch.device("cpu"))
-    assert metric.meta is not metadata and metric.meta == metadata
-
-
-def test_logging_without_redundant_moves_logs_the_same_values(tmp_path, monkeypatch):
-    """With the workaround, step values, sample-weighted epoch means and a logged Metric come out as Lightning's own
-    gives them, with one move of Lightning's instead of 21; a move to another device still moves (the meta device
-    stands in for a GPU)."""
-    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
-
-    seen, moves = {}, []
-    lightning_move = _ResultMetric.to
-
-    def counted(self, *args, **kwargs):
-        moves.append(args)
-        return lightning_move(self, *args, **kwargs)
-
-    monkeypatch.setattr(_ResultMetric, "to", counted)  # Lightning's, counted: what the fast path falls back to
-    for name, paths in {"lightning": contextlib.nullcontext, "workaround": fast_paths_on}.items():
-        moves.clear()
-        torch.manual_seed(0)
-        run = trainer(tmp_path / name, max_steps=6, log_every_n_steps=1)
-        with paths():
-            run.fit(LogsEverything())
-        seen[name] = {key: value.item() for key, value in run.callback_metrics.items()}
-        seen[f"{name} moves"] = len(moves)
-    assert seen["workaround"] == seen["lightning"] and set(seen["lightning"]) == {"step_loss", "epoch_loss", "total"}
-    # 3 values logged in 6 steps, and 3 moves to the CPU at the end; only the Metric's first log, before it holds
-    # its Metric, falls through to Lightning's move.
-    assert (seen["lightning moves"], seen["workaround moves"]) == (21, 1)
-    results = _ResultCollection(training=True)
-    results.log("training_step", "loss", torch.tensor(2.0), on_step=False, on_epoch=True, batch_size=1)
-    moved = fast_paths._skip_redundant_moves(lightning_move)(results["training_step.loss"], torch.device("meta"))
-    assert moved.value.device == moved.cumulated_batch_size.device == torch.device("meta")
-
-
-class DoublesInputs(L.LightningDataModule):
-    """Tiny's data with an `on_after_batch_transfer` that doubles every batch."""
-
-    def train_dataloader(self) -> DataLoader:
-        return Tiny().train_dataloader()
-
-    def on_after_batch_transfer(self, batch: list[torch.Tensor], dataloader_idx: int) -> list[torch.Tensor]:
-        return [batch[0] * 2]
-
-
-class SeesBatches(Tiny):
-    def __init__(self) -> None:
-        super().__init__()
-        self.batches: list[torch.Tensor] = []
-
-    def on_before_batch_transfer(self, batch: list[torch.Tensor], dataloader_idx: int) -> list[torch.Tensor]:
-        return [batch[0] + 1]
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        self.batches.append(batch[0])
-        return super().training_step(batch, batch_idx)
-
-
-def test_lightning_resolves_the_data_hooks_on_every_batch(tmp_path, monkeypatch):
-    """fast_paths data hooks looked up once per fit. With a DataModule, every batch asks which of it and the module
-    overrides each of the three batch hooks, and each answer inspects both with `is_overridden`."""
-    import lightning.pytorch.trainer.connectors.data_connector as data_connector
-
-    checks = []
-    lightning_is_overridden = data_connector.is_overridden
-    monkeypatch.setattr(
-        data_connector, "is_overridden", lambda *args: checks.append(args[0]) or lightning_is_overridden(*args)
-    )
-    trainer(tmp_path, max_steps=4).fit(Tiny(), datamodule=DoublesInputs())
-    assert checks.count("transfer_batch_to_device") == 4 * 2  # the DataModule's and the module's, per batch
-
-
-def test_data_hooks_looked_up_once_run_the_same_hooks(tmp_path):
-    """With the workaround, the module's `on_before_batch_transfer` and the DataModule's `on_after_batch_transfer`
-    both run on every batch, as with Lightning's own lookup."""
-    seen = {}
-    for name, paths in {"lightning": contextlib.nullcontext, "workaround": fast_paths_on}.items():
-        module = SeesBatches()
-        with paths():
-            trainer(tmp_path / name, max_steps=4).fit(module, datamodule=DoublesInputs())
-        seen[name] = torch.stack(module.batches)
-    expected = (torch.stack(Tiny().train_dataloader().dataset.tensors[0].split(2)) + 1) * 2
-    assert torch.equal(seen["lightning"], expected) and torch.equal(seen["workaround"], expected)
-
-
-def test_torchmetrics_wraps_update_through_wrap_update():
-    """LeanUpdateMetric. torchmetrics wraps `update` with the overridable `Metric._wrap_update` (also when a metric
-    is copied), keeps the update count and `compute()` cache as plain attributes, and its own wrapper writes both
-    through `__setattr__` on every update."""
-
-    class Writes(SumMetric):
-        def __setattr__(self, name, value):
-            if name in ("_update_count", "_computed"):
-                object.__getattribute__(self, "__dict__").setdefault("writes", []).append(name)
-            super().__setattr__(name, value)
-
-    stock = Writes()
-    stock.__dict__["writes"] = []
-    stock.update(torch.tensor(1.0))
-    assert sorted(stock.writes) == ["_computed", "_update_count"]
-    assert {"_update_count", "_computed"} <= set(vars(stock))
-
-    class Wrapped(SumMetric):
-        def _wrap_update(self, update):
-            return lambda *args: "wrapped"
-
-    assert Wrapped().update(1.0) == "wrapped" and copy.deepcopy(Wrapped()).update(1.0) == "wrapped"
-
-
-def test_lean_update_metrics_count_updates_and_refresh_compute():
-    """TopKAccuracy and SampleSum (LeanUpdateMetric) count their updates, recompute after an update, keep no graph
-    of what they add, and do so in a deep copy too."""
-    for paths in (contextlib.nullcontext, fast_paths_on):  # torchmetrics' own wrapper, then the lean one
-        accuracy, total = TopKAccuracy(k=1), SampleSum()
-        logits = torch.tensor([[2.0, 1.0], [0.0, 3.0]], requires_grad=True)
-        with paths():
-            for metric in (accuracy, copy.deepcopy(accuracy)):
-                metric.update(logits, torch.tensor([0, 0]))
-                assert metric.compute().item() == 0.5
-                metric.update(logits, torch.tensor([0, 1]))
-                assert metric.compute().item() == 0.75 and metric.update_count == 2
-            total.update(logits.sum())
-            assert total.update_called and not total.total.requires_grad
-
-
-def count_state_checks(monkeypatch) -> list[int]:
-    """Counts ModelCheckpoint's `_should_skip_saving_checkpoint` calls (the trainer-state check)."""
-    checks = []
-    lightning_check = ModelCheckpoint._should_skip_saving_checkpoint
-    monkeypatch.setattr(
-        ModelCheckpoint, "_should_skip_saving_checkpoint", lambda self, t: checks.append(1) or lightning_check(self, t)
-    )
-    return checks
-
-
-def test_model_checkpoint_checks_the_trainer_state_on_every_batch(tmp_path, monkeypatch):
-    """LeanModelCheckpoint. Without a step or time trigger, ModelCheckpoint still checks the trainer's state at the
-    end of every training batch (4 here), then at the epoch's end, where it saves."""
-    checks = count_state_checks(monkeypatch)
-    callback = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{step}", save_top_k=-1)
-    trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(Tiny())
-    assert len(checks) == BATCHES_PER_EPOCH + 1 and sorted(os.listdir(tmp_path)) == ["epoch=0-step=4.ckpt"]
-
-
-@pytest.mark.parametrize("every_n_train_steps", [None, 3])
-def test_lean_model_checkpoint_saves_what_lightnings_saves(tmp_path, monkeypatch, every_n_train_steps):
-    """With and without a step trigger, LeanModelCheckpoint writes the files Lightning's ModelCheckpoint writes, under
-    Lightning's state key; without a trigger it skips the check of each batch."""
-    checks = count_state_checks(monkeypatch)
-    saved, keys, counts = {}, {}, {}
-    for kind in (ModelCheckpoint, LeanModelCheckpoint):
-        checks.clear()
-        dirpath = tmp_path / kind.__name__
-        callback = kind(
-            dirpath=dirpath, filename="{epoch}-{step}", save_top_k=-1, every_n_train_steps=every_n_train_steps
-        )
-        with fast_paths_on():
-            trainer(tmp_path, max_epochs=2, callbacks=[callback]).fit(Tiny())
-        saved[kind], counts[kind] = sorted(os.listdir(dirpath)), len(checks)
-        keys[kind] = list(torch.load(dirpath / saved[kind][-1], weights_only=False)["callbacks"])
-    assert saved[ModelCheckpoint] == saved[LeanModelCheckpoint]
-    assert keys[ModelCheckpoint] == keys[LeanModelCheckpoint] and keys[ModelCheckpoint][0].startswith(
-        "ModelCheckpoint{"
-    )
-    skipped = 0 if every_n_train_steps else 2 * BATCHES_PER_EPOCH
-    assert counts[ModelCheckpoint] - counts[LeanModelCheckpoint] == skipped
-    # A step trigger replaces the epoch-end saves.
-    expected = (
-        ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
-        if every_n_train_steps
-        else ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
-    )
-    assert saved[ModelCheckpoint] == expected
-
-
 class FailsInValidation(Tiny):
     """Tiny whose validation inside fit fails at its second batch; its loaders each have 2 persistent workers."""
 
@@ -846,4 +443,4 @@ def test_an_error_leaves_persistent_loader_workers_running(tmp_path):
 
 
 def test_loader_workers_stop_stops_them_when_the_error_comes(tmp_path):
-    assert workers_after_a_failed_validation(tmp_path, [LoaderWorkersStop()]) == []
+    assert workers_after_a_failed_validation(tmp_path, [LoopRepairs()]) == []

@@ -98,7 +98,7 @@ def test_float64_resume_is_bitwise_exact(baseline, interrupted, tmp_path):
 def test_an_epoch_end_resume_with_max_steps_is_bitwise_exact(baseline, interrupted, tmp_path):
     """With trainer.max_steps set (the same 24 steps, so the same plan), Lightning 2.6 restarts a restored run inside
     its last epoch even when that epoch ran to its end: resumed from last.ckpt at step 16, it counted epoch 1's end
-    twice and ended at step 16, having trained nothing (EpochEndResume)."""
+    twice and ended at step 16, having trained nothing (LoopRepairs)."""
     in_process([*EXACT, f"trainer.max_steps={TOTAL_STEPS}", f"ckpt_path={interrupted}", f"hydra.run.dir={tmp_path}"])
     assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == TOTAL_STEPS
     assert_same_weights(last_weights(baseline("one")), last_weights(tmp_path), rtol=0, atol=0)
@@ -111,7 +111,7 @@ def test_a_run_that_max_steps_ended_mid_epoch_trains_on_exactly(tmp_path):
     """Ended by max_steps=21 two steps into epoch 1 (19 steps per epoch), trained on to max_steps=30 with
     ckpt_path=last: the rest of epoch 1, in its order, as the uninterrupted run to 30 (a constant LR, so that the
     21-step plan trains the first 21 steps as the 30-step one does). Lightning 2.6 counts epoch 1 as done there: the
-    resume (max_epochs=2) ended at step 21, having trained nothing (EpochEndResume)."""
+    resume (max_epochs=2) ended at step 21, having trained nothing (LoopRepairs)."""
     run = [*QUICK, "logger=none", "callbacks=[]", "trainer.precision=64-true", "lr_schedule.decay=none"]
     in_process([*run, "trainer.max_steps=30", f"hydra.run.dir={tmp_path / 'uninterrupted'}"])
     in_process([*run, "trainer.max_steps=21", f"hydra.run.dir={tmp_path / 'further'}"])
@@ -164,7 +164,7 @@ def test_mid_epoch_checkpoint_resumes_exactly(baseline, interrupted, tmp_path):
 
 def test_resume_twice_at_epoch_ends_trains_no_extra_epoch(baseline, interrupted, tmp_path):
     """Resume from the last batch of epoch 0, save at the last batch of epoch 1, resume again. Without
-    EpochProgressRepair, Lightning 2.6 trains epoch 1 a second time here (32 steps instead of 24)."""
+    LoopRepairs, Lightning 2.6 trains epoch 1 a second time here (32 steps instead of 24)."""
     second = tmp_path / "second"
     in_process(
         [

@@ -1,6 +1,8 @@
 """The default job end to end: `python train.py` (the real entry point), then eval and export on what it wrote
 (in this process, but for the 2-process evaluation)."""
 
+import json
+
 import hydra
 import pytest
 import torch
@@ -70,11 +72,11 @@ NOISE = (
 
 def test_a_default_run_prints_only_what_to_act_on(trained_run):
     """No line of NOISE and no warning: the default recipe on one CPU process has nothing to warn about (the data
-    wait of an in-memory data set is an info line: test_diagnostics), and the model summary is still there."""
+    wait of an in-memory data set is an info line: test_diagnostics), and the plan says how many parameters."""
     lines = printed(trained_run).read_text().splitlines()
     assert [line for line in lines if any(noise in line for noise in NOISE)] == []
     assert [line for line in lines if "WARNING" in line or "Warning" in line] == []
-    assert any(line.startswith("params: 94.2 K trainable, 0 non-trainable") for line in lines)
+    assert "  parameters            94,186" in lines  # the plan counts them: no layer table by default
 
 
 def test_eval_reproduces_the_training_runs_test_numbers(trained_run, tmp_path):
@@ -125,3 +127,24 @@ def test_missing_checkpoint_is_one_clear_message(tmp_path, job):
     args = [f"ckpt_path={tmp_path}/nope.ckpt", f"hydra.run.dir={tmp_path}"]
     with pytest.raises(UserError, match=f"^checkpoint {tmp_path}/nope.ckpt does not exist"):
         in_process(args + ([f"output_path={tmp_path}/x.pt"] if job == "export" else []), job=job)
+
+
+def test_a_default_run_attaches_few_engine_callbacks_in_their_fixed_order(tmp_path):
+    """At most 8 of the engine's callbacks on a default run (the default callbacks config included), in the order
+    scaleup.trainer.template_callbacks states, the config's after them and the SIGTERM stop after those."""
+    census = tmp_path / "callbacks.json"
+    in_process(["trainer.max_steps=1", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}",
+                f"+callbacks.census={{_target_:user_modules.CallbackCensus,path:'{census}'}}"])  # fmt: skip
+    names = json.loads(census.read_text())
+    # ClassificationFigures is the module's own choice (the example's configure_callbacks), not the engine's
+    engine = [name for name in names if name.startswith("scaleup.") and not name.endswith(".ClassificationFigures")]
+    assert len(engine) == 8, engine  # 7 of the machinery's, and the default callbacks config's diagnostics
+
+    def at(name: str) -> list[int]:
+        return [i for i, found in enumerate(names) if found.endswith(f".{name}")]
+
+    user = min(at("LearningRateMonitor") + at("CallbackCensus"))
+    assert max(at("LRScaling") + at("StepSeed")) < user  # the LR set before it is logged; the seeded stream
+    assert max(at("ExactEvalMetrics")) < min(at("ModelCheckpoint") + at("RunFiles"))  # exact before read
+    # after every callback of the config (Lightning then appends the module's and moves the checkpoints last)
+    assert at("StopOnSigterm") == [max(at("TrainingDiagnostics") + at("CallbackCensus")) + 1]

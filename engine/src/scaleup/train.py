@@ -14,17 +14,19 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from scaleup.build import build_data_and_model
+from scaleup.callbacks.loop_repairs import ignore_unresumable_loader_warning
 from scaleup.checkpoints.resume import ResumePoint, resume_point
-from scaleup.compat.loops import ignore_unresumable_loader_warning
 from scaleup.config.outputs import check_outputs
 from scaleup.config.plain import write_yaml
 from scaleup.config.typed import TrainConfig, train_config
+from scaleup.data.datamodule import GlobalBatchDataModule
 from scaleup.distributed.launch import check_launch, prepare_launch, shards_the_model
 from scaleup.distributed.process_group import shut_down_process_group
+from scaleup.finetune import prepare_start
 from scaleup.observability.loggers import close_loggers
 from scaleup.observability.quiet import quiet_reattached_callbacks
 from scaleup.observability.rows import log_rows
-from scaleup.plan.checks import pitfall_warnings
+from scaleup.plan.checks import own_train_loader_warning, pitfall_warnings
 from scaleup.plan.make import make_plan
 from scaleup.plan.resolve import Plan
 from scaleup.plan.topology import resolve_topology
@@ -49,6 +51,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(config.seed, workers=True, verbose=False)
     on_meta = shards_the_model(config.strategy, topology.world_size) and config.strategy.meta_init
     datamodule, model, dataset_sizes, recording = build_data_and_model(config, run_dir, on_meta)
+    start = prepare_start(config.init, model)  # init.weights fit (else one line), init.freeze applied: before the plan
     launch = prepare_launch(
         config.strategy,
         topology,
@@ -64,8 +67,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     resume = resume_point(None if config.dry_run else config.ckpt_path, config, plan, model, datamodule, run_dir)
     if resume.tested:
         return already_finished(run_dir, resume, config.monitor.metric)
+    plan = start.begin(plan, model, recording, resumed=resume.path, dry_run=config.dry_run)  # a resume loads none
     if rank_zero_only.rank == 0:
-        announce(plan, config, run_dir, in_memory=getattr(datamodule, "in_memory", False))
+        announce(plan, config, run_dir, datamodule)
     if config.dry_run:
         return plan.to_dict()
 
@@ -93,13 +97,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     return metrics
 
 
-def announce(plan: Plan, config: TrainConfig, run_dir: Path, *, in_memory: bool) -> None:
+def announce(plan: Plan, config: TrainConfig, run_dir: Path, datamodule: GlobalBatchDataModule) -> None:
     """Rank 0: print the plan and the pitfall warnings, write plan.json and config.yaml."""
     log_rows("plan" + (" (dry run: nothing is started)" if config.dry_run else ""), plan.rows())
-    for warning in pitfall_warnings(
+    in_memory = getattr(datamodule, "in_memory", False)
+    warnings = pitfall_warnings(
         plan, has_batchnorm=plan.has_batchnorm, num_workers=config.batches.num_workers, data_in_memory=in_memory
-    ):
-        log.warning(warning)
+    )
+    for warning in [*warnings, own_train_loader_warning(datamodule)]:
+        if warning:
+            log.warning(warning)
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
     write_yaml(config.plain, run_dir / "config.yaml")
 

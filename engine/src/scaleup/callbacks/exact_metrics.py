@@ -12,6 +12,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch import Callback
+from torchmetrics import Metric
+
+from scaleup.errors import UserError
 
 log = logging.getLogger("scaleup")
 
@@ -88,11 +91,23 @@ class ExactEvalMetrics(Callback):
     some ranks only counts zero samples, or no maximum, on the others), then one all_reduce per kind of reduction,
     in sorted name order. Needs every rank to reach the end of the eval epoch (each rank with at least one batch:
     Lightning skips an empty eval loop, and its collectives, on that rank alone).
+
+    Also, as the eval metrics' keeper: each process gets torchmetrics states of its own when a stage is set up
+    (ddp_spawn hands the module to its processes through shared memory, so on CPU every rank's states would be one
+    shared tensor, each rank adding into the others' sums); and with `monitor` (training), a `monitor.metric` the
+    module does not log is refused at the end of the first validation, naming the metrics it does log (instead of
+    ModelCheckpoint's traceback).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, monitor: str | None = None) -> None:
+        self.monitor = monitor
         self._warned = False
         self._quiet: set[str] = set()
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for module in pl_module.modules():
+            if isinstance(module, Metric):
+                module.reset()
 
     def on_validation_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
         self._after_batch(trainer)
@@ -108,6 +123,13 @@ class ExactEvalMetrics(Callback):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._warn_once(trainer)
+        if self.monitor is None or trainer.sanity_checking or self.monitor in trainer.callback_metrics:
+            return
+        logged = ", ".join(sorted(name for name in trainer.callback_metrics if name.startswith("val/"))) or "nothing"
+        raise UserError(
+            f"monitor.metric={self.monitor} is not logged by {type(pl_module).__name__}, which logs {logged}: set "
+            "monitor.metric (and monitor.mode=min|max) to one of them, e.g. in your experiment config"
+        )
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._warn_once(trainer)

@@ -1,4 +1,7 @@
-"""What every run leaves on disk besides checkpoints: metrics.json, and the config inside each checkpoint."""
+"""What every run leaves besides the weights: metrics.json, the config and plan inside each checkpoint, and the plan
+where runs get compared (every logger's hyperparameters, TensorBoard's HParams tab)."""
+
+from __future__ import annotations
 
 import json
 import math
@@ -6,7 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
+from torch.utils.tensorboard.summary import hparams
+
+from scaleup.compat.loggers import add_summaries
+from scaleup.config.plain import flatten
 
 TEST_PREFIX = "test/"  # the final test's metrics: their presence in metrics.json says that the test ran to its end
 
@@ -16,22 +24,55 @@ def holds_test_results(path: Path) -> bool:
     return path.is_file() and any(name.startswith(TEST_PREFIX) for name in json.loads(path.read_text()))
 
 
-class MetricsFile(L.Callback):
-    """Merges the final value of every logged metric into `metrics.json` (rank 0, after fit and after test).
+def flat_plan(plan: dict[str, Any]) -> dict[str, bool | int | float | str]:
+    """The plan's set entries, nested dicts as `outer/inner`, lists as text (TensorBoard's HParams take no
+    containers)."""
+    flat = flatten(plan, sep="/")
+    return {k: str(list(v)) if isinstance(v, list | tuple) else v for k, v in flat.items() if v is not None}
 
-    Merging through the file, not an in-memory dict, keeps fit and test metrics together when each stage
-    runs in its own processes (ddp_spawn starts new ones for `trainer.test`). At the end of fit it drops the test
-    metrics that an earlier, shorter fit of the run left (a run trained further with `ckpt_path=last`): they belong
-    to other weights, and until this fit's test writes its own, their absence tells a requeue that the test is still
-    to run (checkpoints/resume.py).
+
+class RunFiles(L.Callback):
+    """The run's records, from rank 0.
+
+    - `metrics.json`: the final value of every logged metric, merged in after fit and after test. Merging through
+      the file, not an in-memory dict, keeps fit and test metrics together when each stage runs in its own
+      processes (ddp_spawn starts new ones for `trainer.test`). At the end of fit it drops the test metrics that an
+      earlier, shorter fit of the run left (a run trained further with `ckpt_path=last`): they belong to other
+      weights, and until this fit's test writes its own, their absence tells a requeue that the test is still to
+      run (checkpoints/resume.py).
+    - With `config` and `plan` (training): both inside each checkpoint as plain dicts, so that `eval.py` and
+      `export.py` rebuild the model and data without the user repeating the training overrides; the plan (world
+      size, batches, accumulation, peak LR, steps, precision, strategy, SyncBN) as every logger's hyperparameters
+      under `plan/` when fit starts; and, after the test, TensorBoard's HParams tab: the plan beside the names of
+      the final metrics, so that runs on 1, 2 and 8 GPUs line up as rows of one table. The tab reads the values
+      from the scalars already logged: writing them again would add a point to every curve.
     """
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path, config: dict[str, Any] | None = None, plan: dict[str, Any] | None = None):
+        self.path, self.config, self.plan = Path(path), config, plan
 
-    def _write(self, trainer: L.Trainer, *, drop_test: bool = False) -> None:
-        if rank_zero_only.rank != 0:
-            return
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.plan is not None:
+            for logger in trainer.loggers:
+                logger.log_hyperparams({"plan": self.plan})
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if self.config is not None:
+            checkpoint["scaleup"] = {"config": self.config, "plan": self.plan}
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer, drop_test=True)
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        metrics = self._write(trainer)
+        if metrics is not None and self.plan is not None:
+            names = dict.fromkeys(metrics, 0.0)  # only the names are written
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    add_summaries(logger, list(hparams(flat_plan(self.plan), names)), trainer.global_step)
+
+    @rank_zero_only
+    def _write(self, trainer: L.Trainer, *, drop_test: bool = False) -> dict[str, float | str]:
         metrics = json.loads(self.path.read_text()) if self.path.is_file() else {}
         if drop_test:
             metrics = {name: value for name, value in metrics.items() if not name.startswith(TEST_PREFIX)}
@@ -40,20 +81,4 @@ class MetricsFile(L.Callback):
             metrics[name] = value if math.isfinite(value) else str(value)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(dict(sorted(metrics.items())), indent=2) + "\n")
-
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._write(trainer, drop_test=True)
-
-    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._write(trainer)
-
-
-class ConfigInCheckpoint(L.Callback):
-    """Stores the resolved run config and plan (plain dicts) in each checkpoint, so `eval.py` and
-    `export.py` rebuild the model and data without the user repeating the training overrides."""
-
-    def __init__(self, config: dict[str, Any], plan: dict[str, Any]) -> None:
-        self.config, self.plan = config, plan
-
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        checkpoint["scaleup"] = {"config": self.config, "plan": self.plan}
+        return metrics

@@ -131,7 +131,7 @@ SIGTERM_HANDLER = Workaround(
     (Private("lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector.register_signal_handlers"),),
 )
 EPOCH_END_RESUME = Workaround(
-    "trainer.max_steps (EpochEndResume)",
+    "trainer.max_steps (LoopRepairs)",
     (Private("lightning.pytorch.loops.fit_loop:_FitLoop._iteration_based_training"),),
 )
 CORRECTNESS = (EXACT_EVAL, SIGTERM_HANDLER, SPAWN_LAUNCHER, EMA_DEVICE, FSDP_OPTIMIZER_KEYS, EPOCH_END_RESUME)

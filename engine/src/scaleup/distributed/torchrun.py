@@ -1,7 +1,7 @@
 """`python -m scaleup.distributed.torchrun [torchrun's options] train.py ...`: torchrun, exiting 143 on a pre-emption.
 
 torch 2.14. Reason: torchrun's agent exits 1 when its job is pre-empted. Given SIGTERM, it passes the signal on to
-its workers (which stop together, write last.ckpt and exit 143: preemption.py), waits for them
+its workers (which stop together, write last.ckpt and exit 143: callbacks/preemption.py), waits for them
 (`--shutdown-timeout`, 30 s by default) and raises SignalException; the agent of another node, whose workers
 stopped with 143 because a peer's were signalled, raises ChildFailedError. Both end in exit 1, which Kubernetes'
 `restartPolicy: ExitCode` (143 restarts the pod, 1-127 fail the job) reads as a failed job. This runs torchrun's
@@ -18,7 +18,7 @@ from torch.distributed import run
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from scaleup.distributed.preemption import EXIT_PREEMPTED
+from scaleup.callbacks.preemption import EXIT_PREEMPTED
 
 
 def preemption(error: SignalException | ChildFailedError) -> str | None:

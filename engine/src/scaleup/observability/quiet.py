@@ -10,10 +10,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator
-from typing import Any
 
-from lightning.pytorch.callbacks import RichModelSummary
-from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 from lightning.pytorch.utilities.rank_zero import rank_zero_module
 
 # (the module that warns, the start of its message), for warnings.filterwarnings (regular expressions); each once
@@ -66,56 +63,3 @@ def quiet_reattached_callbacks() -> Iterator[None]:
         yield
     finally:
         rank_zero_module.log.removeFilter(drop)
-
-
-class SummaryWithoutUncountedFlops(RichModelSummary):
-    """Lightning's rich model summary, without its FLOPs column and `Total FLOPs: 0` when it counted none.
-
-    Lightning counts FLOPs only by running the module's `example_input_array`; for a module without one (the
-    template's, and most) it prints 0 for every layer and in total, which reads as a measurement. With FLOPs
-    counted, this is Lightning's own table. (TrainingDiagnostics' `flops: true` counts them on a real batch.)
-    """
-
-    @staticmethod
-    def summarize(
-        summary_data: list[tuple[str, list[str]]],
-        total_parameters: int,
-        trainable_parameters: int,
-        model_size: float,
-        total_training_modes: dict[str, int],
-        total_flops: int,
-        **summarize_kwargs: Any,
-    ) -> None:
-        """Lightning's table with FLOPs counted; else its columns but FLOPs, and its totals on one line."""
-        if total_flops:
-            RichModelSummary.summarize(
-                summary_data,
-                total_parameters,
-                trainable_parameters,
-                model_size,
-                total_training_modes,
-                total_flops,
-                **summarize_kwargs,
-            )
-            return
-        from rich import get_console
-        from rich.table import Table
-
-        columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
-        table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
-        for name, _ in columns:
-            table.add_column(name, justify="right" if name.startswith("Params") else "left")
-        for row in zip(*(values for _, values in columns), strict=True):
-            table.add_row(*row)
-        console = get_console()
-        console.print(table)
-
-        def count(number: int) -> str:
-            return get_human_readable_count(number).strip()
-
-        console.print(
-            f"params: {count(trainable_parameters)} trainable, {count(total_parameters - trainable_parameters)} "
-            f"non-trainable, {count(total_parameters)} in all ({get_formatted_model_size(model_size)} MB); modules: "
-            f"{total_training_modes['train']} in train mode, {total_training_modes['eval']} in eval mode",
-            soft_wrap=True,
-        )

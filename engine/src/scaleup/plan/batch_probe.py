@@ -28,7 +28,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection, move_data
 from torch.utils.data import default_collate
 from torchmetrics import Metric
 
-from scaleup.callbacks.run_files import ConfigInCheckpoint
+from scaleup.callbacks.run_files import RunFiles
 from scaleup.errors import UserError
 from scaleup.plan.checks import BATCH_NORMS, batchnorm_warning
 from scaleup.plan.resolve import Plan
@@ -133,7 +133,7 @@ class AutoBatchSize(L.Callback):
         self.plan = self.plan.with_per_device_batch(agreed)
         # Checkpoints record the split actually used: eval.py batches by it, a resume rescales its counters by it.
         for callback in trainer.callbacks:
-            if isinstance(callback, ConfigInCheckpoint):
+            if isinstance(callback, RunFiles):
                 callback.plan = self.plan.to_dict()
         if trainer.is_global_zero:
             self._report(mine, agreed)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import lightning as L
 from torch import nn
-from torch.utils.data import IterableDataset
 
 from scaleup.errors import UserError
 from scaleup.plan.resolve import SMALL_BN_BATCH, Plan
@@ -15,6 +13,7 @@ from scaleup.plan.resolve import SMALL_BN_BATCH, Plan
 if TYPE_CHECKING:
     from scaleup.config.schema import Strategy
     from scaleup.config.typed import TrainConfig
+    from scaleup.data.datamodule import GlobalBatchDataModule
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +75,8 @@ def pitfall_warnings(plan: Plan, *, has_batchnorm: bool, num_workers: int, data_
         )
     if has_batchnorm and (warning := batchnorm_warning(plan)):
         warnings.append(warning)
+    if has_batchnorm and (warning := finetune_batchnorm_warning(plan)):
+        warnings.append(warning)
     if num_workers == 0 and plan.accelerator == "gpu" and plan.world_size > 1 and not data_in_memory:
         warnings.append(
             "data.num_workers=0 on a multi-GPU run: every process loads and decodes its data in the training "
@@ -84,23 +85,23 @@ def pitfall_warnings(plan: Plan, *, has_batchnorm: bool, num_workers: int, data_
     return warnings
 
 
-class MonitorCheck(L.Callback):
-    """Refuses a `monitor.metric` that the module does not log, at the end of the first validation, naming the
-    metrics it does log (instead of ModelCheckpoint's traceback)."""
-
-    def __init__(self, metric: str, mode: str) -> None:
-        if mode not in ("min", "max"):
-            raise UserError(f"monitor.mode={mode} must be min or max (whether a lower or a higher {metric} is better)")
-        self.metric = metric
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or self.metric in trainer.callback_metrics:
-            return
-        logged = ", ".join(sorted(name for name in trainer.callback_metrics if name.startswith("val/"))) or "nothing"
-        raise UserError(
-            f"monitor.metric={self.metric} is not logged by {type(pl_module).__name__}, which logs {logged}: set "
-            "monitor.metric (and monitor.mode=min|max) to one of them, e.g. in your experiment config"
-        )
+def finetune_batchnorm_warning(plan: Plan) -> str | None:
+    """Pretrained BatchNorm statistics (init.weights) updated with another number of samples per statistic than
+    they were trained with: the running statistics drift from the ones the weights expect."""
+    trained, bn = plan.init_bn_batch_size, plan.bn_batch_size
+    if trained is None or bn is None or bn == trained:
+        return None
+    if bn > trained:
+        fix = f"data.max_per_device_batch_size={trained} (the rest accumulated)"
+    else:
+        fix = f"{trained} samples per device (a larger global batch, or fewer devices)"
+        if plan.accelerator == "gpu" and plan.world_size > 1 and not plan.sync_batchnorm:
+            fix += ", trainer.sync_batchnorm=true"
+    return (
+        f"BatchNorm statistics come from {bn} samples, and the initial weights were trained with {trained} "
+        f"(init.bn_batch_size): their running statistics drift from the ones the weights expect. Options: {fix}, "
+        "or init.freeze_bn=true (BatchNorm in eval mode: the weights' statistics, never updated)"
+    )
 
 
 def batchnorm_warning(plan: Plan) -> str | None:
@@ -132,24 +133,15 @@ def batchnorm_warning(plan: Plan) -> str | None:
     return f"{what}: {'; '.join(problems)}. Options: {', or '.join(fixes)}"
 
 
-class TrainLoaderCheck(L.Callback):
-    """Warns when a custom DataModule's train loader breaks world-size invariance or rank sharding."""
+def own_train_loader_warning(datamodule: GlobalBatchDataModule) -> str | None:
+    """A data module that builds its own train loader (overrides `train_dataloader`): its order of samples is the
+    template's only if its sampler is `train_sampler()`'s GlobalBatchSampler, which nothing checks for it."""
+    from scaleup.data.datamodule import GlobalBatchDataModule  # here: data/datamodule.py imports plan/
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from scaleup.data.samplers import GlobalBatchSampler
-
-        loader = trainer.train_dataloader
-        if loader is None or not trainer.is_global_zero:
-            return
-        if isinstance(loader.dataset, IterableDataset):
-            log.warning(
-                "the training set is an IterableDataset: no sampler can shard it, so it must split its stream by "
-                "rank and by loader worker itself (torch.utils.data.get_worker_info, trainer.global_rank), or "
-                "every process trains on the same samples"
-            )
-        # With overfit_batches, Lightning itself swaps in a sequential sampler (the same batches every epoch).
-        elif not isinstance(loader.sampler, GlobalBatchSampler) and not trainer.overfit_batches:
-            log.warning(
-                f"the train loader uses {type(loader.sampler).__name__}, not GlobalBatchSampler: the order of "
-                "samples will depend on the number of devices, so 1-device and N-device runs will differ"
-            )
+    if type(datamodule).train_dataloader is GlobalBatchDataModule.train_dataloader:
+        return None
+    return (
+        f"{type(datamodule).__name__} builds its own train loader: unless its sampler is train_sampler()'s "
+        "GlobalBatchSampler, the order of samples depends on the number of devices (and an IterableDataset is read "
+        "whole by every rank), so 1-device and N-device runs will differ"
+    )

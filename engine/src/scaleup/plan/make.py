@@ -46,6 +46,11 @@ def make_plan(
         performance=config.performance,
         launcher=launch.launcher,
     )
+    plan = replace(
+        plan,
+        parameters=sum(p.numel() for p in model.parameters()),
+        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+    )
     if launch.name == "fsdp":
         mesh = launch.strategy.mesh_shape
         sharding = describe_sharding(model, config.strategy, mesh, plan.accumulate_grad_batches, on_meta)

@@ -69,6 +69,10 @@ class Plan:
     sharding: str = ""  # strategy=fsdp: the sharding units and the parameter bytes per rank (distributed/fsdp.py)
     launcher: str = ""  # what started the processes (distributed/clusters.py), e.g. "torchrun, restart 0: ..."
     log_every_n_steps: int | None = None  # resolved: `auto` is a number here; None is Lightning's default (50)
+    initial_weights: str = ""  # init.weights: where they came from, what was left as built and frozen (finetune.py)
+    init_bn_batch_size: int | None = None  # the BatchNorm batch those weights were trained with, where it matters
+    parameters: int | None = None  # the model's parameters (None in a plan of an older version) ...
+    trainable_parameters: int | None = None  # ... and those the optimizer trains
 
     def with_per_device_batch(self, per_device: int) -> Plan:
         """This plan with its global batch split into micro-batches of `per_device` (what the auto cap settles)."""
@@ -118,6 +122,7 @@ class Plan:
                 f"{self.world_size} = {self.num_nodes} node(s) x {self.devices} {self.accelerator}",
             ),
             *([("launcher", self.launcher)] if self.launcher else []),
+            *([("parameters", self._parameters_row())] if self.parameters is not None else []),
             ("per-device batch", self._per_device_row()),
             ("accumulation", self._accumulation_row()),
             ("global batch", f"{self.global_batch_size} ({self.batch_mode} mode)"),
@@ -128,12 +133,17 @@ class Plan:
             ("SyncBatchNorm", f"{'on' if self.sync_batchnorm else 'off'} ({self.sync_batchnorm_reason})"),
             ("precision / strategy", f"{self.precision} / {self.strategy}"),
             *([("sharding", self.sharding)] if self.sharding else []),
+            *([("initial weights", self.initial_weights)] if self.initial_weights else []),
             ("TF32 / channels_last", f"{'on' if self.tf32 else 'off'} / {'on' if self.channels_last else 'off'}"),
             *([("early stopping", self._early_stopping_row())] if self.early_stopping else []),
             ("seed", str(self.seed)),
             ("random numbers", self._randomness_row()),
             ("data", sizes or "unknown until the data is there (the data module cannot state its sizes)"),
         ]
+
+    def _parameters_row(self) -> str:
+        frozen = self.parameters - (self.trainable_parameters or 0)
+        return f"{self.parameters:,}" + (f" ({frozen:,} frozen)" if frozen else "")
 
     def _randomness_row(self) -> str:
         """Which random numbers are the same on every topology (data/seeding.py)."""

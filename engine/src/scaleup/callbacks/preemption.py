@@ -1,9 +1,9 @@
 """Pre-emption: SIGTERM (a scheduler's "go now") stops every rank at the same step, saves last.ckpt, exits 143.
 
 Schedulers (SLURM, Kubernetes, torchrun's agent) send SIGTERM, then SIGKILL after a grace period. `StopOnSigterm`
-(which replaces Lightning's own handling) stops every rank after the same micro-batch; `PreemptionCheckpoint`
-writes last.ckpt there; the jobs wrap `fit` and `test` in `exit_when_stopped`, which exits 143 (never 0 without
-results), so `ckpt_path=last` continues the run.
+(which replaces Lightning's own handling) stops every rank after the same micro-batch and writes last.ckpt there;
+the jobs wrap `fit` and `test` in `exit_when_stopped`, which exits 143 (never 0 without results), so
+`ckpt_path=last` continues the run.
 """
 
 from __future__ import annotations
@@ -76,9 +76,11 @@ class StopOnSigterm(Callback):
 
     Training checks the flag at the end of every micro-batch (the last callback, so the others finish that batch;
     where a mid-epoch ModelCheckpoint saves too): on one process the flag itself, on several an all-reduce (max)
-    of the ranks' flags, so a signal on any rank stops all of them after the same micro-batch, where
-    `PreemptionCheckpoint` writes last.ckpt. The all-reduce runs on the CPU (gloo) and in the background, read one
-    micro-batch later: no device sync and no wait in the step, and the stop comes one micro-batch later.
+    of the ranks' flags, so a signal on any rank stops all of them after the same micro-batch, where it writes
+    `<dirpath>/last.ckpt` (training only: given `dirpath`) so that `ckpt_path=last` continues from it (under SLURM,
+    Lightning's own SIGUSR1 handler saves an `hpc_ckpt` and requeues the job). The all-reduce runs on the CPU
+    (gloo) and in the background, read one micro-batch later: no device sync and no wait in the step, and the stop
+    comes one micro-batch later.
 
     Evaluation batches are uneven across ranks: no per-batch collective may run there. Validation inside `fit`
     runs to its end and training stops after its next micro-batch. `test` (and `eval.py`, and `validate`) stops
@@ -89,7 +91,8 @@ class StopOnSigterm(Callback):
     `exit_when_stopped` then exits 143.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dirpath: str | Path | None = None) -> None:
+        self.path = f"{str(dirpath).rstrip('/')}/last.ckpt" if dirpath is not None else None  # a local path or a URL
         self.requested = False
         self._trainer: L.Trainer | None = None
         self._ready = False  # set up once per job: the process group, the handler kept over Lightning's
@@ -163,17 +166,8 @@ class StopOnSigterm(Callback):
         self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return agreed
 
-
-class PreemptionCheckpoint(L.Callback):
-    """On SIGTERM, Lightning finishes the current batch on every rank and raises SIGTERMException; this writes
-    `last.ckpt` at that step so `ckpt_path=last` continues from it. (Under SLURM, Lightning's own SIGUSR1
-    handler saves an `hpc_ckpt` and requeues the job.)"""
-
-    def __init__(self, dirpath: str | Path) -> None:
-        self.path = f"{str(dirpath).rstrip('/')}/last.ckpt"  # a local path or a URL
-
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
+        if self.path is not None and isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
             trainer.save_checkpoint(self.path)  # rank 0 writes, every rank waits at the barrier
             if trainer.is_global_zero:
                 log.warning(f"stopped by SIGTERM at step {trainer.global_step}; saved {self.path}")

@@ -21,10 +21,9 @@ Python per step show. Each part can run alone with `--only`; they run in this or
    same under any load.
 5. `parts`, in one process: bare Lightning plus one part (a callback of train.py or of the default callbacks, the
    TensorBoard logger, or the template's LightningModule with its metrics and logging), each against bare
-   Lightning alone, in alternating rounds (219 steps timed). Each part runs with the hook dispatch train.py
-   installs (only the hooks a callback overrides are called), bare Lightning with Lightning's own. Printed: the
-   extra ms per step of each part and its share of bare Lightning's step, and, timed alone, the diagnostics'
-   hooks and what each dispatch spends on a callback that does nothing in a step.
+   Lightning alone, in alternating rounds (219 steps timed). Printed: the extra ms per step of each part and its
+   share of bare Lightning's step, and, timed alone, the diagnostics' hooks and what Lightning's dispatch spends
+   on a callback that does nothing in a step.
 6. `versus`, only on request (`--only versus --versus DIR`): train.py of this checkout against train.py of another
    checkout of the project (`git worktree add DIR REV`), in lockstep like part 1: what a change does to the step.
 
@@ -51,7 +50,13 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import (
+    LearningRateMonitor,
+    ModelCheckpoint,
+    ProgressBar,
+    RichProgressBar,
+    TQDMProgressBar,
+)
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer import call
 from torch.utils.data import ConcatDataset, DataLoader
@@ -74,7 +79,6 @@ from scaleup.callbacks.lr_scaling import LRScaling
 from scaleup.callbacks.metric_states import PrivateMetricStates
 from scaleup.callbacks.performance import PerformanceSettings
 from scaleup.callbacks.run_files import ConfigInCheckpoint, MetricsFile
-from scaleup.compat import fast_paths
 from scaleup.compat.loops import BatchProgressRescale, EpochEndResume, EpochProgressRepair, LoaderWorkersStop
 from scaleup.data.seeding import StepSeed
 from scaleup.distributed.preemption import PreemptionCheckpoint, StopOnSigterm
@@ -82,15 +86,12 @@ from scaleup.observability.diagnostics import TrainingDiagnostics
 from scaleup.observability.figures import ClassificationFigures
 from scaleup.observability.hparams import PlanHParams
 from scaleup.observability.metrics import StageMetrics
-from scaleup.observability.progress import ThrottledRichProgressBar
 from scaleup.optim import build_optimizer
 from scaleup.plan.checks import MonitorCheck, TrainLoaderCheck
 from scaleup.plan.lr import LRSchedule
 from scaleup.plan.resolve import resolve_log_every_n_steps
 
 ROOT = Path(__file__).resolve().parents[1]
-LIGHTNING_DISPATCH = call._call_callback_hooks
-TEMPLATE_DISPATCH = fast_paths._dispatch(LIGHTNING_DISPATCH)  # the callback fast path train.py installs
 BATCH, WARMUP, STEPS, EPOCHS = 16, 5, 73, 3  # 1,257 training digits: 78 steps of 16 in an epoch
 SGD = {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4, "nesterov": True}
 NET = {"_target_": "myproject.models.DigitsCNN", "num_classes": 10, "in_channels": 1, "width": 32}
@@ -133,7 +134,7 @@ def bare_trainer(callbacks: list[L.Callback], logger: Any = False, **kwargs: Any
         max_epochs=EPOCHS,
         logger=logger,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        enable_progress_bar=any(isinstance(c, RichProgressBar) for c in callbacks),
+        enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),
         enable_model_summary=False,
         callbacks=callbacks,
         **kwargs,
@@ -369,8 +370,8 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
         "ModelCheckpoint (best)": lambda: ModelCheckpoint(tmp / "ckpt", monitor="val/acc", mode="max"),
         "ModelCheckpoint (last)": lambda: ModelCheckpoint(tmp / "ckpt", filename="last"),
         "TrainingDiagnostics": TrainingDiagnostics,
-        "RichProgressBar (Lightning's)": RichProgressBar,
-        "ThrottledRichProgressBar": ThrottledRichProgressBar,
+        "RichProgressBar(refresh_rate=4)": lambda: RichProgressBar(refresh_rate=4),
+        "TQDMProgressBar (Lightning's default)": TQDMProgressBar,
         "ClassificationFigures (the classifier's)": ClassificationFigures,
     }
     table = {"bare Lightning": lambda: (Bare(), [], False)}
@@ -396,14 +397,13 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
             tensorboard(),
         )
 
-    table["all of it, ThrottledRichProgressBar"] = everything("ThrottledRichProgressBar")
-    table["all of it, Lightning's RichProgressBar"] = everything("RichProgressBar (Lightning's)")
+    table["all of it, RichProgressBar(refresh_rate=4)"] = everything("RichProgressBar(refresh_rate=4)")
+    table["all of it, TQDMProgressBar"] = everything("TQDMProgressBar (Lightning's default)")
     return table
 
 
-def time_part(make: Callable[[], tuple[L.LightningModule, list[L.Callback], Any]], template: bool) -> dict[str, float]:
-    """One part's seconds per step; `template`: with the hook dispatch train.py installs, else Lightning's own."""
-    call._call_callback_hooks = TEMPLATE_DISPATCH if template else LIGHTNING_DISPATCH
+def time_part(make: Callable[[], tuple[L.LightningModule, list[L.Callback], Any]]) -> dict[str, float]:
+    """One part's seconds per step."""
     module, callbacks, logger = make()
     timer = PartTimer()
     # Logging steps as often as in train.py (its `auto` on an epoch of 78 steps).
@@ -425,13 +425,13 @@ def run_parts(rounds: int, out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         table = parts(Path(tmp))
         bare = table.pop("bare Lightning")
-        time_part(bare, template=False)  # imports and first-call costs, untimed
+        time_part(bare)  # imports and first-call costs, untimed
         for i in range(rounds):
             for name, make in table.items():
                 if i % 2 == 0:
-                    reference, part = time_part(bare, template=False), time_part(make, template=True)
+                    reference, part = time_part(bare), time_part(make)
                 else:
-                    part, reference = time_part(make, template=True), time_part(bare, template=False)
+                    part, reference = time_part(make), time_part(bare)
                 results.setdefault(name, []).append(part | {f"bare_{k}": v for k, v in reference.items()})
     out.write_text(json.dumps(results))
 
@@ -465,11 +465,9 @@ STEP_HOOKS = {  # the callback hooks Lightning calls in every training step, wit
 }
 
 
-def dispatch_seconds_per_callback(dispatch: Callable[..., None], repeats: int = 2_000) -> float:
-    """What `dispatch` spends per training step on one callback that overrides nothing: Lightning's own calls each
-    step hook on every callback, inside a profiler context named after the callback's state key; train.py's
-    (the callback dispatch of compat/fast_paths.py) skips it."""
-    call._call_callback_hooks = dispatch
+def dispatch_seconds_per_callback(repeats: int = 2_000) -> float:
+    """What Lightning's dispatch spends per training step on one callback that overrides nothing: it calls each
+    step hook on every callback, inside a profiler context named after the callback's state key."""
     timings = {}
     for count in (0, 20):
         trainer = bare_trainer([PrivateMetricStates() for _ in range(count)])  # a callback without step hooks
@@ -580,19 +578,29 @@ def lockstep_pair(
     receive = {name: f"{tmp}/to-{i}" for i, name in enumerate(commands)}
     for path in receive.values():
         os.mkfifo(path)
-    (a, b), procs = commands, {}
+    (a, b), procs, outputs = commands, {}, {}
     for name in sorted(commands, key=lambda n: n != lead):
         other = b if name == a else a
         pipes = {"receive": receive[name], "send": receive[other], "first": name == lead}
         command = [arg.format(**pipes) for arg in commands[name]]
-        procs[name] = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        # Output to files, not pipes: a process is watched, not read, while its partner runs.
+        outputs[name] = [open(f"{tmp}/{name}.{kind}", "w+") for kind in ("out", "err")]  # noqa: SIM115
+        procs[name] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=outputs[name][0], stderr=outputs[name][1])
+    while any(proc.poll() is None for proc in procs.values()):
+        if any(proc.returncode for proc in procs.values()):  # its partner would wait for its turn for ever
+            for proc in procs.values():
+                proc.kill()
+        time.sleep(0.2)
+    printed = {}
+    for name, files in outputs.items():
+        printed[name] = [file.seek(0) or file.read() for file in files]
+        for file in files:
+            file.close()
+    if failed := sorted((proc.returncode == -9, name) for name, proc in procs.items() if proc.returncode):
+        name = failed[0][1]  # the one that failed, not its partner killed after it
+        raise SystemExit(f"{name} failed:\n{printed[name][0][-2000:]}\n{printed[name][1][-4000:]}")
     times, log_every = {}, {}
-    for name, proc in procs.items():
-        out, err = proc.communicate()
-        if proc.returncode != 0:
-            raise SystemExit(f"{name} failed:\n{out[-2000:]}\n{err[-4000:]}")
+    for name, (out, _) in printed.items():
         numbers = {marker: numbers_after(out, marker) for marker in (STEP_TIMES, LOG_EVERY)}
         times[name], log_every[name] = numbers[STEP_TIMES][1::2], int(numbers[LOG_EVERY][0])  # the CPU times
     for path in receive.values():
@@ -656,8 +664,9 @@ def compare_checkouts(args: argparse.Namespace, env: dict[str, str]) -> dict[str
     def command(root: Path, run_dir: str) -> list[str]:
         train = template_command(run_dir, args.override, callback="step_overhead.Lockstep")
         train[1] = str(root / "train.py")
-        # Each side imports its own package; the Lockstep callback comes from this file.
-        return ["env", f"PYTHONPATH={root / 'src'}{os.pathsep}{ROOT / 'benchmarks'}", *train, *HYDRA_PIPES]
+        # Each side imports its own engine and package; the Lockstep callback comes from this file.
+        path = os.pathsep.join(str(p) for p in (root / "engine" / "src", root / "src", ROOT / "benchmarks"))
+        return ["env", f"PYTHONPATH={path}", *train, *HYDRA_PIPES]
 
     versus, runs = args.versus.resolve(), []
     with tempfile.TemporaryDirectory() as tmp:
@@ -742,13 +751,11 @@ def compare_parts(args: argparse.Namespace, env: dict[str, str], itself: list[st
         print_parts(costs[clock], statistics.median(r[f"bare_{clock}"] for rs in runs.values() for r in rs), clock)
     bare = statistics.median(r["bare_wall"] for rs in runs.values() for r in rs)
     hooks = diagnostics_seconds_per_step(BATCH)
-    dispatch = {
-        "Lightning's": dispatch_seconds_per_callback(LIGHTNING_DISPATCH),
-        "train.py's": dispatch_seconds_per_callback(TEMPLATE_DISPATCH),
-    }
+    dispatch = dispatch_seconds_per_callback()
     print(f"\nTrainingDiagnostics hooks alone: {hooks * 1e6:.1f} us per step = {hooks / bare:.3%} of the bare step")
-    for name, seconds in dispatch.items():
-        print(f"{name} dispatch, per idle callback: {seconds * 1e6:.2f} us per step = {seconds / bare:.3%} of the step")
+    print(
+        f"Lightning's dispatch, per idle callback: {dispatch * 1e6:.2f} us per step = {dispatch / bare:.3%} of a step"
+    )
     return {
         "runs": runs,
         "cost_over_bare_lightning": costs,

@@ -1,8 +1,6 @@
-"""A future Lightning, simulated: each private name the engine relies on removed or changed, and what a run does.
+"""A future Lightning, simulated: each private name the engine relies on removed, and what a run does.
 
-A speed-only fast path steps aside with one warning and the run ends with the same metrics; a correctness
-workaround refuses to start in one line naming the tested range; nothing fails at import. And the fast paths are
-the template's only while its jobs run: a plain Lightning Trainer afterwards runs Lightning's own code.
+A correctness workaround refuses to start in one line naming the tested range; nothing fails at import.
 """
 
 from __future__ import annotations
@@ -11,13 +9,11 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-import lightning as L
 import pytest
 
-from conftest import ROOT, clean_env, in_process, read_json
-from scaleup.compat import fast_paths, gates
+from conftest import ROOT, clean_env, in_process
+from scaleup.compat import gates
 from scaleup.errors import UserError
 
 QUICK_RUN = ["trainer.max_epochs=1", "trainer.enable_progress_bar=false"]
@@ -26,66 +22,6 @@ QUICK_RUN = ["trainer.max_epochs=1", "trainer.enable_progress_bar=false"]
 def remove(monkeypatch: pytest.MonkeyPatch, private: gates.Private) -> None:
     """The private name gone, as a Lightning release without it would have it."""
     monkeypatch.delattr(*private.owner())
-
-
-def change_signature(monkeypatch: pytest.MonkeyPatch, path: gates.Private) -> None:
-    """The private function still there, with other parameters (it still does what it did)."""
-    target, name = path.owner()
-    original = getattr(target, name)
-    monkeypatch.setattr(target, name, lambda *args, **kwargs: original(*args, **kwargs))
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    in_process([*QUICK_RUN, f"hydra.run.dir={run_dir}"])
-    return run_dir
-
-
-@pytest.mark.slow  # an end-to-end run
-def test_fast_paths_whose_private_code_changed_step_aside_with_the_same_results(
-    reference, tmp_path, monkeypatch, caplog
-):
-    for path in fast_paths.FAST_PATHS:
-        change_signature(monkeypatch, path.target)
-    monkeypatch.setattr(fast_paths, "_warned", set())
-    in_process([*QUICK_RUN, f"hydra.run.dir={tmp_path}"])
-    off = [record.message for record in caplog.records if record.message.startswith("fast path off:")]
-    assert len(off) == len(fast_paths.FAST_PATHS), off
-    assert all("Lightning 2.6" in message and "results are the same" in message for message in off)
-    results = [
-        {k: v for k, v in read_json(run / "metrics.json").items() if not k.startswith("perf/")}
-        for run in (tmp_path, reference)
-    ]
-    assert results[0] == results[1] and "test/acc" in results[0]
-
-
-@pytest.mark.slow  # an end-to-end run
-def test_a_plain_trainer_after_a_template_run_runs_lightnings_own_code(reference, tmp_path):
-    """The reference run installed the fast paths around its fit and test, and removed them after."""
-    from lightning.pytorch.trainer import call
-    from lightning.pytorch.trainer.connectors.data_connector import _DataHookSelector
-    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
-
-    assert call._call_callback_hooks.__module__ == "lightning.pytorch.trainer.call"
-    assert _ResultMetric.to.__module__.startswith("lightning.") and "to" in vars(_ResultMetric)
-    assert _DataHookSelector.get_instance.__module__.startswith("lightning.") and not fast_paths.active()
-
-    class Idle(L.Callback):
-        looked_up = 0
-
-        def __getattribute__(self, name):
-            if name == "on_train_batch_start":
-                type(self).looked_up += 1
-            return object.__getattribute__(self, name)
-
-    from test_lightning_workarounds import Tiny
-
-    L.Trainer(
-        max_steps=2, callbacks=[Idle()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        default_root_dir=tmp_path,
-    ).fit(Tiny())  # fmt: skip
-    assert Idle.looked_up == 2  # Lightning's dispatch calls every hook of every callback
 
 
 @pytest.mark.parametrize("workaround", gates.CORRECTNESS, ids=lambda w: w.name.split(" (")[0])
@@ -110,7 +46,6 @@ def test_a_training_run_refuses_before_fit(monkeypatch, tmp_path):
 
 EVERY_PRIVATE = [
     *(private for workaround in gates.CORRECTNESS for private in workaround.needs),
-    *(private for path in fast_paths.FAST_PATHS for private in path.workaround.needs),
     *gates.WITH_FALLBACK,
 ]
 

@@ -100,7 +100,7 @@ def test_every_model_builds_with_every_optimizer(model, optimizer):
 
 
 @pytest.mark.slow  # an end-to-end run
-def test_no_progress_bar_among_the_callbacks_gets_the_throttled_one(tmp_path):
+def test_no_progress_bar_among_the_callbacks_gets_the_default_one(tmp_path):
     """callbacks=[] with the bar on: Lightning would add its TQDM bar, which redraws after every step. And
     logger=[] (an empty list of the group, which leaves no logger key at all) trains with no logger."""
     names = tmp_path / "callbacks.json"
@@ -118,7 +118,7 @@ def test_no_progress_bar_among_the_callbacks_gets_the_throttled_one(tmp_path):
         ]
     )
     callbacks = read_json(names)
-    assert "ThrottledRichProgressBar" in callbacks and "TQDMProgressBar" not in callbacks
+    assert "RichProgressBar" in callbacks and "TQDMProgressBar" not in callbacks
 
 
 # mlflow opens (and on first use creates) its tracking store when built: engine/tests/test_loggers.py runs it for real.
@@ -127,7 +127,7 @@ def test_loggers_and_callbacks_instantiate(logger):
     cfg = composed(f"logger={logger}")
     assert len(instantiate_each(cfg["logger"])) == {"none": 0, "many": 2}.get(logger, 1)
     names = [type(cb).__name__ for cb in instantiate_each(cfg["callbacks"])]
-    assert names == ["LearningRateMonitor", "TrainingDiagnostics", "ThrottledRichProgressBar"]
+    assert names == ["LearningRateMonitor", "TrainingDiagnostics", "RichProgressBar"]
 
 
 def test_trainer_group_holds_every_trainer_argument_the_template_does_not_set():

@@ -147,7 +147,6 @@ def test_steady_state_training_steps_never_wait_for_the_gpu(tmp_path):
         [
             "data.global_batch_size=32",  # 39 steps of 1,257 digits
             "trainer.max_epochs=1",
-            "callbacks.progress_bar._target_=scaleup.observability.progress.ThrottledRichProgressBar",
             f"+callbacks.no_sync._target_={__name__}.NoSyncProbe",
             f"hydra.run.dir={tmp_path}",
         ]

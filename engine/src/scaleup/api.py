@@ -6,7 +6,7 @@ update may reorganise. docs/contract.md says what the jobs expect of your DataMo
 Data modules: subclass `GlobalBatchDataModule` (implement `build_splits`), or `ClassificationDataModule` to tell
 the model its classes and input channels, or `ImageDataModule` for images that travel as uint8 and are normalised
 on the device. Models: `StageMetrics` for exact metrics on any number of processes, `build_optimizer` for the
-optimizer the LR schedule scales, `is_logging_step` to log per-step values only where a logger writes them.
+optimizer the LR schedule scales.
 """
 
 from scaleup.data.classification import ClassificationDataModule
@@ -15,7 +15,7 @@ from scaleup.data.image_batches import ImageDataModule
 from scaleup.data.images import EncodedBatch, ImageFiles, ImageTransform
 from scaleup.errors import UserError
 from scaleup.observability.figures import ClassificationFigures
-from scaleup.observability.metrics import StageMetrics, TopKAccuracy, is_logging_step
+from scaleup.observability.metrics import StageMetrics
 from scaleup.optim import build_optimizer
 
 __all__ = [
@@ -27,10 +27,8 @@ __all__ = [
     "ImageFiles",
     "ImageTransform",
     "StageMetrics",
-    "TopKAccuracy",
     "UserError",
     "build_optimizer",
-    "is_logging_step",
     "random_split_indices",
     "split_lengths",
 ]

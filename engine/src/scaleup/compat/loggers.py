@@ -1,25 +1,11 @@
-"""When Lightning hands a step's values to the loggers, and TensorBoard summaries written past Lightning's logger."""
+"""TensorBoard summaries written past Lightning's logger."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-import lightning as L
-
 log = logging.getLogger("scaleup")
-
-
-def is_logging_step(trainer: L.Trainer) -> bool:
-    """Whether Lightning hands this training step's values to the loggers (every `log_every_n_steps` steps).
-
-    Lightning 2.6.6. Reason: Lightning keeps this rule in the private `trainer._logger_connector.should_update_logs`
-    and exposes no public test; reading it there keeps the per-step metrics and the progress bar in step with it.
-    Canary: test_should_update_logs_follows_log_every_n_steps. Where that is gone, every step counts as one (the
-    loggers still write only theirs: the same curves, at a few us more a step).
-    """
-    connector = getattr(trainer, "_logger_connector", None)
-    return getattr(connector, "should_update_logs", True) or bool(trainer.fast_dev_run)
 
 
 def add_summaries(logger: Any, summaries: list[Any], step: int) -> None:

@@ -10,95 +10,29 @@ import torch
 from torch import nn
 from torchmetrics import Metric, MetricCollection
 
-from scaleup.compat.fast_paths import LeanUpdateMetric
-from scaleup.compat.loggers import is_logging_step
-
-__all__ = ["HeldSum", "SampleMean", "SampleSum", "StageMetrics", "TopKAccuracy", "is_logging_step"]
+__all__ = ["SampleMean", "SampleSum", "StageMetrics"]
 
 STAGES = ("train", "val", "test")
 RESERVED = ("loss", "samples")
 
 
-FOLD_EVERY = 32  # updates a HeldSum holds at most before adding them to its state
-
-
-class _Held:
-    """A HeldSum state and what has not been added to it yet: a Python number, and tensors by their weight."""
-
-    __slots__ = ("count", "number", "state", "tensors")
-
-    def __init__(self, state: torch.Tensor) -> None:
-        self.state, self.number, self.tensors, self.count = state, 0, {}, 0
-
-    def add(self, value: torch.Tensor | float, weight: float = 1) -> None:
-        if not isinstance(value, torch.Tensor):  # known on the host: added there, exactly for counts
-            self.number += value * weight
-            return
-        if value.requires_grad:  # detached, so a held loss does not keep its step's graph alive
-            value = value.detach()
-        self.tensors.setdefault(weight, []).append(value)
-        self.count += 1
-        if self.count == FOLD_EVERY:
-            self.fold()
-
-    def fold(self) -> None:
-        for weight, tensors in self.tensors.items():
-            if all(t.ndim == 0 for t in tensors):  # losses
-                flat = torch.stack(tensors)
-            else:  # hits, batches of any shape
-                flat = torch.cat([t if t.ndim == 1 else t.reshape(-1) for t in tensors])
-            self.state.add_(flat.sum(), alpha=weight)
-        if self.number:
-            self.state.add_(self.number)
-        self.number, self.tensors, self.count = 0, {}, 0
-
-
-class HeldSum:
-    """A sum state of a torchmetrics Metric whose addends wait on the host and are added to the state in a few ops
-    every FOLD_EVERY updates, or when the state is read.
-
-    An in-place add per update and state is one tensor op each, and a training step of the classifier made eight
-    of them for its loss, sample count and accuracy. Held, a step makes only the ops that compute what it adds
-    (an argmax and a comparison for accuracy), and a count known on the host (samples, totals) makes none.
-    torchmetrics reads every state through its attribute (compute and the all-gather before it, reset, device
-    moves, state_dict, forward, merge_state), and reading adds what is held first, so every reader sees the full
-    sum. Setting the state (reset, a loaded state_dict) drops what was held for the old value.
-    Declare it in the class body, then `add_state(name, default, dist_reduce_fx="sum")`; add with
-    `self._held_<name>.add(value, weight)`.
-    """
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.held = f"_held_{name}"
-
-    def __get__(self, metric: Metric | None, owner: type | None = None) -> Any:
-        if metric is None:
-            return self
-        held = metric.__dict__[self.held]
-        held.fold()
-        return held.state
-
-    def __set__(self, metric: Metric, value: torch.Tensor) -> None:
-        metric.__dict__[self.held] = _Held(value)
-
-
-class SampleSum(LeanUpdateMetric):
+class SampleSum(Metric):
     """A sum over every process, updated without reading anything back from the device.
 
     torchmetrics' SumMetric and MeanMetric check each update for NaN (`if isnan(x).any()`, a host read that waits
     for the GPU) and turn a Python number into a tensor with a blocking host-to-device copy; with NaN checks
-    disabled, MeanMetric drops its weights. Here a NaN stays in the sum, where it shows, and a Python number stays
-    on the host until the sum is read (HeldSum).
+    disabled, MeanMetric drops its weights. Here a NaN stays in the sum, where it shows, and a Python number is
+    added as a scalar (no copy).
     """
 
     full_state_update = False
-    total = HeldSum()
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
 
     def update(self, value: torch.Tensor | float) -> None:
-        self._held_total.add(value)
+        self.total.add_(value)
 
     def compute(self) -> torch.Tensor:
         return self.total
@@ -107,51 +41,16 @@ class SampleSum(LeanUpdateMetric):
 class SampleMean(SampleSum):
     """A per-sample mean from batch means: sum(mean x batch size) / sum(batch size), over every process."""
 
-    samples = HeldSum()
-
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.add_state("samples", default=torch.tensor(0.0), dist_reduce_fx="sum")
 
     def update(self, value: torch.Tensor, weight: float) -> None:
-        self._held_total.add(value, weight)
-        self._held_samples.add(weight)
+        self.total.add_(value, alpha=weight)
+        self.samples.add_(weight)
 
     def compute(self) -> torch.Tensor:
         return self.total / self.samples
-
-
-class TopKAccuracy(LeanUpdateMetric):
-    """Micro-averaged top-k accuracy: the share of samples whose target is among their k highest scores, from two
-    counts summed over every process.
-
-    torchmetrics' MulticlassAccuracy gives the same number but builds per-class statistics on every update: on a
-    CPU at batch 16, 45 us for top-1 and 140 us for top-5, against about 5 us here (one argmax or topk and one
-    comparison; the hits are summed every FOLD_EVERY updates, HeldSum).
-    """
-
-    full_state_update = False
-    correct = HeldSum()
-    total = HeldSum()
-
-    def __init__(self, k: int = 1, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.k = k
-        self.add_state("correct", default=torch.tensor(0), dist_reduce_fx="sum")
-        self.add_state("total", default=torch.tensor(0), dist_reduce_fx="sum")
-
-    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        """`preds`: (N, C) scores or logits; `target`: (N,) class indices."""
-        if self.k == 1:  # argmax records no backward: nothing to detach
-            hits = preds.argmax(dim=-1) == target
-        else:  # a target appears at most once among a sample's k indices: the matches count the hits
-            # detached: topk of a tensor that requires grad would also record its backward
-            hits = preds.detach().topk(self.k, dim=-1).indices == target.unsqueeze(-1)
-        self._held_correct.add(hits)
-        self._held_total.add(target.numel())  # a Python number: no host read
-
-    def compute(self) -> torch.Tensor:
-        return self.correct / self.total
 
 
 class StageMetrics(nn.Module):
@@ -173,7 +72,7 @@ class StageMetrics(nn.Module):
     added to `<stage>/samples`, and `loss`, a mean over the batch, to the sample-weighted `<stage>/loss`.
     `log(module, stage)` logs each metric object as `<stage>/<name>`, computed once per epoch. `eval_only` names
     metrics that validation and test compute but training does not: every metric updated in training costs its
-    tensor ops in every step (top-5 accuracy is 7 of them, about 50 us a step on a CPU, 1% of a small step).
+    tensor ops in every step (top-5 accuracy, MulticlassAccuracy(top_k=5), is about 85 us an update on a CPU).
 
     Per step this costs only the metrics' own updates, however many metrics there are: `log` hands the metric
     objects to Lightning on the stage's first update after Lightning's epoch-end reset and does nothing on the other
@@ -181,7 +80,7 @@ class StageMetrics(nn.Module):
     Lightning computes and resets the objects it holds at the epoch's end, so the value covers every step.
     No update reads a value back from the device, so the host never waits for a GPU step: `loss` and `samples`
     are StageMetrics' own sums, and the wrapped metrics should read nothing either (torchmetrics' MulticlassAccuracy
-    does not; engine/tests/test_host_sync.py shows how to check one).
+    does not on scores or logits; engine/tests/test_host_sync.py shows how to check one).
 
     Why it is exact: torchmetrics keeps per-process states (correct counts, loss sums, sample counts) and
     all-gathers them once, at epoch end, so the result counts every sample once however unevenly the samples fall

@@ -279,3 +279,21 @@ class KillJobOnce(L.Callback):
         if HydraConfig.get().job.num == self.job and trainer.global_step == self.step and not self.marker.exists():
             self.marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StartWeights(L.Callback):
+    """Writes the whole model's state_dict as training starts (after the strategy set it up: for strategy=fsdp each
+    tensor gathered whole from the shards, on every rank) to `path`, from rank 0."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.distributed.tensor import DTensor
+
+        state = {
+            name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+            for name, tensor in pl_module.state_dict().items()
+        }
+        if trainer.is_global_zero:
+            torch.save(state, self.path)

@@ -46,6 +46,7 @@ def test_the_groups_are_the_documented_ones():
         "data",
         "debug",
         "experiment",
+        "init",
         "loader",
         "logger",
         "lr_schedule",

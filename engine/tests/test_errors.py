@@ -177,6 +177,31 @@ CASES = [
         "{tmp}/notes.yaml is not a PyTorch checkpoint",
     ),
     ("text to resume", "train", ["ckpt_path={tmp}/notes.txt"], "{tmp}/notes.txt is not a PyTorch checkpoint"),
+    # initial weights (init.*): a tensor the file does not fill, unless init.skip names it
+    (
+        "initial weights without the new head",
+        "train",
+        ["init.weights={ckpt}", "model.net.width=8", "model.net.num_classes=5", "dry_run=true"],
+        "init.weights={ckpt}: 13.weight of net has another shape in the file (file [10, 32], model [5, 32]) (and 1 "
+        "more: 13.bias), so it would stay as built; name what may stay new in init.skip (e.g. init.skip=[13]), or "
+        "load into another module (init.module) or from another key prefix of the file (init.prefix)",
+    ),
+    (
+        "initial weights of another network",
+        "train",
+        ["init.weights={ckpt}", "init.skip=[13]", "dry_run=true"],
+        "init.weights={ckpt}: 0.weight of net has another shape in the file (file [8, 1, 3, 3], model [32, 1, 3, 3])",
+    ),
+    ("initial weights missing", "train", ["init.weights={tmp}/nope.pt"], "init.weights={tmp}/nope.pt: no such file"),
+    ("initial weights as text", "train", ["init.weights={tmp}/notes.txt"], "{tmp}/notes.txt is not a PyTorch checkp"),
+    (
+        "initial weights skip nothing",
+        "train",
+        ["init.weights={ckpt}", "model.net.width=8", "init.skip=[fc]"],
+        "init.skip=fc names no tensor of net (e.g. 0.weight, 1.weight, 1.bias, 1.running_mean ... (20 in all))",
+    ),
+    ("frozen nothing", "train", ["init.freeze=[backbone]"], "init.freeze=backbone names no parameter (e.g. 0.weight"),
+    ("initial weights module", "train", ["init.module=backbone", "init.freeze=[0]"], "init.module=backbone: Image"),
     # output locations
     (
         "export into /proc",

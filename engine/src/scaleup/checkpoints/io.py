@@ -10,6 +10,7 @@ import glob
 import os
 import pickle
 import uuid
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -95,12 +96,18 @@ def load_checkpoint(path: str | Path, weights: bool = True) -> dict[str, Any]:
     return dict(checkpoint)
 
 
-def read_file(path: str | Path) -> Any:
+def read_file(path: str | Path, mmap: bool = False) -> Any:
     """What `torch.save` wrote to `path` (a local file or a URL), read with `weights_only=True` on CPU. A file that
     torch.save did not write, or not whole, is one line. Only torch.load's own failures are translated: an error
-    anywhere else is a bug and keeps its traceback."""
+    anywhere else is a bug and keeps its traceback.
+
+    `mmap`: a local file in torch.save's zip format is memory-mapped, its tensors read from disk only as they are
+    used (other files, and URLs, are read whole)."""
+    mapped = mmap and not is_url(path) and zipfile.is_zipfile(path)
     with get_filesystem(path).open(str(path), "rb") if is_url(path) else open(path, "rb") as f:
         try:
+            if mapped:
+                return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
             return torch.load(f, map_location="cpu", weights_only=True)
         # torch's weights-only unpickler fails on many text files with a KeyError or an IndexError instead
         except (pickle.UnpicklingError, LookupError) as err:

@@ -189,7 +189,7 @@ def shown(value: Any) -> str:
 
 
 def log_changes(path: Path | str, previous: Plan | None, plan: Plan) -> None:
-    skipped = {"dataset_sizes", "sync_batchnorm_reason", "launcher"}
+    skipped = {"dataset_sizes", "sync_batchnorm_reason", "launcher", "initial_weights"}  # a resume loads no weights
     if plan.max_per_device_batch_size == "auto":  # settled again at the start of fit
         skipped |= {"per_device_batch_size", "accumulate_grad_batches", "bn_batch_size"}
     before = previous.to_dict() if previous else {}

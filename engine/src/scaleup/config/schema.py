@@ -192,6 +192,20 @@ class Loader(ClosedSection):
     prefetch_factor: PositiveInt | None
 
 
+class Init(ClosedSection):
+    """The weights a run starts from, and what fine-tuning keeps fixed (scaleup/finetune.py, docs/finetuning.md)."""
+
+    weights: str | None = Field(
+        description="null (from scratch), a weights file, a checkpoint or run directory, or torchvision:<weights>"
+    )
+    module: str = Field(description="a submodule of the LightningModule (net, net.backbone), or '' for all of it")
+    prefix: str | None
+    skip: list[str | int] = Field(description="a list of tensor or module names (fc, 13) or regular expressions")
+    freeze: list[str | int] = Field(description="a list of parameter or module names (fc, 13) or regular expressions")
+    freeze_bn: bool
+    bn_batch_size: PositiveInt | None
+
+
 class DataBatches(Section):
     """The keys every data module takes (scaleup.data.datamodule.GlobalBatchDataModule)."""
 
@@ -304,6 +318,7 @@ SECTIONS: dict[str, dict[str, type[Section]]] = {
         "loader": Loader,
         "model.optimizer": Optimizer,
         "lr_schedule": LRScheduleSettings,
+        "init": Init,
         "trainer": TrainerArgs,
         "strategy": Strategy,
     },

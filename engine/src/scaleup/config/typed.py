@@ -19,6 +19,7 @@ from scaleup.config.schema import (
     Checkpointing,
     DataBatches,
     EvalTrainer,
+    Init,
     Loader,
     LRScheduleSettings,
     Monitor,
@@ -98,6 +99,7 @@ class TrainConfig:
     loader: Loader
     lr_schedule: LRScheduleSettings
     trainer: TrainerArgs
+    init: Init
     strategy: Strategy
     batches: DataBatches  # the batch keys every data module takes, read by the plan
     data: dict[str, Any]

@@ -299,13 +299,15 @@ def gradient_sync_paused(roots: list[nn.Module], *, whole: bool) -> Iterator[Non
 
 def eager_values(model: nn.Module, recording: MetaInit) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
     """Per network, each parameter's and buffer's eager value, to replay after sharding (meta tensors: by their
-    recorded history, one at a time; tensors made for real: a copy now)."""
+    recorded history, one at a time; tensors made for real: a copy now); a tensor loaded from initial weights
+    (`recording.loaded`), read from its file instead."""
     values: dict[str, dict[str, Callable[[], torch.Tensor]]] = {}
     for root, net in networks(model):
         values[root] = {}
         for name, tensor in tensors_of(net):
             real = None if tensor.device == META else tensor.detach().clone()
-            values[root][name] = functools.partial(recording.value, tensor if real is None else real)
+            replayed = functools.partial(recording.value, tensor if real is None else real)
+            values[root][name] = recording.loaded.get(f"{root}.{name}", replayed)
     return values
 
 

@@ -105,6 +105,9 @@ class MetaInit(TorchDispatchMode):
         self.histories: dict[int, History] = {}
         self._alive: list[torch.Tensor] = []  # meta tensors stay referenced, so their storage keys stay unique
         self.broken: str | None = None  # a random draw that could not be reproduced: no later draw can be trusted
+        # Tensors whose values come from elsewhere (init.weights: finetune.py), by name in the LightningModule: read
+        # one at a time in place of the replay when the shards are filled.
+        self.loaded: dict[str, Callable[[], torch.Tensor]] = {}
 
     # Recording ------------------------------------------------------------------------------------------------------
 

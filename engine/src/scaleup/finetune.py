@@ -1,0 +1,289 @@
+"""A run that starts from weights (the `init` section): which tensors of a file go into which of the model's, what
+is left as built (a new head), what is frozen; then the weights loaded into the model as the run built it.
+
+The model is built once, as for a run from scratch (the same random numbers, so a new head starts as it would),
+then the file's tensors are copied over it: into the model itself where it was built eagerly, or, for strategy=fsdp
+built on the meta device, into each rank's shards when the strategy makes them, one tensor at a time
+(`MetaInit.loaded`, read by `fsdp.eager_values`). Nothing else of the file is read: the optimizer, the step and the
+data order start afresh. A resumed run loads nothing: its checkpoint holds the trained weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+from torch import nn
+
+from scaleup.checkpoints.weights_file import WeightsFile, open_weights
+from scaleup.errors import UserError
+from scaleup.observability.rows import log_rows
+from scaleup.plan.checks import BATCH_NORMS
+from scaleup.plan.resolve import Plan
+
+if TYPE_CHECKING:
+    from scaleup.config.schema import Init
+    from scaleup.distributed.meta_init import MetaInit
+
+log = logging.getLogger("scaleup")
+SHOWN = 8  # names listed before "... (N in all)"
+
+
+@dataclass(frozen=True)
+class Matched:
+    """How a file's tensors map onto the module's state_dict (names relative to `init.module`)."""
+
+    prefix: str  # the file's key prefix taken (`model.`, `net.`, `module.`, ...; "" for none)
+    loaded: dict[str, str]  # the module's name -> the file's name
+    total: int  # tensors in the module's state_dict
+    left_new: list[str] = field(default_factory=list)  # as built: named by init.skip, or num_batches_tracked
+    mismatched: dict[str, str] = field(default_factory=dict)  # name -> "file [..], model [..]" (left new too)
+    unused: list[str] = field(default_factory=list)  # the file's names that fit nothing in the module
+
+
+@dataclass(frozen=True)
+class Start:
+    """What the `init` section does to this run's model: its freezing right after the build (`prepare_start`), its
+    weights once the run knows whether it resumes (`begin`)."""
+
+    settings: Init
+    frozen: list[str] = field(default_factory=list)
+    has_batchnorm: bool = False  # BatchNorm layers in init.module
+    file: WeightsFile | None = None
+    matched: Matched | None = None
+
+    @property
+    def label(self) -> str:
+        return self.settings.module or "the LightningModule"
+
+    def begin(
+        self, plan: Plan, model: nn.Module, recording: MetaInit | None, *, resumed: Path | str | None, dry_run: bool
+    ) -> Plan:
+        """Open init.weights and match its tensors to the module (a tensor left as built that init.skip does not name
+        is refused in one line), load them (not in a dry run), show what was loaded and what not (rank 0), and return
+        the plan with its row and the BatchNorm batch the weights were trained with. A resumed run opens no file."""
+        if self.settings.weights is None and not self.frozen and not self.settings.freeze_bn:
+            return plan
+        start = self
+        if self.settings.weights is not None and resumed is None:
+            file = open_weights(self.settings.weights)
+            start = replace(
+                self, file=file, matched=match(file, model.get_submodule(self.settings.module), self.settings)
+            )
+            if not dry_run:
+                load(model, self.settings.module, start.matched, file, recording)
+        if rank_zero_only.rank == 0:
+            start.report(resumed)
+        trained_with = self.settings.bn_batch_size or (start.file.bn_batch_size if start.file else None)
+        compare = self.has_batchnorm and not self.settings.freeze_bn
+        return replace(plan, initial_weights=start.row(resumed), init_bn_batch_size=trained_with if compare else None)
+
+    def row(self, resumed: Path | str | None) -> str:
+        """The plan's row: where the weights came from and what was left new; or that a resume loads none."""
+        parts = []
+        if self.settings.weights is not None and resumed is not None:
+            parts.append(f"{self.settings.weights}: not loaded, the run resumes from {resumed} (its trained weights)")
+        elif self.file is not None and self.matched is not None:
+            new = self.matched.left_new + list(self.matched.mismatched)
+            parts.append(
+                f"{self.file.given} ({self.file.kind}) into {self.label}: {len(self.matched.loaded)} of "
+                f"{self.matched.total} tensors; left as built: {shown(new) if new else 'none'}"
+            )
+        if self.frozen:
+            parts.append(f"frozen: {shown(self.frozen)} (init.freeze)")
+        if self.settings.freeze_bn:
+            parts.append("BatchNorm in eval mode: running statistics fixed (init.freeze_bn)")
+        return "; ".join(parts)
+
+    def report(self, resumed: Path | str | None) -> None:
+        """One block before training: what was taken from the file, what stays as built and why, what of the file
+        was not used, what is frozen."""
+        rows = [("not loaded", f"the run resumes from {resumed} (its trained weights)")] if resumed else []
+        if self.file is not None and self.matched is not None:
+            matched = self.matched
+            taken = f"its keys under {matched.prefix!r}" if matched.prefix else "its keys as they are"
+            rows.append(("loaded", f"{len(matched.loaded)} of {matched.total} tensors of {self.label} ({taken})"))
+            if matched.left_new:
+                rows.append(("left as built", shown(matched.left_new)))
+            if matched.mismatched:
+                rows.append(("other shape", shown([f"{k} ({v})" for k, v in matched.mismatched.items()])))
+            if matched.unused:
+                rows.append(("not used", shown(matched.unused)))
+        if self.frozen:
+            rows.append(("frozen", shown(self.frozen)))
+        if self.settings.freeze_bn:
+            rows.append(("BatchNorm", "eval mode in training: the weights' running statistics, never updated"))
+        title = f"initial weights: {self.file.given} ({self.file.kind})" if self.file else "fine-tuning"
+        if resumed and self.settings.weights is not None:
+            title = f"initial weights: {self.settings.weights}"
+        log_rows(title, rows)
+
+
+def prepare_start(settings: Init, model: nn.Module) -> Start:
+    """Right after the build, before the plan counts what trains: freeze init.freeze, keep BatchNorm in eval mode for
+    init.freeze_bn (and check that init.module is there)."""
+    if settings.weights is None and not settings.freeze and not settings.freeze_bn:
+        return Start(settings)
+    target = submodule(model, settings.module)
+    frozen = freeze(target, settings.freeze)
+    if settings.freeze_bn:
+        keep_batchnorm_in_eval(target, whole=not settings.module)
+    return Start(settings, frozen, any(isinstance(module, BATCH_NORMS) for module in target.modules()))
+
+
+def submodule(model: nn.Module, name: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        children = ", ".join(child for child, _ in model.named_children())
+        raise UserError(
+            f"init.module={name}: {type(model).__name__} has no submodule {name!r} (its children: {children}); "
+            "name the one the weights are for, e.g. init.module=net, or init.module='' for the whole module"
+        ) from None
+
+
+def selected(patterns: Iterable[str | int], name: str) -> bool:
+    """Whether one of `patterns` names `name`: the name itself, a module holding it (`fc` for `fc.weight`, `13` for
+    `13.bias`: YAML reads that one as a number), or a regular expression matching all of it."""
+    return any(name == str(p) or name.startswith(f"{p}.") or full_match(str(p), name) for p in patterns)
+
+
+def full_match(pattern: str, name: str) -> bool:
+    try:
+        return re.fullmatch(pattern, name) is not None
+    except re.error:  # a plain name with a character that regular expressions read otherwise
+        return False
+
+
+def unmatched(patterns: Iterable[str | int], names: list[str]) -> list[str | int]:
+    return [p for p in patterns if not any(selected([p], name) for name in names)]
+
+
+def match(file: WeightsFile, target: nn.Module, settings: Init) -> Matched:
+    """The file's tensors that go into `target`, by name and shape; a tensor of `target` that none fills, unless
+    init.skip names it, is refused in one line."""
+    wanted = {name: tuple(t.shape) for name, t in target.state_dict().items()}
+    if wrong := unmatched(settings.skip, list(wanted)):
+        raise UserError(
+            f"init.skip={wrong[0]} names no tensor of {settings.module or 'the LightningModule'} "
+            f"(e.g. {shown(list(wanted), 4)})"
+        )
+    prefix = settings.prefix if settings.prefix is not None else best_prefix(file, wanted, settings.module)
+    loaded, mismatched, unused = {}, {}, []
+    for key, (shape, _) in file.shapes.items():
+        name = key[len(prefix) :] if key.startswith(prefix) else None
+        if name not in wanted:
+            unused.append(key)
+        elif tuple(shape) != wanted[name]:
+            mismatched[name] = f"file {list(shape)}, model {list(wanted[name])}"
+        elif not selected(settings.skip, name):
+            loaded[name] = key
+    left = [name for name in wanted if name not in loaded and name not in mismatched]
+    # A file from before BatchNorm counted its batches has no num_batches_tracked: torch's own loading allows it.
+    refused = [
+        name
+        for name in wanted
+        if name not in loaded
+        and not selected(settings.skip, name)
+        and (name in mismatched or not name.endswith("num_batches_tracked"))
+    ]
+    if refused:
+        raise UserError(not_filled(file, settings, refused, mismatched))
+    return Matched(prefix, loaded, len(wanted), left, mismatched, unused)
+
+
+def not_filled(file: WeightsFile, settings: Init, refused: list[str], mismatched: Mapping[str, str]) -> str:
+    """One line: the first tensor the file does not fill and why, how many more, and the keys that fix it."""
+    first, rest = refused[0], refused[1:]
+    why = f"has another shape in the file ({mismatched[first]})" if first in mismatched else "is not in the file"
+    more = f" (and {len(rest)} more: {', '.join(rest[:4])}{', ...' if len(rest) > 4 else ''})" if rest else ""
+    owners = list(dict.fromkeys(name.rpartition(".")[0] or name for name in refused))
+    return (
+        f"init.weights={file.given}: {first} of {settings.module or 'the LightningModule'} {why}{more}, so it would "
+        f"stay as built; name what may stay new in init.skip (e.g. init.skip=[{','.join(owners[:3])}]), or load "
+        "into another module (init.module) or from another key prefix of the file (init.prefix)"
+    )
+
+
+def best_prefix(file: WeightsFile, wanted: Mapping[str, tuple[int, ...]], module: str) -> str:
+    """The prefix of the file's keys under which most of them are names of the module (`model.`, `net.`, `module.`,
+    `_orig_mod.`, ... or none). Between prefixes that fit as many, the one ending in the module's own name wins;
+    where that does not decide, init.prefix must."""
+    counts: Counter[str] = Counter()
+    for key in file.shapes:
+        parts = key.split(".")
+        for i in range(len(parts)):
+            if ".".join(parts[i:]) in wanted:
+                counts["".join(f"{part}." for part in parts[:i])] += 1
+    if not counts:
+        raise UserError(
+            f"init.weights={file.given}: none of its {len(file.shapes)} tensors ({shown(list(file.shapes), 3)}) is "
+            f"a tensor of {module or 'the LightningModule'} ({shown(list(wanted), 3)}): name the module they are "
+            "for with init.module, or the file's key prefix with init.prefix"
+        )
+    most = max(counts.values())
+    best = [prefix for prefix, count in counts.items() if count == most]
+    if len(best) > 1 and module:
+        best = [prefix for prefix in best if prefix.endswith(f"{module}.")] or best
+    if len(best) > 1:
+        raise UserError(
+            f"init.weights={file.given}: its tensors fit {module or 'the LightningModule'} under several key "
+            f"prefixes ({', '.join(repr(p) for p in sorted(best))}): choose one with init.prefix=<prefix>"
+        )
+    return best[0]
+
+
+def freeze(target: nn.Module, patterns: list[str | int]) -> list[str]:
+    """Parameters that init.freeze names stop training: requires_grad=False, so the engine's optimizer leaves them
+    out and DDP reduces no gradient for them (none is computed: no "unused parameters" error either)."""
+    names = [name for name, _ in target.named_parameters()]
+    if wrong := unmatched(patterns, names):
+        raise UserError(f"init.freeze={wrong[0]} names no parameter (e.g. {shown(names, 4)})")
+    frozen = [name for name in names if selected(patterns, name)]
+    for name in frozen:
+        target.get_parameter(name).requires_grad_(False)
+    return frozen
+
+
+def keep_batchnorm_in_eval(module: nn.Module, whole: bool) -> None:
+    """Every BatchNorm layer under `module` runs in eval mode, also in training: it normalises with the running
+    statistics of the weights and never updates them. Set before each forward pass of `module` (of each of its
+    children for the `whole` LightningModule, whose own forward may never run), since Lightning puts the model in
+    training mode at each epoch; the layers are looked up then, so SyncBatchNorm layers put in their place count
+    too."""
+
+    def to_eval(owner: nn.Module, args: tuple) -> None:
+        for layer in owner.modules():
+            if isinstance(layer, BATCH_NORMS):
+                layer.eval()
+
+    for owner in list(module.children()) if whole else [module]:
+        owner.register_forward_pre_hook(to_eval)
+
+
+def load(model: nn.Module, module: str, matched: Matched, file: WeightsFile, recording: MetaInit | None) -> None:
+    """Copy the file's tensors into the model: now where the tensor is real; where it is on the meta device
+    (strategy=fsdp's sharded build), when the strategy fills each rank's shards from the recording."""
+    target = model.get_submodule(module)
+    state = target.state_dict(keep_vars=True)
+    where = f"{module}." if module else ""
+    with torch.no_grad():
+        for name, key in matched.loaded.items():
+            tensor = state[name]
+            if tensor.is_meta:
+                if recording is not None:
+                    recording.loaded[f"{where}{name}"] = functools.partial(file.read, key)
+            else:
+                tensor.copy_(file.read(key))
+
+
+def shown(names: list[str], limit: int = SHOWN) -> str:
+    return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")

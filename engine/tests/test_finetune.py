@@ -1,0 +1,258 @@
+"""A run that starts from weights (`init.weights`, scaleup/finetune.py): every kind of file a user has loads the same
+tensors, what the file does not fill is named (allowed only where init.skip says so), and 1 process, 2 DDP processes
+and 2 FSDP processes built on the meta device start from the same weights and train to the same ones in float64,
+frozen parameters untouched. A fine-tuned run evaluates, exports and resumes like any other.
+
+One source run (1 epoch of digits, exported) serves every test; the fine-tuning recipe runs once on 1 process (in this
+process) and once each on 2 DDP and 2 FSDP processes.
+"""
+
+import argparse
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from conftest import (
+    QUICK,
+    TOLERANCE,
+    assert_same_weights,
+    check,
+    engine_section,
+    in_process,
+    made_once,
+    read_json,
+    run,
+)
+from scaleup.checkpoints.io import load_checkpoint
+from scaleup.checkpoints.weights_file import open_weights
+from scaleup.errors import UserError
+from scaleup.finetune import load, match
+from testbed.models import ImageClassifier
+
+DIGITS_NET = {"_target_": "testbed.models.DigitsCNN", "num_classes": 10, "in_channels": 1}
+# The fine-tuning recipe: a new head (net.13, as built), the first two conv blocks frozen, BatchNorm in eval mode
+# (its statistics do not depend on how the global batch is split, so every topology trains to the same weights).
+FROZEN = ["0.weight", "1.weight", "1.bias", "3.weight", "4.weight", "4.bias"]
+RECIPE = [
+    *QUICK,
+    "trainer.max_epochs=1",
+    "trainer.precision=64-true",
+    "model.optimizer.lr=0.02",
+    "init.skip=[13]",
+    "init.freeze=[0,1,3,4]",
+    "init.freeze_bn=true",
+    "+callbacks.start._target_=probes.StartWeights",
+]
+
+
+def fresh(net: dict = DIGITS_NET) -> ImageClassifier:
+    torch.manual_seed(0)
+    return ImageClassifier(net=net, optimizer={"_target_": "torch.optim.SGD", "lr": 0.1})
+
+
+def settings(**init):
+    return engine_section("init/default", **init)
+
+
+def loaded_net(weights, **init) -> dict[str, torch.Tensor]:
+    """A freshly built model's `net` after loading `weights` as train.py does, its state_dict."""
+    model, config = fresh(), settings(weights=str(weights), **init)
+    file = open_weights(config.weights)
+    load(model, config.module, match(file, model.get_submodule(config.module), config), file, None)
+    return model.net.state_dict()
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """One epoch of digits (float32, BatchNorm) and its export, net.pt."""
+
+    def make(run_dir: Path) -> None:
+        in_process([*QUICK, "trainer.max_epochs=1", f"hydra.run.dir={run_dir}"])
+        in_process([f"ckpt_path={run_dir}", f"output_path={run_dir / 'net.pt'}"], job="export")
+
+    return made_once(tmp_path_factory, "finetune-source", make)
+
+
+@pytest.fixture(scope="module")
+def tuned(source, tmp_path_factory) -> Path:
+    """The fine-tuning recipe from the source's export, on 1 process."""
+    run_dir = tmp_path_factory.mktemp("tuned") / "run"
+    start = f"+callbacks.start.path={run_dir}/start.pt"
+    in_process([*RECIPE, f"init.weights={source / 'net.pt'}", start, f"hydra.run.dir={run_dir}"])
+    return run_dir
+
+
+def test_every_kind_of_weights_file_loads_the_same_weights(source, tmp_path):
+    """The export, a plain state_dict in torch's old file format, this template's checkpoint (`net.` keys), another
+    Lightning project's (`model._orig_mod.`), a DDP module's state_dict (`module.`), a timm training checkpoint (with
+    its pickled argparse arguments) and this template's sharded checkpoint: the same tensors, bit for bit."""
+    exported = torch.load(source / "net.pt", weights_only=True)
+    torch.save(exported, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    net = {f"net.{k}": v for k, v in exported.items()}
+    torch.save(
+        {"state_dict": {f"model._orig_mod.{k}": v for k, v in exported.items()}, "pytorch-lightning_version": "2.5.0"},
+        tmp_path / "other.ckpt",
+    )
+    torch.save({f"module.{k}": v for k, v in exported.items()}, tmp_path / "ddp.pt")
+    # as timm's CheckpointSaver writes it (timm/utils/checkpoint_saver.py)
+    timm = {"epoch": 3, "arch": "digits_cnn", "state_dict": exported, "version": 2, "metric": 0.9}
+    torch.save({**timm, "args": argparse.Namespace(model="digits_cnn", lr=0.1)}, tmp_path / "timm.pth.tar")
+    sharded = tmp_path / "sharded.ckpt"
+    dcp.save({"state_dict": net}, checkpoint_id=sharded, no_dist=True)
+    torch.save({"global_step": 19, "epoch": 0}, sharded / "meta.pt")  # Lightning's meta.pt beside the shards
+
+    kinds = {
+        source / "net.pt": "a state_dict",
+        tmp_path / "old.pt": "a state_dict",
+        source / "checkpoints" / "last.ckpt": "a checkpoint of this template (step 19), its state_dict",
+        source: "a checkpoint of this template (step 19), its state_dict",  # a run directory: its best checkpoint
+        tmp_path / "other.ckpt": "a Lightning checkpoint, its state_dict",
+        tmp_path / "ddp.pt": "a state_dict",
+        tmp_path / "timm.pth.tar": "a timm checkpoint (digits_cnn), its state_dict",
+        sharded: "a sharded checkpoint of this template (step 19)",
+    }
+    for path, kind in kinds.items():
+        assert open_weights(str(path)).kind == kind
+        assert_same_weights(loaded_net(path), exported, rtol=0, atol=0)
+    whole = loaded_net(source, module="")  # into the whole LightningModule: the checkpoint's keys as they are
+    assert_same_weights(whole, exported, rtol=0, atol=0)
+
+
+def test_a_file_that_would_run_code_is_refused(tmp_path):
+    torch.save({"state_dict": {}, "config": Path("x")}, tmp_path / "pickled.ckpt")  # a class to import on load
+    with pytest.raises(UserError, match=r"^refused to load .*pickled.ckpt: it contains pickled Python objects"):
+        open_weights(str(tmp_path / "pickled.ckpt"))
+
+
+def test_torchvision_weights_load_from_the_hub_cache_with_a_new_head(tmp_path, monkeypatch):
+    """torchvision's ResNet-18 ImageNet weights by name, through torchvision's loader, from torch's hub cache (here
+    a file of torchvision's own ResNet-18 with 1000 classes; nothing is downloaded): into a 10-class ResNet-18, the
+    head's two tensors differ in shape, refused in one line until init.skip names them."""
+    import torchvision
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    (tmp_path / "hub" / "checkpoints").mkdir(parents=True)
+    imagenet = torchvision.models.resnet18().state_dict()
+    torch.save(imagenet, tmp_path / "hub" / "checkpoints" / "resnet18-f37072fd.pth")
+    model = fresh({"_target_": "testbed.models.resnet", "name": "resnet18", "num_classes": 10})
+    name = "torchvision:ResNet18_Weights.IMAGENET1K_V1"
+    with pytest.raises(UserError) as refused:
+        match(open_weights(name), model.net, settings(weights=name))
+    assert str(refused.value) == (
+        f"init.weights={name}: fc.weight of net has another shape in the file (file [1000, 512], model [10, 512]) "
+        "(and 1 more: fc.bias), so it would stay as built; name what may stay new in init.skip (e.g. "
+        "init.skip=[fc]), or load into another module (init.module) or from another key prefix of the file "
+        "(init.prefix)"
+    )
+    file = open_weights(name)
+    matched = match(file, model.net, settings(weights=name, skip=["fc"]))
+    assert (
+        file.kind == f"torchvision's ResNet18_Weights.IMAGENET1K_V1 ({tmp_path}/hub/checkpoints/resnet18-f37072fd.pth)"
+    )
+    assert matched.mismatched == {
+        "fc.weight": "file [1000, 512], model [10, 512]",
+        "fc.bias": "file [1000], model [10]",
+    }
+    head = {k: v.clone() for k, v in model.net.fc.state_dict().items()}
+    load(model, "net", matched, file, None)
+    for key, value in model.net.state_dict().items():
+        expected = head[key.removeprefix("fc.")] if key.startswith("fc.") else imagenet[key]
+        assert torch.equal(value, expected), key
+
+
+@pytest.mark.slow
+def test_1_process_2_ddp_and_2_fsdp_processes_start_and_end_alike_with_frozen_weights_untouched(
+    source, tuned, tmp_path
+):
+    """The recipe on 2 DDP processes and on 2 FSDP processes built on the meta device (each rank filling its shards
+    from the file, one tensor at a time): every tensor as training starts equals the 1-process run's, and after an
+    epoch to TOLERANCE (float64); the frozen parameters and the BatchNorm statistics are still the file's, bit for
+    bit; the new head starts as built, the same on every topology."""
+    exported = torch.load(source / "net.pt", weights_only=True)
+    runs = {"one": tuned}
+    for name, strategy in (("ddp", "strategy=ddp"), ("fsdp", "strategy=fsdp")):
+        runs[name] = tmp_path / name
+        start = f"+callbacks.start.path={runs[name]}/start.pt"
+        weights = f"init.weights={source / 'net.pt'}"
+        check(run([*RECIPE, weights, "trainer.devices=2", strategy, start, f"hydra.run.dir={runs[name]}"]))
+    assert "cannot be made shard by shard" not in (runs["fsdp"] / "train.log").read_text()
+    starts = {name: torch.load(path / "start.pt", weights_only=True) for name, path in runs.items()}
+    ends = {name: load_checkpoint(path / "checkpoints" / "last.ckpt")["state_dict"] for name, path in runs.items()}
+    for name in ("ddp", "fsdp"):
+        assert_same_weights(starts[name], starts["one"], rtol=0, atol=0)
+        assert_same_weights(ends[name], ends["one"], rtol=0, atol=TOLERANCE)
+    for name, state in [*starts.items(), *ends.items()]:
+        for key, value in exported.items():
+            if key in FROZEN or "running_" in key:
+                assert torch.equal(state[f"net.{key}"], value.double()), (name, key)
+    assert not torch.equal(starts["one"]["net.13.weight"], exported["13.weight"].double())  # as built
+    assert not torch.equal(ends["one"]["net.13.weight"], starts["one"]["net.13.weight"])  # trained
+
+
+def test_the_plan_shows_where_the_weights_came_from_and_what_was_left_new(source, tuned):
+    log = (tuned / "train.log").read_text()
+    file = source / "net.pt"
+    assert (
+        f"initial weights: {file} (a state_dict)\n"
+        "  loaded         18 of 20 tensors of net (its keys as they are)\n"
+        "  left as built  13.weight, 13.bias\n"
+        "  frozen         0.weight, 1.weight, 1.bias, 3.weight, 4.weight, 4.bias\n"
+        "  BatchNorm      eval mode in training: the weights' running statistics, never updated\n"
+    ) in log
+    row = (
+        f"{file} (a state_dict) into net: 18 of 20 tensors; left as built: 13.weight, 13.bias; frozen: 0.weight, "
+        "1.weight, 1.bias, 3.weight, 4.weight, 4.bias (init.freeze); BatchNorm in eval mode: running statistics "
+        "fixed (init.freeze_bn)"
+    )
+    assert f"  initial weights       {row}\n" in log
+    assert read_json(tuned / "plan.json")["initial_weights"] == row
+
+
+def test_a_fine_tuned_run_evaluates_and_exports(tuned, tmp_path):
+    metrics = in_process([f"ckpt_path={tuned}", f"hydra.run.dir={tmp_path}"], job="eval")
+    assert metrics["test/acc"] == read_json(tuned / "metrics.json")["test/acc"]
+    in_process([f"ckpt_path={tuned}", f"output_path={tmp_path / 'net.pt'}", f"hydra.run.dir={tmp_path}"], job="export")
+    net = instantiate(OmegaConf.load(tuned / "config.yaml").model.net)
+    net.load_state_dict(torch.load(tmp_path / "net.pt", weights_only=True))  # strict
+
+
+def test_a_resumed_fine_tuning_run_continues_from_its_checkpoint_not_the_initial_weights(tuned, tmp_path):
+    """Resumed for a second epoch with init.weights naming a file that is gone: nothing is read from it, training
+    starts from the checkpoint's weights, and the plan says so."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(tuned, run_dir)
+    resumed = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    gone = tmp_path / "gone.pt"
+    start = f"+callbacks.start.path={run_dir}/start.pt"
+    args = [*RECIPE, f"init.weights={gone}", start, "ckpt_path=last", "trainer.max_epochs=2"]
+    in_process([*args, f"hydra.run.dir={run_dir}"])
+    assert_same_weights(torch.load(run_dir / "start.pt", weights_only=True), resumed, rtol=0, atol=0)
+    assert (
+        f"{gone}: not loaded, the run resumes from {run_dir}/checkpoints/last.ckpt (its trained weights)"
+        in (run_dir / "train.log").read_text()
+    )
+
+
+def test_the_plan_warns_when_pretrained_batchnorm_statistics_see_another_batch(source, tmp_path):
+    """The source trained with 64 samples per BatchNorm statistic (stored in its checkpoint): fine-tuned with 32, the
+    plan warns; with init.freeze_bn, or with 64, it does not."""
+    ckpt = source / "checkpoints" / "last.ckpt"
+    common = [f"init.weights={ckpt}", "dry_run=true"]
+    plan = in_process([*common, "data.global_batch_size=32", f"hydra.run.dir={tmp_path / 'a'}"])
+    assert plan["init_bn_batch_size"] == 64 and plan["bn_batch_size"] == 32
+    assert (
+        "BatchNorm statistics come from 32 samples, and the initial weights were trained with 64 (init.bn_batch_size): "
+        "their running statistics drift from the ones the weights expect. Options: 64 samples per device (a larger "
+        "global batch, or fewer devices), or init.freeze_bn=true"
+    ) in (tmp_path / "a" / "train.log").read_text()
+    frozen = in_process(
+        [*common, "init.freeze_bn=true", "data.global_batch_size=32", f"hydra.run.dir={tmp_path / 'b'}"]
+    )
+    same = in_process([*common, f"hydra.run.dir={tmp_path / 'c'}"])
+    assert frozen["init_bn_batch_size"] is None and same["init_bn_batch_size"] == 64
+    assert "initial weights were trained with" not in (tmp_path / "c" / "train.log").read_text()

@@ -165,13 +165,26 @@ def test_every_image_data_option_fits_every_image_model(data, tmp_path):
 @pytest.mark.slow  # the entry point in a process of its own
 def test_train_help_lists_every_group_the_engines_too():
     """`python train.py --help` lists every config group with its options: the project's and the engine's (trainer,
-    strategy, callbacks, logger, lr_schedule, loader, debug, paths), which the top config finds through its
-    hydra.searchpath and Hydra's own list leaves out. Hydra's own groups (hydra/...) are --hydra-help's."""
+    strategy, callbacks, logger, lr_schedule, loader, debug, paths), on Hydra's search path through the engine's
+    plugin. Hydra's own groups (hydra/...) are --hydra-help's."""
     shown = check(run(["--help"])).stdout
     listed = shown.split("(group=option)\n\n", 1)[1].split("\n\n== Config ==", 1)[0].splitlines()
     groups = {group: files for group, files in config_groups().items() if not group.startswith("hydra")}
     assert listed == [f"{group}: {', '.join(f.stem for f in groups[group])}" for group in sorted(groups)]
     assert {"trainer", "strategy", "lr_schedule", "callbacks", "logger", "loader", "debug", "data"} <= set(groups)
+
+
+def test_a_search_path_of_your_own_adds_to_the_engines_groups(tmp_path):
+    """The engine's config groups are on Hydra's search path through the engine's plugin
+    (hydra_plugins/scaleup_searchpath), not through the top config: a `hydra.searchpath` of the user's adds an option
+    beside them (it replaced the top config's list, which held them), and the line top configs held before,
+    pkg://scaleup.conf, changes nothing."""
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "short.yaml").write_text("defaults: [default, _self_]\nmax_epochs: 2\n")
+    for searchpath in (f"[file://{tmp_path}]", f"[pkg://scaleup.conf,file://{tmp_path}]"):
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3", job_name="train"):
+            cfg = compose("train", [f"hydra.searchpath={searchpath}", "trainer=short"])
+        assert (cfg.trainer.max_epochs, cfg.trainer.accelerator, cfg.strategy.name) == (2, "auto", "ddp")
 
 
 def test_eval_help_shows_its_config_not_the_training_groups():

@@ -285,13 +285,6 @@ ENTRY_POINTS = {
         "key=value, and quote a value with brackets, parentheses, commas or spaces: 'key=\"a value\"' "
         "(https://hydra.cc/docs/advanced/override_grammar/basic)",
     ),
-    # a search path on the command line replaces the top config's, which holds the engine's groups
-    "search path without the engine": (
-        "train.py",
-        ["hydra.searchpath=[file:///nonexistent]", "dry_run=true", "hydra.run.dir={tmp}/searchpath"],
-        "error: hydra.searchpath=[file:///nonexistent] leaves out the engine's config groups (hydra and the others, "
-        "at pkg://scaleup.conf): it replaces the top config's list; keep pkg://scaleup.conf in it",
-    ),
     "misspelled eval key": (
         "eval.py",
         ["ckpt_pat=x.ckpt", "hydra.run.dir={tmp}/ckpt_pat"],

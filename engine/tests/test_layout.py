@@ -8,6 +8,8 @@ import re
 from collections import Counter
 from pathlib import Path
 
+import yaml
+
 from conftest import ROOT
 
 SRC = ROOT / "src"  # the project's package
@@ -53,6 +55,16 @@ def test_your_package_imports_only_the_public_api():
     }
     assert not private, sorted(private)
     assert any(PUBLIC_API in imported(tree) for tree in modules(USER).values())
+
+
+def test_your_code_and_top_configs_carry_no_engine_wiring():
+    """Your package imports no pydantic (the engine checks your constructors' plain hints), and your top configs name
+    neither the engine's config groups (its Hydra plugin puts them on the search path) nor your package (a
+    checkpoint's stored targets are found from your model's and data's `_target_`s)."""
+    assert not [name for name, tree in modules(USER).items() if "pydantic" in {t.split(".")[0] for t in imported(tree)}]
+    for job in ("train", "eval", "export"):
+        config = yaml.safe_load((ROOT / "configs" / f"{job}.yaml").read_text())
+        assert "package" not in config and "searchpath" not in config.get("hydra", {}), job
 
 
 def test_the_engines_suite_never_imports_the_example():

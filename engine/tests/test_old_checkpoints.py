@@ -2,6 +2,7 @@
 became its own distribution (0.2.0, fixtures/v0.2.0/last.ckpt: the digits CNN at width 8, float64, 3 steps, written
 by `python train.py` of that version) evaluates, exports and resumes with today's engine."""
 
+import json
 import shutil
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from conftest import QUICK, TESTS, in_process, read_json
 from scaleup.checkpoints.io import load_checkpoint
+from scaleup.errors import UserError
 
 OLD = TESTS / "fixtures" / "v0.2.0" / "last.ckpt"
 # The overrides the old run trained with: a resume continues the same recipe.
@@ -42,3 +44,31 @@ def test_a_checkpoint_of_the_previous_layout_evaluates_exports_and_resumes(tmp_p
     shutil.copy(OLD, run_dir / "checkpoints" / "last.ckpt")
     in_process([*RECIPE, "trainer.max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}"])
     assert load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 6
+
+
+@pytest.mark.slow  # end-to-end runs
+def test_a_checkpoint_of_a_renamed_package_evaluates_without_a_key_naming_the_package(tmp_path):
+    """A checkpoint names your package as it was called when it trained (here `oldpkg`, the suite's `testbed` before
+    a rename). eval.py finds each stored target that no longer imports in your package as your configs name it
+    (the model and data `_target_`s of configs/train.yaml), with no config key naming it; a target found nowhere is
+    one line naming both places it looked."""
+    short = [*QUICK, "model.net.width=8", "trainer.max_epochs=1", "+trainer.limit_train_batches=3"]
+    metrics = in_process([*short, "+trainer.limit_val_batches=1", f"hydra.run.dir={tmp_path / 'run'}"])
+    (best,) = (tmp_path / "run" / "checkpoints").glob("best-*.ckpt")
+    checkpoint = load_checkpoint(best)
+    stored = json.dumps(checkpoint["scaleup"]["config"])
+    assert '"testbed.models.DigitsCNN"' in stored and "package" not in checkpoint["scaleup"]["config"]
+    checkpoint["scaleup"]["config"] = json.loads(stored.replace('"testbed.', '"oldpkg.'))
+    torch.save(checkpoint, tmp_path / "renamed.ckpt")
+    evaluated = in_process([f"ckpt_path={tmp_path / 'renamed.ckpt'}", f"hydra.run.dir={tmp_path / 'eval'}"], job="eval")
+    assert (evaluated["test/acc"], evaluated["test/samples"]) == (metrics["test/acc"], 360)
+
+    checkpoint["scaleup"]["config"]["model"]["net"]["_target_"] = "oldpkg.gone.DigitsCNN"
+    torch.save(checkpoint, tmp_path / "moved.ckpt")
+    with pytest.raises(UserError) as refused:
+        in_process([f"ckpt_path={tmp_path / 'moved.ckpt'}", f"hydra.run.dir={tmp_path / 'refused'}"], job="eval")
+    assert str(refused.value) == (
+        f"{tmp_path / 'moved.ckpt'} was trained with model.net._target_=oldpkg.gone.DigitsCNN, which does not import "
+        "(No module named 'oldpkg'), nor does testbed.gone.DigitsCNN in your package: make the class importable "
+        "under one of these names"
+    )

@@ -415,17 +415,18 @@ def test_the_plan_as_printed(name):
 
 
 def test_a_group_of_your_own_takes_the_engines_yaml_defaults_and_a_missing_key_is_one_line(tmp_path):
-    """The engine's YAML groups are the one source of defaults. A changed default (here the decay of
-    lr_schedule/linear.yaml, shadowed on the search path) reaches the plan through a group of the user's own that
-    starts from it, with no second default in the code to change; a group that leaves a key out is refused by name."""
+    """The engine's YAML groups are the one source of defaults. A changed default (here the decay of a copy of
+    lr_schedule/linear.yaml, on the user's search path beside the engine's groups) reaches the plan through a group
+    of the user's own that starts from it, with no second default in the code to change; a group that leaves a key
+    out is refused by name."""
     groups = tmp_path / "lr_schedule"
     groups.mkdir()
-    (groups / "linear.yaml").write_text(
+    (groups / "stepped.yaml").write_text(
         (ENGINE_CONF / "lr_schedule" / "linear.yaml").read_text().replace("decay: cosine", "decay: step")
     )
-    (groups / "mine.yaml").write_text("defaults: [linear, _self_]\nrule: sqrt\n")
+    (groups / "mine.yaml").write_text("defaults: [stepped, _self_]\nrule: sqrt\n")
     (groups / "partial.yaml").write_text("base_batch_size: 64\nrule: sqrt\n")
-    searchpath = f"hydra.searchpath=[file://{tmp_path},pkg://scaleup.conf]"
+    searchpath = f"hydra.searchpath=[file://{tmp_path}]"
     in_process([searchpath, "lr_schedule=mine", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"])
     plan = read_json(tmp_path / "run" / "plan.json")
     assert (plan["decay"], plan["milestones"], plan["scaling_rule"]) == ("step", [30, 60, 80], "sqrt")

@@ -1,8 +1,8 @@
 """What a project's entry points call: `python train.py [key=value ...]` is `main("train", <project>/configs)`.
 
-Hydra composes `configs/<job>.yaml` (the project's top config, which finds the engine's groups through
-`pkg://scaleup.conf`) with the command line, and the engine's job runs it. A misspelled key or group option, or a
-value the schema refuses, is one `error:` line and exit code 2.
+Hydra composes `configs/<job>.yaml` (the project's top config; the engine's groups are on Hydra's search path
+through the engine's plugin, hydra_plugins/scaleup_searchpath) with the command line, and the engine's job runs it.
+A misspelled key or group option, or a value the schema refuses, is one `error:` line and exit code 2.
 """
 
 from __future__ import annotations

@@ -38,8 +38,6 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
-from scaleup.conf import SEARCHPATH, engine_groups
-
 
 class UserError(Exception):
     """A mistake the user can fix; the message says how.
@@ -201,12 +199,6 @@ def composition_error(
         return UserError(f"{added}: {key} is already in the config; set it with {fixed} (a leading + adds a new key)")
     if isinstance(err, MissingConfigException) and err.options is not None and err.missing_cfg_file:
         group, _, option = err.missing_cfg_file.rpartition("/")
-        searchpath = next((o for o in overrides if _override_key(o) == "hydra.searchpath"), None)
-        if searchpath and SEARCHPATH not in searchpath and group.split("/")[0] in engine_groups():
-            return UserError(
-                f"{searchpath} leaves out the engine's config groups ({group} and the others, at {SEARCHPATH}): "
-                f"it replaces the top config's list; keep {SEARCHPATH} in it"
-            )
         hint = did_you_mean(option, err.options, f"{group}=")
         return UserError(f"{group}={option}: there is no such option{hint} (the options: {', '.join(err.options)})")
     cause = err.__cause__

@@ -27,7 +27,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     config = eval_config(cfg)
     ckpt_path = find_checkpoint(config.ckpt_path, prefer="best")
     checkpoint = load_checkpoint(ckpt_path)
-    stored = stored_run(checkpoint, ckpt_path, config.package)
+    stored = stored_run(checkpoint, ckpt_path)
     plan = stored.plan
     topology = resolve_topology(config.trainer)
     check_launcher(topology)

@@ -47,7 +47,7 @@ def export(cfg: DictConfig) -> Path:
         raise UserError(f"{output} already exists; choose another output_path or pass overwrite=true")
     ckpt_path = find_checkpoint(config.ckpt_path, prefer="best")
     checkpoint = load_checkpoint(ckpt_path)
-    stored = stored_run(checkpoint, ckpt_path, config.package)
+    stored = stored_run(checkpoint, ckpt_path)
     model_cfg = stored.model
     model = build_model(model_cfg, precision=stored.plan.precision)  # float64 weights stay float64
     load_weights(model, checkpoint["state_dict"])  # every key fits, or the error names those that do not

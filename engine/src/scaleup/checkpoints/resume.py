@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from scaleup.callbacks.run_files import holds_test_results
 from scaleup.checkpoints.io import exists, find_checkpoint, is_url, load_checkpoint, strip_wrapper_prefixes
 from scaleup.config.plain import flatten
+from scaleup.config.project import project_packages
 from scaleup.config.stored import stored_model, stored_plan
 from scaleup.data.samplers import GlobalBatchSampler, resumed_steps
 from scaleup.errors import UserError
@@ -91,7 +92,7 @@ def resume_point(
             "checkpoint that train.py wrote, e.g. <run dir>/checkpoints/last.ckpt"
         )
     step = checkpoint.get("global_step", 0)
-    check_same_network(path, checkpoint, stored_model(checkpoint, config.package), config.model, model)
+    check_same_network(path, checkpoint, stored_model(checkpoint, project_packages(config.plain)), config.model, model)
     previous = stored_plan(checkpoint)  # None: not trained by scaleup's train.py
     check_same_global_batch(path, previous, step, plan)
     check_same_order(path, checkpoint, step, datamodule, plan)

@@ -1,8 +1,9 @@
-"""The engine's Hydra config groups; a project's top configs find them with `hydra.searchpath: [pkg://scaleup.conf]`."""
+"""The engine's Hydra config groups: on Hydra's search path of every app in the environment, after the project's own
+configs/, through the engine's SearchPathPlugin (hydra_plugins/scaleup_searchpath)."""
 
 from importlib.resources import files
 
-SEARCHPATH = "pkg://scaleup.conf"  # what a project's top configs put in hydra.searchpath
+SEARCHPATH = "pkg://scaleup.conf"  # what the plugin appends to Hydra's search path
 
 
 def engine_groups() -> list[str]:

@@ -26,7 +26,7 @@ def retarget(tree: Any, package: str) -> Any:
     A checkpoint's stored config names your package as it was called when it trained: before a rename, or the
     template's own `myproject` in a project made with copier. `myproject.models.nets.DigitsCNN` becomes
     `<package>.models.nets.DigitsCNN`. A target that still imports, or that is nowhere in `package`, stays as it is
-    (building it then fails with its own name in the message).
+    (config/stored.py names it).
     """
     if isinstance(tree, list):
         return [retarget(item, package) for item in tree]
@@ -42,13 +42,19 @@ def retarget(tree: Any, package: str) -> Any:
 
 
 def imports(target: str) -> bool:
-    """Whether the dotted path `target` names something importable. Quietly: hydra's `get_object` logs an ERROR for
-    each target that does not import, which a checkpoint's stored targets after a rename are, as expected."""
+    """Whether the dotted path `target` names something importable."""
+    return import_problem(target) is None
+
+
+def import_problem(target: str) -> str | None:
+    """Why the dotted path `target` does not import (the error's message), or None where it does. Quietly: hydra's
+    `get_object` logs an ERROR for each target that does not import, which a checkpoint's stored targets after a
+    rename are, as expected."""
     try:
         pkgutil.resolve_name(target)
-    except Exception:  # ImportError, AttributeError, or the module's own error on import
-        return False
-    return True
+    except Exception as err:  # ImportError, AttributeError, or the module's own error on import
+        return str(err) or type(err).__name__
+    return None
 
 
 def instantiate_each(group: dict[str, Any] | None) -> list[Any]:

@@ -4,16 +4,18 @@ composed from them set up as the run `@hydra.main` would start; and the groups `
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from scaleup.errors import UserError
 
 
 def project_configs() -> Path:
-    """The project's configs/ (its top configs and its own groups; the engine's come from pkg://scaleup.conf)."""
+    """The project's configs/ (its top configs and its own groups; the engine's are on Hydra's search path through
+    its plugin, hydra_plugins/scaleup_searchpath)."""
     configs = Path.cwd() / "configs"
     if not (configs / "train.yaml").is_file():
         raise UserError(f"no configs/train.yaml in {Path.cwd()}: run it from your project's folder (train.py's)")
@@ -38,6 +40,40 @@ def compose_project(
         return compose(job, overrides=list(overrides), return_hydra_config=hydra)
 
 
+def project_packages(config: Mapping[str, Any] | None = None) -> list[str]:
+    """Your package as your config names it: the top-level packages of the `model` and `data` `_target_`s of the
+    train config `config`, by default of configs/train.yaml as it composes without overrides (the configs of the
+    job that runs, else of the project in this folder); none where it does not compose. Where a checkpoint's stored
+    targets are looked up after a rename (config/stored.py)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if config is None:
+        try:
+            config = OmegaConf.to_container(train_config_as_written(), resolve=False)
+        except (HydraException, OmegaConfBaseException, UserError):
+            return []
+    nodes = [config.get(name) for name in ("model", "data")]
+    targets = [str(node.get("_target_") or "") for node in nodes if isinstance(node, Mapping)]
+    return list(dict.fromkeys(target.split(".")[0] for target in targets if target))
+
+
+def train_config_as_written() -> DictConfig:
+    """configs/train.yaml composed without overrides, from the configs of the job that runs (Hydra's primary config
+    folder; `python eval.py` runs from any folder), else of the project in this folder. A loader of its own: inside
+    `@hydra.main`, Hydra's compose API refuses to start again."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    sources = HydraConfig.get().runtime.config_sources if HydraConfig.initialized() else []
+    main = [source.path for source in sources if source.provider == "main" and source.schema == "file"]
+    configs = Path(main[0]) if main else project_configs()
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(f"file://{configs.resolve()}"))
+    return loader.load_configuration("train", overrides=[], run_mode=RunMode.RUN)
+
+
 def set_up_run(cfg: DictConfig) -> Path:
     """Hydra's runtime for `cfg` (composed with its `hydra` node) as `@hydra.main` sets it up: the working directory,
     the run mode, `HydraConfig.get()`, and the run directory resolved once (its `${now:...}` stamped) into both
@@ -58,9 +94,10 @@ def set_up_run(cfg: DictConfig) -> Path:
 
 def config_groups() -> str:
     """Every config group of the running app but Hydra's own, with its options: one `group: option, ...` line each,
-    as Hydra's `--help` lists them ($APP_CONFIG_GROUPS), the groups that the top config's `hydra.searchpath` adds
-    included (the engine's: trainer, strategy, ...), which Hydra's own list leaves out: it reads the search path
-    Hydra starts with, before the top config adds to it. For `hydra.help.template` (the engine's hydra/help/groups)."""
+    as Hydra's `--help` lists them ($APP_CONFIG_GROUPS), the groups that a `hydra.searchpath` of the project's adds
+    included, which Hydra's own list leaves out: it reads the search path Hydra starts with (the project's configs/
+    and the engine's groups), before the top config or the command line adds to it. For `hydra.help.template` (the
+    engine's hydra/help/groups)."""
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.object_type import ObjectType

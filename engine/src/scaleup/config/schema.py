@@ -4,10 +4,11 @@ Two sources of types:
 - the sections the template itself reads (`seed`, `trainer`, `lr_schedule`, `strategy`, `loader`, the batch keys
   of `data`, `model.optimizer`, ...): the pydantic models below, one per section;
 - the constructors the config builds (each `_target_` under `data`, `model`, `callbacks` and `logger`: the data
-  module, the LightningModule, its net and optimizer, callbacks, loggers): their own type hints.
-  `Annotated[int, Field(ge=1)]` on an argument of your own module is checked like the template's keys, with no
-  code here. Arguments without a hint, hints pydantic cannot check (a tensor, a module), values Hydra instantiates
-  (a dict with a `_target_`) and values the data fills in (null) pass through, to be checked by the constructor.
+  module, the LightningModule, its net and optimizer, callbacks, loggers): their own type hints, plain ones (`int`,
+  `float`, `Literal[...]`, `tuple[int, int]`) and, where a hint carries one, a range (`Annotated[int, Field(ge=1)]`),
+  checked like the template's keys, with no code here. Arguments without a hint, hints pydantic cannot check (a
+  tensor, a module), values Hydra instantiates (a dict with a `_target_`) and values the data fills in (null) pass
+  through, to be checked by the constructor.
 
 Values are checked strictly, as YAML and the command line give them: `abc` stays a string and `1.5` is no
 integer, so a value that passes reaches the code as it was checked. (Against a constructor's hints a string may
@@ -108,7 +109,6 @@ class TrainKeys(Section):
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)]  # what Lightning's seed_everything accepts
     dry_run: bool
     ckpt_path: str | None = Field(description="a checkpoint path, last, or null")
-    package: str = Field(description="your package's import name (src/<package>/)")
 
 
 class Monitor(ClosedSection):
@@ -285,7 +285,6 @@ class TrainerArgs(ClosedSection):
 
 class EvalKeys(Section):
     ckpt_path: str
-    package: str = Field(description="your package's import name (src/<package>/)")
     batch_size: PositiveInt | None
     compile: bool
 
@@ -300,7 +299,6 @@ class EvalTrainer(ClosedSection):
 
 class ExportKeys(Section):
     ckpt_path: str
-    package: str = Field(description="your package's import name (src/<package>/)")
     output_path: str
     overwrite: bool
     module: str

@@ -5,15 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from scaleup.config.plain import retarget
+from scaleup.config.plain import import_problem, imports, retarget
+from scaleup.config.project import project_packages
+from scaleup.config.schema import targets
 from scaleup.errors import UserError
 from scaleup.plan.resolve import Plan
 
 
 @dataclass(frozen=True)
 class StoredRun:
-    """The sections of the stored config that a checkpoint's evaluation, export and resume rebuild from (its
-    targets found in your package: `retarget`), and the stored plan."""
+    """The sections of the stored config that a checkpoint's evaluation, export and resume rebuild from (their
+    targets found in your package: `found`), and the stored plan."""
 
     data: dict[str, Any]
     model: dict[str, Any]
@@ -22,17 +24,41 @@ class StoredRun:
     plan: Plan
 
 
-def stored_run(checkpoint: dict[str, Any], path: str, package: str) -> StoredRun:
-    """The config and plan `train.py` stored in the checkpoint, its targets found in your package `package` (also
-    when it was trained under another name)."""
+def stored_run(checkpoint: dict[str, Any], path: str) -> StoredRun:
+    """The config and plan `train.py` stored in the checkpoint, the targets of its data and model found in your
+    package (also when it was trained under another name)."""
     if "scaleup" not in checkpoint or "state_dict" not in checkpoint:
         raise UserError(
             f"{path} was not written by this template's train.py (no stored config); load its state_dict "
             "with scaleup.checkpoints.io.load_weights instead"
         )
     stored = checkpoint["scaleup"]
-    config = retarget(stored["config"], package)
-    return StoredRun(config["data"], config["model"], config["loader"], config["seed"], Plan.from_dict(stored["plan"]))
+    config = stored["config"]
+    data, model = (found(config[name], name, path) for name in ("data", "model"))
+    return StoredRun(data, model, config["loader"], config["seed"], Plan.from_dict(stored["plan"]))
+
+
+def found(section: dict[str, Any], name: str, path: str) -> dict[str, Any]:
+    """The stored `section` (`data` or `model`), each `_target_` that no longer imports found in your package
+    (`project_packages`: the packages of your configs' model and data): a checkpoint names your package as it was
+    called when it trained, before a rename (`myproject.models.ImageClassifier` is then
+    `<your package>.models.ImageClassifier`). A target found in neither place is one line naming both names."""
+    if all(imports(node["_target_"]) for _, node in targets(section, name)):
+        return section  # nothing moved: no need to compose the project's config
+    packages = project_packages()
+    for package in packages:
+        section = retarget(section, package)
+    for key, node in targets(section, name):
+        target = node["_target_"]
+        if (problem := import_problem(target)) is None:
+            continue
+        elsewhere = [f"{package}.{target.partition('.')[2]}" for package in packages if package != target.split(".")[0]]
+        raise UserError(
+            f"{path} was trained with {key}._target_={target}, which does not import ({problem})"
+            + (f", nor does {' or '.join(elsewhere)} in your package" if elsewhere else "")
+            + f": make the class importable under {'one of these names' if elsewhere else 'that name'}"
+        )
+    return section
 
 
 def stored_plan(checkpoint: dict[str, Any]) -> Plan | None:
@@ -41,6 +67,10 @@ def stored_plan(checkpoint: dict[str, Any]) -> Plan | None:
     return Plan.from_dict(stored) if stored else None
 
 
-def stored_model(checkpoint: dict[str, Any], package: str) -> dict[str, Any]:
-    """The `model` config stored in a checkpoint, its targets found in `package`; empty where none is stored."""
-    return retarget(checkpoint.get("scaleup", {}).get("config", {}).get("model", {}), package)
+def stored_model(checkpoint: dict[str, Any], packages: list[str]) -> dict[str, Any]:
+    """The `model` config stored in a checkpoint, its targets that no longer import found in `packages` (those of
+    this run's config, `project_packages`); empty where none is stored."""
+    model = checkpoint.get("scaleup", {}).get("config", {}).get("model", {})
+    for package in packages:
+        model = retarget(model, package)
+    return model

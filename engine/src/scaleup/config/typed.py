@@ -92,7 +92,6 @@ class TrainConfig:
     seed: int
     dry_run: bool
     ckpt_path: str | None
-    package: str
     monitor: Monitor
     checkpoint: Checkpointing
     performance: Performance
@@ -124,11 +123,10 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """`python eval.py`'s config: the checkpoint, your package, the per-device batch (None: training's), whether to
+    """`python eval.py`'s config: the checkpoint, the per-device batch (None: training's), whether to
     compile, the `data` keys that override the checkpoint's stored ones, and the Trainer's settings."""
 
     ckpt_path: str
-    package: str
     batch_size: int | None
     compile: bool
     data: dict[str, Any]
@@ -141,11 +139,10 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """`python export.py`'s config: the checkpoint, your package, the file to write (and whether to overwrite it),
+    """`python export.py`'s config: the checkpoint, the file to write (and whether to overwrite it),
     and the attribute path of the module to save."""
 
     ckpt_path: str
-    package: str
     output_path: str
     overwrite: bool
     module: str

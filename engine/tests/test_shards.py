@@ -108,7 +108,10 @@ def test_converter_refuses_a_wrong_argument_in_one_line(args, message, tmp_path,
             "images). A sample is stored as one such value or a tuple (input, target, ...) of them: return tuples "
             "from the datasets you convert",
         ),
-        (["data.val_size=-3"], "error: data.val_size=-3 must be a number >= 0"),  # was torch's RuntimeError
+        (  # was torch's RuntimeError
+            ["data.val_size=-3"],
+            "error: val_size=-3 must be >= 0: a count (>= 1), or a fraction (< 1) of 1797",
+        ),
     ],
     ids=["dict samples", "negative val_size"],
 )

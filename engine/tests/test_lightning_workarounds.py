@@ -28,8 +28,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from scaleup.compat.dcp import read_distributed_checkpoint, stored_file_sizes, stored_tensor_shapes
 from scaleup.callbacks.loop_repairs import UNRESUMABLE_LOADER_WARNING, LoopRepairs
+from scaleup.compat.dcp import read_distributed_checkpoint, stored_file_sizes, stored_tensor_shapes
 from scaleup.compat.model_parallel import optimizer_states_keyed_in_group_order
 from scaleup.compat.precision import model_parallel_precision
 

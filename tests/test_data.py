@@ -30,6 +30,22 @@ PROJECT = Path(__file__).resolve().parents[1]  # the folder of train.py and conf
 QUICK = [*SHORT, "trainer.max_epochs=1", "model.net.width=4"]  # one epoch of a narrow network, on the CPU
 
 
+def test_a_task_of_some_digits_relabels_them_and_keeps_few_training_images():
+    """The fine-tuning example's target task (configs/experiment/finetune_digits.yaml): digits 6-9 as classes 0-3,
+    5 training images of each; validation and test keep every image of those digits in their share."""
+    from myproject.data.digit_classes import DigitClassesDataModule
+
+    data = DigitClassesDataModule(classes=[6, 7, 8, 9], train_per_class=5, val_size=0.25, test_size=0.25)
+    assert data.num_classes == 4 and data.split_sizes() == {"train": 20, "val": 178, "test": 178}
+    assert torch.bincount(data.splits["train"].tensors[1]).tolist() == [5, 5, 5, 5]
+    everything = DigitsDataModule()
+    everything.setup()
+    images = torch.cat([everything.splits[split].tensors[0] for split in ("train", "val", "test")])
+    labels = torch.cat([everything.splits[split].tensors[1] for split in ("train", "val", "test")])
+    x, y = data.splits["val"][0]  # an image of digit y + 6, exactly as the whole data set holds it
+    assert any(torch.equal(x, image) for image in images[labels == int(y) + 6])
+
+
 def test_digits_splits_are_fixed_and_disjoint():
     a, b = DigitsDataModule(global_batch_size=64), DigitsDataModule(global_batch_size=64, seed=7)
     assert a.split_sizes() == b.split_sizes() == {"train": 1257, "val": 180, "test": 360}

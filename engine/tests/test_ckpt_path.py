@@ -57,7 +57,8 @@ def test_a_resume_with_another_global_batch_is_refused(one_epoch_run, tmp_path):
     assert str(refused.value) == (
         f"{one_epoch_run}/checkpoints/last.ckpt trained 19 steps with a global batch of 64 (1216 samples), this "
         "run's is 32: its steps, epoch and LR schedule count batches of 64. Resume with data.global_batch_size=64 "
-        "data.per_device_batch_size=null (any device count keeps it), or start a new run from these weights"
+        "data.per_device_batch_size=null (any device count keeps it), or start a new run from these weights: "
+        f"init.weights={one_epoch_run}/checkpoints/last.ckpt"
     )
     assert not (tmp_path / "plan.json").exists()
 

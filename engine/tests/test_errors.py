@@ -145,7 +145,13 @@ CASES = [
     ),
     # checkpoints
     ("missing checkpoint", "train", ["ckpt_path={tmp}/nope.ckpt"], "checkpoint {tmp}/nope.ckpt does not exist"),
-    ("another network", "train", ["ckpt_path={ckpt}"], "was trained with another network: model.net.width=8 (now"),
+    (
+        "another network",
+        "train",
+        ["ckpt_path={ckpt}"],
+        "was trained with another network: model.net.width=8 (now 32); resume with the same model settings, or start "
+        "a new run from its weights: init.weights={ckpt} (with init.skip naming what is new: docs/finetuning.md)",
+    ),
     (
         "finished checkpoint",
         "train",

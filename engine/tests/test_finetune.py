@@ -256,3 +256,21 @@ def test_the_plan_warns_when_pretrained_batchnorm_statistics_see_another_batch(s
     same = in_process([*common, f"hydra.run.dir={tmp_path / 'c'}"])
     assert frozen["init_bn_batch_size"] is None and same["init_bn_batch_size"] == 64
     assert "initial weights were trained with" not in (tmp_path / "c" / "train.log").read_text()
+
+
+def test_build_optimizer_gives_named_parameters_their_lr_and_leaves_frozen_ones_out():
+    """`lr_scales={net.13: 5}`: the head's weight and bias in groups of their own at 5x the base LR, which the LR
+    scaling multiplies like every group; a frozen parameter is in no group."""
+    from scaleup.optim import build_optimizer
+
+    model = fresh()
+    model.net[0].weight.requires_grad_(False)
+    optimizer = build_optimizer({"_target_": "torch.optim.SGD", "lr": 0.1}, model, {"net.13": 5})
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = {g["name"]: (g["lr"], sorted(names[id(p)] for p in g["params"])) for g in optimizer.param_groups}
+    assert groups == {
+        "decay": (0.1, ["net.3.weight", "net.7.weight"]),
+        "no_decay": (0.1, sorted(f"net.{i}.{kind}" for i in (1, 4, 8) for kind in ("weight", "bias"))),
+        "decay@net.13": (0.5, ["net.13.weight"]),
+        "no_decay@net.13": (0.5, ["net.13.bias"]),
+    }

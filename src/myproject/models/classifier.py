@@ -18,8 +18,9 @@ class ImageClassifier(L.LightningModule):
     """Cross-entropy classification around `net`.
 
     `net` is a Hydra-instantiable dict that includes `num_classes`; `figures` holds the settings of the test-time
-    ClassificationFigures (None: no figures). Args are plain containers (the job converts
-    Hydra configs), so `save_hyperparameters` writes only dicts and numbers into checkpoints and
+    ClassificationFigures (None: no figures); `lr_scales` gives parameters a factor on the base LR by name, e.g.
+    `{net.13: 10}` for a new head beside a pretrained network (build_optimizer). Args are plain containers (the job
+    converts Hydra configs), so `save_hyperparameters` writes only dicts and numbers into checkpoints and
     `torch.load(..., weights_only=True)` can read them back.
     """
 
@@ -30,6 +31,7 @@ class ImageClassifier(L.LightningModule):
         label_smoothing: float = 0.0,
         compile: bool = False,
         figures: Mapping[str, Any] | None = None,
+        lr_scales: Mapping[str, float] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -77,7 +79,7 @@ class ImageClassifier(L.LightningModule):
         self._step(batch, "test")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return build_optimizer(self.hparams.optimizer, self)
+        return build_optimizer(self.hparams.optimizer, self, self.hparams.lr_scales)
 
     def configure_callbacks(self) -> list[L.Callback]:
         """Test-time figures (confusion matrix, misclassified samples), unless `figures` is None."""

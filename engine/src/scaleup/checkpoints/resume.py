@@ -105,7 +105,8 @@ def resume_point(
     if stopped_early:
         raise UserError(
             f"{path} is from a run that early stopping ended {stopped_early}; there is nothing to resume. To train "
-            "on, start a new run, e.g. from these weights or with a larger callbacks.early_stopping.patience"
+            f"on, start a new run, e.g. from these weights (init.weights={path}) or with a larger "
+            "callbacks.early_stopping.patience"
         )
     if step >= plan.total_steps:
         raise UserError(
@@ -133,7 +134,8 @@ def check_same_network(
     changed = sorted(name for name in stored_shapes | shapes if stored_shapes.get(name) != shapes.get(name))
     raise UserError(
         f"{path} was trained with another network: {', '.join(diffs) or f'weights {changed[:3]} differ'}; "
-        "resume with the same model settings, or start a new run"
+        f"resume with the same model settings, or start a new run from its weights: init.weights={path} (with "
+        "init.skip naming what is new: docs/finetuning.md)"
     )
 
 
@@ -147,7 +149,7 @@ def check_same_global_batch(path: Path | str, previous: Plan | None, step: int, 
         f"{path} trained {step} steps with a global batch of {before} ({step * before} samples), this run's is "
         f"{plan.global_batch_size}: its steps, epoch and LR schedule count batches of {before}. Resume with "
         f"data.global_batch_size={before} data.per_device_batch_size=null (any device count keeps it), or start a "
-        "new run from these weights"
+        f"new run from these weights: init.weights={path}"
     )
 
 

@@ -283,10 +283,10 @@ class KillJobOnce(L.Callback):
 
 class StartWeights(L.Callback):
     """Writes the whole model's state_dict as training starts (after the strategy set it up: for strategy=fsdp each
-    tensor gathered whole from the shards, on every rank) to `path`, from rank 0."""
+    tensor gathered whole from the shards), each rank its own: `out_dir`/start<rank>.pt."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from torch.distributed.tensor import DTensor
@@ -295,5 +295,15 @@ class StartWeights(L.Callback):
             name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
             for name, tensor in pl_module.state_dict().items()
         }
-        if trainer.is_global_zero:
-            torch.save(state, self.path)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(state, self.out_dir / f"start{trainer.global_rank}.pt")
+
+
+class CountedBuilds(ImageClassifier):
+    """The classifier, writing `<builds>/<pid>-<n>` each time a process builds it: how often a run builds its module."""
+
+    def __init__(self, builds: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        Path(builds).mkdir(parents=True, exist_ok=True)
+        count = len(list(Path(builds).glob(f"{os.getpid()}-*")))
+        (Path(builds) / f"{os.getpid()}-{count}").touch()

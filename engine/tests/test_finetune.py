@@ -47,6 +47,7 @@ RECIPE = [
     "init.freeze=[0,1,3,4]",
     "init.freeze_bn=true",
     "+callbacks.start._target_=probes.StartWeights",
+    "+callbacks.start.out_dir=${hydra:runtime.output_dir}/start",
 ]
 
 
@@ -82,8 +83,7 @@ def source(tmp_path_factory) -> Path:
 def tuned(source, tmp_path_factory) -> Path:
     """The fine-tuning recipe from the source's export, on 1 process."""
     run_dir = tmp_path_factory.mktemp("tuned") / "run"
-    start = f"+callbacks.start.path={run_dir}/start.pt"
-    in_process([*RECIPE, f"init.weights={source / 'net.pt'}", start, f"hydra.run.dir={run_dir}"])
+    in_process([*RECIPE, f"init.weights={source / 'net.pt'}", f"hydra.run.dir={run_dir}"])
     return run_dir
 
 
@@ -170,21 +170,26 @@ def test_1_process_2_ddp_and_2_fsdp_processes_start_and_end_alike_with_frozen_we
     source, tuned, tmp_path
 ):
     """The recipe on 2 DDP processes and on 2 FSDP processes built on the meta device (each rank filling its shards
-    from the file, one tensor at a time): every tensor as training starts equals the 1-process run's, and after an
-    epoch to TOLERANCE (float64); the frozen parameters and the BatchNorm statistics are still the file's, bit for
-    bit; the new head starts as built, the same on every topology."""
+    from the file, one tensor at a time): every tensor on every rank as training starts equals the 1-process run's,
+    and after an epoch to TOLERANCE (float64); the frozen parameters and the BatchNorm statistics are still the
+    file's, bit for bit; the new head starts as built, the same on every topology. Each process builds the module
+    once, and the runs print no warning (no BatchNorm one either: every BatchNorm layer is frozen)."""
     exported = torch.load(source / "net.pt", weights_only=True)
     runs = {"one": tuned}
     for name, strategy in (("ddp", "strategy=ddp"), ("fsdp", "strategy=fsdp")):
         runs[name] = tmp_path / name
-        start = f"+callbacks.start.path={runs[name]}/start.pt"
+        counted = ["model._target_=probes.CountedBuilds", f"+model.builds={tmp_path / name}-builds"]
         weights = f"init.weights={source / 'net.pt'}"
-        check(run([*RECIPE, weights, "trainer.devices=2", strategy, start, f"hydra.run.dir={runs[name]}"]))
-    assert "cannot be made shard by shard" not in (runs["fsdp"] / "train.log").read_text()
-    starts = {name: torch.load(path / "start.pt", weights_only=True) for name, path in runs.items()}
+        result = check(run([*RECIPE, weights, *counted, "trainer.devices=2", strategy, f"hydra.run.dir={runs[name]}"]))
+        assert "warning" not in (result.stdout + result.stderr).lower(), name
+        builds = sorted(path.name.split("-") for path in (tmp_path / f"{name}-builds").iterdir())
+        assert [count for _, count in builds] == ["0", "0"] and builds[0][0] != builds[1][0], builds
+    assert "built on the meta device" in (runs["fsdp"] / "train.log").read_text()
+    starts = {name: torch.load(path / "start" / "start0.pt", weights_only=True) for name, path in runs.items()}
     ends = {name: load_checkpoint(path / "checkpoints" / "last.ckpt")["state_dict"] for name, path in runs.items()}
     for name in ("ddp", "fsdp"):
-        assert_same_weights(starts[name], starts["one"], rtol=0, atol=0)
+        for rank in (0, 1):
+            assert_same_weights(torch.load(runs[name] / "start" / f"start{rank}.pt"), starts["one"], rtol=0, atol=0)
         assert_same_weights(ends[name], ends["one"], rtol=0, atol=TOLERANCE)
     for name, state in [*starts.items(), *ends.items()]:
         for key, value in exported.items():
@@ -228,10 +233,8 @@ def test_a_resumed_fine_tuning_run_continues_from_its_checkpoint_not_the_initial
     shutil.copytree(tuned, run_dir)
     resumed = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
     gone = tmp_path / "gone.pt"
-    start = f"+callbacks.start.path={run_dir}/start.pt"
-    args = [*RECIPE, f"init.weights={gone}", start, "ckpt_path=last", "trainer.max_epochs=2"]
-    in_process([*args, f"hydra.run.dir={run_dir}"])
-    assert_same_weights(torch.load(run_dir / "start.pt", weights_only=True), resumed, rtol=0, atol=0)
+    in_process([*RECIPE, f"init.weights={gone}", "ckpt_path=last", "trainer.max_epochs=2", f"hydra.run.dir={run_dir}"])
+    assert_same_weights(torch.load(run_dir / "start" / "start0.pt", weights_only=True), resumed, rtol=0, atol=0)
     assert (
         f"{gone}: not loaded, the run resumes from {run_dir}/checkpoints/last.ckpt (its trained weights)"
         in (run_dir / "train.log").read_text()

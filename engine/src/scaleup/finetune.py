@@ -57,6 +57,7 @@ class Start:
     settings: Init
     frozen: list[str] = field(default_factory=list)
     has_batchnorm: bool = False  # BatchNorm layers in init.module
+    every_batchnorm_frozen: bool = False  # init.freeze_bn, and no BatchNorm layer outside init.module
     file: WeightsFile | None = None
     matched: Matched | None = None
 
@@ -84,7 +85,12 @@ class Start:
             start.report(resumed)
         trained_with = self.settings.bn_batch_size or (start.file.bn_batch_size if start.file else None)
         compare = self.has_batchnorm and not self.settings.freeze_bn
-        return replace(plan, initial_weights=start.row(resumed), init_bn_batch_size=trained_with if compare else None)
+        return replace(
+            plan,
+            initial_weights=start.row(resumed),
+            init_bn_batch_size=trained_with if compare else None,
+            batchnorm_frozen=self.every_batchnorm_frozen,
+        )
 
     def row(self, resumed: Path | str | None) -> str:
         """The plan's row: where the weights came from and what was left new; or that a resume loads none."""
@@ -136,7 +142,9 @@ def prepare_start(settings: Init, model: nn.Module) -> Start:
     frozen = freeze(target, settings.freeze)
     if settings.freeze_bn:
         keep_batchnorm_in_eval(target, whole=not settings.module)
-    return Start(settings, frozen, any(isinstance(module, BATCH_NORMS) for module in target.modules()))
+    norms = [module for module in target.modules() if isinstance(module, BATCH_NORMS)]
+    everywhere = sum(isinstance(module, BATCH_NORMS) for module in model.modules())
+    return Start(settings, frozen, bool(norms), settings.freeze_bn and len(norms) == everywhere)
 
 
 def submodule(model: nn.Module, name: str) -> nn.Module:

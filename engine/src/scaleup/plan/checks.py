@@ -108,7 +108,7 @@ def batchnorm_warning(plan: Plan) -> str | None:
     """BatchNorm statistics over fewer than SMALL_BN_BATCH samples, or over another number than the recipe was
     tuned with (lr_schedule.base_bn_batch_size): either changes the results, so say so, with the fixes."""
     bn, tuned, per_device = plan.bn_batch_size, plan.base_bn_batch_size, plan.per_device_batch_size
-    if bn is None or (bn == tuned and bn >= SMALL_BN_BATCH):
+    if bn is None or plan.batchnorm_frozen or (bn == tuned and bn >= SMALL_BN_BATCH):
         return None
     if plan.sync_batchnorm:
         what = f"BatchNorm statistics come from {bn} samples (SyncBN over {plan.world_size} devices x {per_device})"

@@ -71,6 +71,7 @@ class Plan:
     log_every_n_steps: int | None = None  # resolved: `auto` is a number here; None is Lightning's default (50)
     initial_weights: str = ""  # init.weights: where they came from, what was left as built and frozen (finetune.py)
     init_bn_batch_size: int | None = None  # the BatchNorm batch those weights were trained with, where it matters
+    batchnorm_frozen: bool = False  # init.freeze_bn over every BatchNorm layer: eval mode, no batch statistics
     parameters: int | None = None  # the model's parameters (None in a plan of an older version) ...
     trainable_parameters: int | None = None  # ... and those the optimizer trains
 
@@ -175,6 +176,8 @@ class Plan:
     def _bn_row(self) -> str:
         if not self.has_batchnorm:
             return "- (no BatchNorm layers)"
+        if self.batchnorm_frozen:
+            return "- (every BatchNorm layer in eval mode: the initial weights' statistics, init.freeze_bn)"
         tuned = f"; tuned at {self.base_bn_batch_size}"
         if self.bn_batch_size is None:
             synced = f" x {self.world_size} devices (SyncBN)" if self.sync_batchnorm else ""

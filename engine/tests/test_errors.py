@@ -172,7 +172,8 @@ CASES = [
         "train",
         ["ckpt_path={tmp}/state_dict.pt"],
         "{tmp}/state_dict.pt holds weights only (a plain state_dict, e.g. an export), not a run to resume: ckpt_path "
-        "takes a checkpoint that train.py wrote",
+        "takes a checkpoint that train.py wrote, e.g. <run dir>/checkpoints/last.ckpt; a new run starts from these "
+        "weights with init.weights={tmp}/state_dict.pt",
     ),
     ("foreign checkpoint", "eval", ["ckpt_path={tmp}/state_dict.pt"], "was not written by this template's train.py"),
     ("text as checkpoint", "eval", ["ckpt_path={tmp}/notes.txt"], "{tmp}/notes.txt is not a PyTorch checkpoint"),

@@ -89,7 +89,8 @@ def resume_point(
     if "state_dict" not in checkpoint:
         raise UserError(
             f"{path} holds weights only (a plain state_dict, e.g. an export), not a run to resume: ckpt_path takes a "
-            "checkpoint that train.py wrote, e.g. <run dir>/checkpoints/last.ckpt"
+            f"checkpoint that train.py wrote, e.g. <run dir>/checkpoints/last.ckpt; a new run starts from these "
+            f"weights with init.weights={path}"
         )
     step = checkpoint.get("global_step", 0)
     check_same_network(path, checkpoint, stored_model(checkpoint, project_packages(config.plain)), config.model, model)

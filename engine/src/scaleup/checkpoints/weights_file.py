@@ -8,8 +8,9 @@ directory), and torchvision's weights by name (`torchvision:ResNet18_Weights.IMA
 torchvision's own loader from torch's hub cache. Every file is read with `weights_only=True`: one that would import
 or call anything is refused, as a checkpoint is.
 
-One tensor at a time: a file is memory-mapped (its tensors are read from disk as they are copied), a sharded
-checkpoint reads one entry per call, so a rank that fills its shards from it never holds more than one whole tensor.
+One tensor at a time: a file is memory-mapped (its tensors are read from disk as they are copied, into the page
+cache that a node's ranks share), a sharded checkpoint reads one entry per call, so a rank that fills its shards from
+it holds no more than one whole tensor of its own.
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ class ImageClassifier(L.LightningModule):
         label_smoothing: float = 0.0,
         compile: bool = False,
         figures: Mapping[str, Any] | None = None,
+        lr_scales: Mapping[str, float] | None = None,  # a factor on the base LR by parameter name (build_optimizer)
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -98,7 +99,7 @@ class ImageClassifier(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return build_optimizer(self.hparams.optimizer, self)
+        return build_optimizer(self.hparams.optimizer, self, self.hparams.lr_scales)
 
     def configure_callbacks(self) -> list[L.Callback]:
         return [] if self.hparams.figures is None else [ClassificationFigures(**self.hparams.figures)]

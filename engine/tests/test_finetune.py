@@ -277,3 +277,23 @@ def test_build_optimizer_gives_named_parameters_their_lr_and_leaves_frozen_ones_
         "decay@net.13": (0.5, ["net.13.weight"]),
         "no_decay@net.13": (0.5, ["net.13.bias"]),
     }
+
+
+def test_a_file_that_fits_under_two_prefixes_needs_init_prefix_and_its_other_tensors_are_listed(source, tmp_path):
+    """A distillation checkpoint holds a teacher and a student of the same shapes: which one is meant is the user's
+    to say (one line naming both); with init.prefix=student. the student loads, and the teacher's tensors and a
+    loss's buffer are listed as not used."""
+    exported = torch.load(source / "net.pt", weights_only=True)
+    teacher = {f"teacher.{k}": torch.zeros_like(v) for k, v in exported.items()}
+    student = {f"student.{k}": v for k, v in exported.items()}
+    torch.save({"state_dict": {**teacher, **student, "loss.weight": torch.ones(10)}}, tmp_path / "distilled.ckpt")
+    path = str(tmp_path / "distilled.ckpt")
+    with pytest.raises(UserError) as refused:
+        loaded_net(path)
+    assert str(refused.value) == (
+        f"init.weights={path}: its tensors fit net under several key prefixes ('student.', 'teacher.'): choose one "
+        "with init.prefix=<prefix>"
+    )
+    assert_same_weights(loaded_net(path, prefix="student."), exported, rtol=0, atol=0)
+    matched = match(open_weights(path), fresh().net, settings(weights=path, prefix="student."))
+    assert matched.unused == [*teacher, "loss.weight"] and matched.prefix == "student."

@@ -31,7 +31,7 @@ from conftest import (
 from scaleup.checkpoints.io import load_checkpoint
 from scaleup.checkpoints.weights_file import open_weights
 from scaleup.errors import UserError
-from scaleup.finetune import load, match
+from scaleup.finetune import load, match, prepare_start
 from testbed.models import ImageClassifier
 
 DIGITS_NET = {"_target_": "testbed.models.DigitsCNN", "num_classes": 10, "in_channels": 1}
@@ -297,3 +297,20 @@ def test_a_file_that_fits_under_two_prefixes_needs_init_prefix_and_its_other_ten
     assert_same_weights(loaded_net(path, prefix="student."), exported, rtol=0, atol=0)
     matched = match(open_weights(path), fresh().net, settings(weights=path, prefix="student."))
     assert matched.unused == [*teacher, "loss.weight"] and matched.prefix == "student."
+
+
+def test_frozen_batchnorm_stays_in_eval_mode_after_lightning_converts_it_to_syncbatchnorm():
+    """init.freeze_bn on GPUs with trainer.sync_batchnorm: the layers Lightning puts in place of BatchNorm at set-up
+    run in eval mode too (a SyncBatchNorm in training mode would need a process group and CUDA here), so their
+    statistics stay the weights'."""
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+
+    model = fresh()
+    prepare_start(settings(freeze_bn=True), model)
+    model = TorchSyncBatchNorm().apply(model)
+    before = model.net[1].running_mean.clone()
+    model.train()
+    model.net(torch.randn(4, 1, 8, 8))
+    norms = [layer for layer in model.net.modules() if isinstance(layer, torch.nn.SyncBatchNorm)]
+    assert len(norms) == 3 and not any(layer.training for layer in norms)
+    assert torch.equal(model.net[1].running_mean, before)

@@ -301,8 +301,8 @@ def test_a_file_that_fits_under_two_prefixes_needs_init_prefix_and_its_other_ten
 
 def test_frozen_batchnorm_stays_in_eval_mode_after_lightning_converts_it_to_syncbatchnorm():
     """init.freeze_bn on GPUs with trainer.sync_batchnorm: the layers Lightning puts in place of BatchNorm at set-up
-    run in eval mode too (a SyncBatchNorm in training mode would need a process group and CUDA here), so their
-    statistics stay the weights'."""
+    run in eval mode too, so their statistics stay the weights' (without a process group a SyncBatchNorm in training
+    mode computes as BatchNorm does here, and would update them)."""
     from lightning.pytorch.plugins import TorchSyncBatchNorm
 
     model = fresh()

@@ -87,6 +87,7 @@ def tuned(source, tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save on one process, as meant
 def test_every_kind_of_weights_file_loads_the_same_weights(source, tmp_path):
     """The export, a plain state_dict in torch's old file format, this template's checkpoint (`net.` keys), another
     Lightning project's (`model._orig_mod.`), a DDP module's state_dict (`module.`), a timm training checkpoint (with

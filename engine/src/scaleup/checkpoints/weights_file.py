@@ -152,4 +152,4 @@ def torchvision_weights(given: str) -> WeightsFile:
             f"init.weights={given}: {cached} is not there and {weights.url} cannot be fetched ({err}); copy the file "
             "there from a machine that can, or pass its path as init.weights"
         ) from None
-    return WeightsFile(given, f"torchvision's {name} ({cached})", shapes_of(state), state.__getitem__)
+    return WeightsFile(given, f"torchvision's weights, from {cached}", shapes_of(state), state.__getitem__)

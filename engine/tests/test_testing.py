@@ -11,7 +11,7 @@ import torch
 from test_contract import ENCODER
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from conftest import ROOT
+from conftest import PROJECT, ROOT
 from scaleup.api import GlobalBatchDataModule, UserError
 from scaleup.testing import check_contract
 
@@ -51,13 +51,14 @@ def test_the_contract_check_refuses_what_train_py_refuses():
         check_contract(["model._target_=user_modules.SchedulerClassifier"], project=ROOT)
 
 
-def test_the_contract_check_names_a_streamed_split_and_a_network_export_cannot_find():
+def test_the_contract_check_refuses_a_streamed_split_and_names_a_network_export_cannot_find():
     encoder = [arg for arg in ENCODER if arg.startswith(("model.", "~model.", "+model."))]
+    with pytest.raises(UserError, match=r"the train split of StreamedTraining is an IterableDataset \(Stream\)"):
+        check_contract(["data._target_=test_testing.StreamedTraining", *encoder], project=PROJECT)
     with pytest.raises(AssertionError) as error:
-        check_contract(["data._target_=test_testing.StreamedTraining", *encoder], project=ROOT)
+        check_contract(encoder, project=PROJECT)
     assert str(error.value).splitlines() == [
-        "StreamedTraining / EncoderModule:",
-        "  build_splits()['train'] is Stream, not a map-style dataset",
+        "DigitsDataModule / EncoderModule:",
         "  export.py's module=net: EncoderModule has no submodule 'net'; its children are encoder, metrics: pass "
         "module=<one of them>",
     ]

@@ -38,7 +38,6 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.data import extract_batch_size
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
-from torch.utils.data import IterableDataset
 
 from scaleup import check_equivalence as equivalence
 from scaleup.config.project import compose_project, set_up_run
@@ -155,7 +154,7 @@ def check_contract(
         problems = []
         for split in ("train", "val", "test"):
             dataset = datamodule.splits.get(split)
-            if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+            if not hasattr(dataset, "__getitem__"):
                 problems.append(f"build_splits()['{split}'] is {type(dataset).__name__}, not a map-style dataset")
             elif len(dataset) == 0:
                 problems.append(f"build_splits()['{split}'] is empty")

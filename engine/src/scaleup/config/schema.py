@@ -24,9 +24,11 @@ plan/resolve.py, plan/batch.py.
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import pkgutil
+import textwrap
 import types
 import typing
 from collections.abc import Collection, Mapping, Sequence
@@ -483,10 +485,11 @@ EXPLAINED = {
 def accepted_arguments(target: str) -> frozenset[str] | None:
     """The keyword arguments the class or function `target` names takes, or None where it takes any it is given.
 
-    A class's `**kwargs` are followed up its bases' `__init__`s (the usual `super().__init__(**kwargs)`) through the
-    user's code and the engine's; past another library's `**kwargs` (where they may go anywhere), any is taken.
-    An unknown argument is then refused by name before the call, so that a TypeError raised inside the user's own
-    code is the user's code's (errors.py)."""
+    A class's `**kwargs` are followed up its bases' `__init__`s where its code passes them on whole
+    (`super().__init__(..., **kwargs)`), through the user's code and the engine's; where they go anywhere else (an
+    `__init__` that picks from them, another library's), any argument is taken. An unknown argument is then refused
+    by name before the call, so that a TypeError raised inside the user's own code is the user's code's
+    (errors.py)."""
     try:
         built = pkgutil.resolve_name(target)
     except (ImportError, AttributeError):
@@ -505,11 +508,29 @@ def accepted_arguments(target: str) -> frozenset[str] | None:
             return None
         named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         names |= {p.name for p in parameters if p.kind in named} - {"self"}
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        keywords = [p.name for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD]
+        if not keywords:
             return frozenset(names)
-        if not is_users_or_engines(init):
+        if not (is_users_or_engines(init) and passes_on_to_base(init, keywords[0])):
             return None
     return frozenset(names) if isinstance(built, type) else None
+
+
+def passes_on_to_base(init: Any, keywords: str) -> bool:
+    """Whether the `__init__` `init` passes its `**keywords` on whole to its base's: `super().__init__(**keywords)`."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return any(
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "__init__"
+        and isinstance(call.func.value, ast.Call)
+        and getattr(call.func.value.func, "id", None) == "super"
+        and any(k.arg is None and isinstance(k.value, ast.Name) and k.value.id == keywords for k in call.keywords)
+        for call in ast.walk(tree)
+    )
 
 
 def is_users_or_engines(function: Any) -> bool:

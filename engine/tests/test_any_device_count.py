@@ -32,8 +32,8 @@ from conftest import (
 )
 from probes import limited
 from scaleup.build import build_model
-from scaleup.checkpoints.io import load_checkpoint
 from scaleup.callbacks.loop_repairs import rescale_batch_progress
+from scaleup.checkpoints.io import load_checkpoint
 from scaleup.plan.batch_probe import (
     AUTO_MARGIN,
     AutoBatchSize,

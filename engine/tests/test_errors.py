@@ -208,7 +208,12 @@ CASES = [
         "init.skip=fc names no tensor of net (e.g. 0.weight, 1.weight, 1.bias, 1.running_mean ... (20 in all))",
     ),
     ("frozen nothing", "train", ["init.freeze=[backbone]"], "init.freeze=backbone names no parameter (e.g. 0.weight"),
-    ("initial weights module", "train", ["init.module=backbone", "init.freeze=[0]"], "init.module=backbone: Image"),
+    (
+        "initial weights module",
+        "train",
+        ["init.module=backbone", "init.freeze=[0]"],
+        "ImageClassifier has no submodule 'backbone'; its children are net, metrics: pass init.module=<one of them>",
+    ),
     # output locations
     (
         "export into /proc",

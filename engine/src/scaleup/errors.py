@@ -6,7 +6,8 @@ Two kinds of error count as the user's:
   interpolation (omegaconf), a path that cannot be read or written (an OSError naming a file), and, while
   objects are built from a config section (`config_errors`), the ValueError or TypeError that a library's or the
   engine's constructor raises for a bad value.
-Anything else is a bug and keeps its traceback: an exception raised inside the user's own code among them. `HYDRA_FULL_ERROR=1` shows the traceback behind a user error too.
+Anything else is a bug and keeps its traceback: an exception raised inside the user's own code among them.
+`HYDRA_FULL_ERROR=1` shows the traceback behind a user error too.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
 from scaleup.build import build_model
 from scaleup.checkpoints.io import atomic_torch_save, find_checkpoint, load_checkpoint, load_weights
@@ -15,19 +14,9 @@ from scaleup.config.plain import lookup
 from scaleup.config.stored import stored_run
 from scaleup.config.typed import export_config
 from scaleup.errors import UserError
+from scaleup.modules import submodule
 
 log = logging.getLogger("scaleup")
-
-
-def submodule(model: nn.Module, path: str) -> nn.Module:
-    """`model.<path>` for a dotted attribute path, or a UserError naming the module's children."""
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        children = ", ".join(name for name, _ in model.named_children())
-        raise UserError(
-            f"{type(model).__name__} has no submodule {path!r}; its children are {children}: pass module=<one of them>"
-        ) from None
 
 
 def config_at(model_cfg: dict[str, Any], path: str) -> dict[str, Any] | None:

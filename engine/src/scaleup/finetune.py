@@ -25,6 +25,7 @@ from torch import nn
 
 from scaleup.checkpoints.weights_file import WeightsFile, open_weights
 from scaleup.errors import UserError
+from scaleup.modules import submodule
 from scaleup.observability.rows import log_rows
 from scaleup.plan.checks import BATCH_NORMS
 from scaleup.plan.resolve import Plan
@@ -138,24 +139,13 @@ def prepare_start(settings: Init, model: nn.Module) -> Start:
     init.freeze_bn (and check that init.module is there)."""
     if settings.weights is None and not settings.freeze and not settings.freeze_bn:
         return Start(settings)
-    target = submodule(model, settings.module)
+    target = submodule(model, settings.module, key="init.module")
     frozen = freeze(target, settings.freeze)
     if settings.freeze_bn:
         keep_batchnorm_in_eval(target, whole=not settings.module)
     norms = [module for module in target.modules() if isinstance(module, BATCH_NORMS)]
     everywhere = sum(isinstance(module, BATCH_NORMS) for module in model.modules())
     return Start(settings, frozen, bool(norms), settings.freeze_bn and len(norms) == everywhere)
-
-
-def submodule(model: nn.Module, name: str) -> nn.Module:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        children = ", ".join(child for child, _ in model.named_children())
-        raise UserError(
-            f"init.module={name}: {type(model).__name__} has no submodule {name!r} (its children: {children}); "
-            "name the one the weights are for, e.g. init.module=net, or init.module='' for the whole module"
-        ) from None
 
 
 def selected(patterns: Iterable[str | int], name: str) -> bool:

@@ -43,7 +43,7 @@ from scaleup import check_equivalence as equivalence
 from scaleup.config.project import compose_project, set_up_run
 from scaleup.config.typed import train_config
 from scaleup.distributed.run_dir import register_resolvers
-from scaleup.export import submodule
+from scaleup.modules import submodule
 
 # A short run on the CPU: what every helper adds before your overrides (which win).
 QUICK = (

@@ -637,6 +637,9 @@ def overrides_in(run_dir: Path, script: str, overrides: list[str]) -> list[str]:
     return [*own, *overrides, f"hydra.run.dir={run_dir}"]
 
 
+BUGGY_INIT = "a bug in the user's __init__"  # not a mistake: exit 1 with its traceback
+
+
 @pytest.fixture(scope="module")
 def entry_point_results(paths) -> dict[str, tuple[dict[str, Any], Path]]:
     """Every entry-point case in one interpreter: each result ({rc, stdout, stderr}) with the case's run directory."""
@@ -646,6 +649,11 @@ def entry_point_results(paths) -> dict[str, tuple[dict[str, Any], Path]]:
     cases = {
         name: (script, [arg.format(**paths) for arg in args], None) for name, (script, args, _) in ENTRY_POINTS.items()
     }
+    cases[BUGGY_INIT] = (
+        "train.py",
+        [*QUIET, "model._target_=user_modules.BuggyClassifier", f"hydra.run.dir={tmp}/bug"],
+        None,
+    )
     for name, (script, args, _) in {**WRONG_VALUES, "half epochs": (*HALF_EPOCHS, "")}.items():
         run_dir = case_run_dir(tmp, name)
         cases[name] = (script, overrides_in(run_dir, script, args), run_dir)
@@ -930,14 +938,13 @@ def test_schema_accepts(config, complete):
     validate_config(complete(config, "train"))
 
 
-@pytest.mark.slow  # the entry point in a process of its own
-def test_a_bug_in_the_users_init_keeps_its_traceback(tmp_path):
+@pytest.mark.slow  # the entry points' interpreter
+def test_a_bug_in_the_users_init_keeps_its_traceback(entry_point_results):
     """A TypeError raised inside the user's LightningModule.__init__ is a bug in their code, not a config mistake:
     the traceback shows their file and line (an unknown argument in the config is still one line, by signature)."""
     source = (TESTS / "user_modules.py").read_text().splitlines()
     bug = next(number for number, line in enumerate(source, 1) if line.endswith("# the bug"))
-    model = "model._target_=user_modules.BuggyClassifier"
-    failed = run_command([sys.executable, "train.py", *QUIET, model, f"hydra.run.dir={tmp_path}"])
-    assert failed.returncode == 1 and "error: model:" not in failed.stderr
-    assert f'user_modules.py", line {bug}, in __init__' in failed.stderr
-    assert "TypeError: empty(): argument 'size' (position 1) must be tuple of ints" in failed.stderr
+    failed, _ = entry_point_results[BUGGY_INIT]
+    assert failed["rc"] == 1 and "error: model:" not in failed["stderr"]
+    assert f'user_modules.py", line {bug}, in __init__' in failed["stderr"]
+    assert "TypeError: empty(): argument 'size' (position 1) must be tuple of ints" in failed["stderr"]

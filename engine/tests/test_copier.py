@@ -95,8 +95,9 @@ def venv_with(where: Path, *projects: Path) -> Path:
     """A fresh venv that sees this interpreter's packages (torch ...), with `projects` installed into it as the
     README installs them, from no index: the engine can only come from their pins. Returns its python.
 
-    This interpreter's site-packages are listed in a .pth file of the new venv: `venv --system-site-packages` would
-    show the *base* interpreter's instead, which in a user's venv holds none of them (an old setuptools, no torch).
+    This interpreter's site-packages are listed in a .pth file of the new venv: venv's option to include the system
+    site-packages would show the *base* interpreter's instead, which in a user's venv holds none of them (an old
+    setuptools, no torch).
     Their .pth files are not run, so this checkout's editable engine stays out of sight."""
     venv = where / "venv"
     sh(where, sys.executable, "-m", "venv", "--without-pip", venv)

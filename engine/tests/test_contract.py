@@ -36,21 +36,16 @@ def test_data_fills_only_the_null_settings_the_model_config_has():
     assert model == {"net": {"num_classes": 10, "width": 8}, "head": {"num_classes": 3}}
 
 
-def test_a_datamodule_outside_the_contract_is_refused(tmp_path):
-    with pytest.raises(UserError, match=r"is not a scaleup\.data\.datamodule\.GlobalBatchDataModule: subclass it"):
-        in_process(["data._target_=user_modules.PlainDataModule", "dry_run=true", f"hydra.run.dir={tmp_path}"])
-
-
-def test_an_iterable_dataset_is_refused_in_one_line_naming_the_sharded_data(tmp_path):
-    """A stream cannot be split into per-rank slices of global batches: each rank would read it whole."""
+@pytest.mark.parametrize("datamodule", ["StreamingDataModule", "StreamLoaderDataModule"])
+def test_an_iterable_dataset_is_refused_in_one_line_naming_the_sharded_data(tmp_path, datamodule):
+    """A stream cannot be split into per-rank slices of global batches: each rank would read it whole. From the
+    template's DataModule (build_splits) and from any LightningDataModule (its train_dataloader) alike."""
     with pytest.raises(UserError) as refused:
-        in_process(
-            ["data._target_=user_modules.StreamingDataModule", "trainer.max_steps=1", f"hydra.run.dir={tmp_path}"]
-        )
+        in_process([f"data._target_=user_modules.{datamodule}", "trainer.max_steps=1", f"hydra.run.dir={tmp_path}"])
     assert str(refused.value) == (
-        "data: the train split of StreamingDataModule is an IterableDataset (StreamedDigits): the template splits "
+        f"data: the train split of {datamodule} is an IterableDataset (StreamedDigits): the template splits "
         "each global batch between ranks by index, which a stream does not offer, so every rank would read all of "
-        "it. Return map-style datasets (__getitem__ and __len__) from build_splits(), or write the data as shards "
+        "it. Use map-style datasets (__getitem__ and __len__), or write the data as shards "
         "(`python -m scaleup.data.convert`, then data=sharded: docs/sharded-data.md)"
     )
 

@@ -285,11 +285,13 @@ def test_one_gpu_with_accumulation_warns_that_batchnorm_sees_less_than_the_synce
         trainer={"max_epochs": 1},
         batches={"global_batch_size": 256, "max_per_device_batch_size": 32},
     )
-    assert batchnorm_warning(one_gpu) == (
+    assert batchnorm_warning(one_gpu, norm_key="model.net.norm") == (
         "BatchNorm statistics come from 32 samples (the micro-batch), not the 256 of an optimizer step (accumulation "
         "normalises each micro-batch): the recipe was tuned with 256, so results will differ from it. Options: a "
         "larger data.max_per_device_batch_size (less accumulation), or model.net.norm=group (no batch statistics)"
     )
+    # A network without the example's `norm` setting is not told to set it.
+    assert batchnorm_warning(one_gpu).endswith("Options: a larger data.max_per_device_batch_size (less accumulation)")
     eight_synced = plan_for(
         topology=Topology("gpu", 8, 1),
         trainer={"max_epochs": 1, "sync_batchnorm": True},

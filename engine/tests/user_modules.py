@@ -76,11 +76,14 @@ class EncoderModule(L.LightningModule):
         return instantiate(dict(self.hparams.optimizer), _partial_=True)(self.parameters())
 
 
-class PlainDataModule(L.LightningDataModule):
-    """A LightningDataModule outside the contract (not a GlobalBatchDataModule)."""
+class StreamLoaderDataModule(L.LightningDataModule):
+    """A plain LightningDataModule whose loaders read a stream (an IterableDataset)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(StreamedDigits(), batch_size=16)
 
 
 class RangedCNN(DigitsCNN):

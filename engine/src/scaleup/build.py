@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig
 from torchmetrics import Metric
 
 from scaleup.config.plain import is_float64, lookup
-from scaleup.config.schema import argument_hints, fits
+from scaleup.config.schema import TEMPLATE_BATCH_KEYS, accepted_arguments, argument_hints, fits
 from scaleup.config.typed import TrainConfig, values
+from scaleup.data.adopted import AdoptedDataModule
 from scaleup.data.datamodule import GlobalBatchDataModule, apply_model_settings, sizes_for_plan
 from scaleup.distributed.fsdp import networks
 from scaleup.distributed.meta_init import MetaInit, build_on_meta, materialize_outside, tensors_of
@@ -34,7 +38,8 @@ def build_model(model_cfg: dict[str, Any], precision: Any = "32-true") -> L.Ligh
     between device counts (another order of the same additions) in its 7th digit, where float64 weights agree.
     """
     kwargs = dict(model_cfg)
-    model = get_class(kwargs.pop("_target_"))(**kwargs)
+    target = kwargs.pop("_target_")
+    model = get_class(target)(**{name: built(target, name, value) for name, value in kwargs.items()})
     if not is_float64(precision):
         return model
     for metric in model.modules():
@@ -43,17 +48,45 @@ def build_model(model_cfg: dict[str, Any], precision: Any = "32-true") -> L.Ligh
     return model.double()
 
 
+def built(target: str, argument: str, value: Any) -> Any:
+    """`value` as the constructor `target` takes `argument`: a config with a `_target_` stays a dict where the hint
+    takes a mapping (or there is none: the module builds it), and is instantiated where it asks for an object
+    (`net: nn.Module`; an optimizer with `_partial_: true`), as Hydra's own recursive instantiation would."""
+    if not (isinstance(value, dict) and "_target_" in value) or takes_a_mapping(target, argument):
+        return value
+    return instantiate(value, _convert_="all")
+
+
+def takes_a_mapping(target: str, argument: str) -> bool:
+    """Whether the hint of `argument` of the class `target` names takes a dict: none, `Any`, or a mapping type."""
+    try:
+        hint = typing.get_type_hints(get_class(target).__init__).get(argument, Any)
+    except (NameError, TypeError):
+        return True
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    for option in options:
+        kind = typing.get_origin(option) or option
+        if kind is Any or (isinstance(kind, type) and issubclass(kind, Mapping | DictConfig)):
+            return True
+    return False
+
+
 def build_datamodule(data_cfg: dict[str, Any], loader: dict[str, Any], seed: int) -> GlobalBatchDataModule:
-    """The `data` config's DataModule, with the shared `loader` settings and the run's seed."""
+    """The `data` config's DataModule, with the shared `loader` settings and the run's seed; any other
+    LightningDataModule is built from its own keys and adopted (data/adopted.py): the batch keys are the
+    template's, given to its constructor only where it takes them."""
+    target = data_cfg["_target_"]
+    if issubclass(get_class(target), GlobalBatchDataModule):
+        with config_errors("data"):
+            return instantiate(data_cfg, **loader, seed=seed)
+    accepted = accepted_arguments(target)
+    batches = {key: data_cfg[key] for key in TEMPLATE_BATCH_KEYS if key in data_cfg}
+    own = {key: value for key, value in data_cfg.items() if key not in batches or accepted is None or key in accepted}
     with config_errors("data"):
-        datamodule = instantiate(data_cfg, **loader, seed=seed)
-    if not isinstance(datamodule, GlobalBatchDataModule):
-        raise UserError(
-            f"data._target_={data_cfg['_target_']} is not a scaleup.data.datamodule.GlobalBatchDataModule: "
-            "subclass it (implement build_splits()), so the plan knows the split sizes and every device count sees "
-            "the same global batches"
-        )
-    return datamodule
+        module = instantiate(own, _convert_="all")  # lists and dicts as such, not OmegaConf's containers
+    if not isinstance(module, L.LightningDataModule):
+        raise UserError(f"data._target_={target} makes a {type(module).__name__}, not a LightningDataModule")
+    return AdoptedDataModule(module, **batches, seed=seed)
 
 
 def build_data_and_model(
@@ -70,6 +103,8 @@ def build_data_and_model(
     """
     datamodule = build_datamodule(config.data, values(config.loader), config.seed)
     dataset_sizes = sizes_for_plan(datamodule, run_dir=run_dir, dry_run=config.dry_run)
+    if isinstance(datamodule, AdoptedDataModule):
+        take_recipe_batch(config, datamodule)
     settings = datamodule.model_settings()
     apply_model_settings(config.model, settings)
     check_model_fits_data(config.model, config.data, settings)
@@ -89,6 +124,24 @@ def build_data_and_model(
             return datamodule, build(), dataset_sizes, None
     model, recording = build_recorded(build) if on_meta else (build(), None)
     return datamodule, model, dataset_sizes, recording
+
+
+def take_recipe_batch(config: TrainConfig, datamodule: AdoptedDataModule) -> None:
+    """An adopted DataModule's train loader batch size is the global batch where the config sets no batch key:
+    what it trains on one device, kept on N (config.yaml and checkpoints record it). Otherwise the plan's
+    per-device batch replaces it; either way one line says so."""
+    own, name = datamodule.recipe_batch_size(), type(datamodule.module).__name__
+    batches = config.batches
+    if batches.global_batch_size is not None or batches.per_device_batch_size is not None:
+        if own is not None:
+            log.info(f"data: the plan's per-device batch replaces the batch_size={own} of {name}'s own loaders")
+        return
+    if own is None:
+        raise UserError(
+            f"data: {name}'s train loader has no batch_size (a batch sampler of its own): set data.global_batch_size"
+        )
+    log.info(f"data: {name}'s train loader batch_size={own} is the global batch, split over the devices")
+    batches.global_batch_size = datamodule.global_batch_size = config.data["global_batch_size"] = own
 
 
 def build_recorded(build: Callable[[], L.LightningModule]) -> tuple[L.LightningModule, MetaInit | None]:

@@ -101,8 +101,13 @@ def announce(plan: Plan, config: TrainConfig, run_dir: Path, datamodule: GlobalB
     """Rank 0: print the plan and the pitfall warnings, write plan.json and config.yaml."""
     log_rows("plan" + (" (dry run: nothing is started)" if config.dry_run else ""), plan.rows())
     in_memory = getattr(datamodule, "in_memory", False)
+    net = config.model.get("net")
     warnings = pitfall_warnings(
-        plan, has_batchnorm=plan.has_batchnorm, num_workers=config.batches.num_workers, data_in_memory=in_memory
+        plan,
+        has_batchnorm=plan.has_batchnorm,
+        num_workers=config.batches.num_workers,
+        data_in_memory=in_memory,
+        norm_key="model.net.norm" if isinstance(net, dict) and "norm" in net else None,
     )
     for warning in [*warnings, own_train_loader_warning(datamodule)]:
         if warning:

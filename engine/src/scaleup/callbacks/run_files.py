@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.tensorboard.summary import hparams
 
 from scaleup.compat.loggers import add_summaries
-from scaleup.config.plain import flatten
+from scaleup.config.plain import flatten, is_plain
 
 TEST_PREFIX = "test/"  # the final test's metrics: their presence in metrics.json says that the test ran to its end
 
@@ -59,6 +59,13 @@ class RunFiles(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         if self.config is not None:
             checkpoint["scaleup"] = {"config": self.config, "plan": self.plan}
+            # A module given built objects (a `net: nn.Module`) saves them among its hyperparameters, which a
+            # weights_only read refuses: their configs instead, which rebuild them.
+            for key, section in (("hyper_parameters", "model"), ("datamodule_hyper_parameters", "data")):
+                hparams = checkpoint.get(key) or {}
+                for name, value in hparams.items():
+                    if not is_plain(value):
+                        hparams[name] = self.config[section].get(name)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._write(trainer, drop_test=True)

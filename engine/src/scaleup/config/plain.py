@@ -15,6 +15,16 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
 
 
+def is_plain(value: Any) -> bool:
+    """Whether `value` is plain data (what `torch.load(..., weights_only=True)` reads): numbers, strings, None, and
+    lists, tuples and dicts of them."""
+    if isinstance(value, dict):
+        return all(is_plain(key) and is_plain(item) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return all(map(is_plain, value))
+    return value is None or isinstance(value, bool | int | float | str)
+
+
 def is_float64(precision: Any) -> bool:
     """Whether a `trainer.precision` value means float64 weights (Lightning accepts these spellings)."""
     return str(precision) in ("64", "64-true", "double")

@@ -209,12 +209,16 @@ class Init(ClosedSection):
 
 
 class DataBatches(Section):
-    """The keys every data module takes (scaleup.data.datamodule.GlobalBatchDataModule)."""
+    """The keys every data module takes (scaleup.data.datamodule.GlobalBatchDataModule); the batch keys are the
+    template's also beside another LightningDataModule's own (TEMPLATE_BATCH_KEYS)."""
 
     global_batch_size: PositiveInt | None
     per_device_batch_size: PositiveInt | None
     max_per_device_batch_size: PositiveInt | Literal["auto"] | None
     num_workers: NonNegativeInt
+
+
+TEMPLATE_BATCH_KEYS = ("global_batch_size", "per_device_batch_size", "max_per_device_batch_size")
 
 
 class Optimizer(Section):
@@ -456,6 +460,8 @@ def constructor_problems(path: str, node: dict[str, Any]) -> list[tuple[str, str
     except (ImportError, AttributeError) as err:
         return [(key, f"{key}={target} does not import ({err}): check the name, or install what it needs")]
     accepted = accepted_arguments(target)
+    if path == "data" and accepted is not None:
+        accepted |= set(TEMPLATE_BATCH_KEYS)  # the template's, beside any data module's own
     problems = [
         (
             dotted(path, name),

@@ -78,13 +78,7 @@ class GlobalBatchDataModule(L.LightningDataModule):
             self.splits = self.build_splits()
             for split, dataset in self.splits.items():
                 if isinstance(dataset, IterableDataset):
-                    raise UserError(
-                        f"data: the {split} split of {type(self).__name__} is an IterableDataset "
-                        f"({type(dataset).__name__}): the template splits each global batch between ranks by index, "
-                        "which a stream does not offer, so every rank would read all of it. Return map-style "
-                        "datasets (__getitem__ and __len__) from build_splits(), or write the data as shards "
-                        "(`python -m scaleup.data.convert`, then data=sharded: docs/sharded-data.md)"
-                    )
+                    raise UserError(iterable_message(f"the {split} split of {type(self).__name__}", dataset))
 
     def model_settings(self) -> dict[str, Any]:
         """Settings only the data knows, for the model: dotted keys under `model`, e.g. `{"net.num_classes": 10}`.
@@ -120,25 +114,27 @@ class GlobalBatchDataModule(L.LightningDataModule):
         """How the loaders of `split` make a batch of samples; None: torch's default_collate (stacks tensors)."""
         return None
 
-    def _loader(self, split: str, sampler: Any, batch_size: int) -> DataLoader:
+    def loader_settings(self, split: str) -> dict[str, Any]:
+        """The DataLoader arguments of `split` besides its dataset, sampler and batch size."""
         pin = self.pin_memory
         if pin == "auto":  # pinned host memory only helps copies to a GPU
             pin = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         workers = self.num_workers
+        return {
+            "num_workers": workers,
+            "pin_memory": bool(pin),
+            "persistent_workers": self.persistent_workers and workers > 0,
+            "prefetch_factor": self.prefetch_factor if workers > 0 else None,
+            "collate_fn": self.collate_fn(split),
+        }
+
+    def _loader(self, split: str, sampler: Any, batch_size: int) -> DataLoader:
         dataset = self.splits[split]
         if self._seeded(split):
             # Augmentation seeded by (seed, epoch, index), not by the rank or worker that loads the sample.
             dataset = SeededSamples(dataset, self.seed)
-        return DataLoader(
-            dataset,
-            batch_size=batch_size,
-            sampler=sampler,  # never together with shuffle=True: the sampler owns the order
-            num_workers=workers,
-            pin_memory=bool(pin),
-            persistent_workers=self.persistent_workers and workers > 0,
-            prefetch_factor=self.prefetch_factor if workers > 0 else None,
-            collate_fn=self.collate_fn(split),
-        )
+        # Never shuffle=True together with the sampler: the sampler owns the order.
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **self.loader_settings(split))
 
     def _seeded(self, split: str) -> bool:
         return self.draws_random_numbers(split)
@@ -205,6 +201,16 @@ class GlobalBatchDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._eval_loader("test")
+
+
+def iterable_message(where: str, dataset: Any) -> str:
+    """Why a stream is refused: no sampler can split it into per-rank slices of global batches."""
+    return (
+        f"data: {where} is an IterableDataset ({type(dataset).__name__}): the template splits each global batch "
+        "between ranks by index, which a stream does not offer, so every rank would read all of it. Use map-style "
+        "datasets (__getitem__ and __len__), or write the data as shards (`python -m scaleup.data.convert`, then "
+        "data=sharded: docs/sharded-data.md)"
+    )
 
 
 def apply_model_settings(model_cfg: dict[str, Any], settings: dict[str, Any]) -> None:

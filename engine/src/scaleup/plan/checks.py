@@ -59,8 +59,11 @@ def check_fsdp_options(strategy: Strategy, plan: Plan) -> None:
         )
 
 
-def pitfall_warnings(plan: Plan, *, has_batchnorm: bool, num_workers: int, data_in_memory: bool) -> list[str]:
-    """Settings that run but probably do not do what the user wants."""
+def pitfall_warnings(
+    plan: Plan, *, has_batchnorm: bool, num_workers: int, data_in_memory: bool, norm_key: str | None = None
+) -> list[str]:
+    """Settings that run but probably do not do what the user wants. `norm_key`: the model's setting that swaps
+    BatchNorm for a norm without batch statistics, where it has one (the example's `model.net.norm`)."""
     warnings = []
     if plan.scaling_rule == "none" and plan.global_batch_size != plan.base_batch_size:
         lrs = "each param group's LR" if plan.base_lr is None else f"the LR {plan.base_lr:g}"
@@ -73,7 +76,7 @@ def pitfall_warnings(plan: Plan, *, has_batchnorm: bool, num_workers: int, data_
             f"the warmup ({plan.warmup_steps} steps) is longer than the run ({plan.total_steps} steps): the LR never "
             "reaches its peak; lower lr_schedule.warmup_epochs or warmup_steps"
         )
-    if has_batchnorm and (warning := batchnorm_warning(plan)):
+    if has_batchnorm and (warning := batchnorm_warning(plan, norm_key)):
         warnings.append(warning)
     if has_batchnorm and (warning := finetune_batchnorm_warning(plan)):
         warnings.append(warning)
@@ -104,7 +107,7 @@ def finetune_batchnorm_warning(plan: Plan) -> str | None:
     )
 
 
-def batchnorm_warning(plan: Plan) -> str | None:
+def batchnorm_warning(plan: Plan, norm_key: str | None = None) -> str | None:
     """BatchNorm statistics over fewer than SMALL_BN_BATCH samples, or over another number than the recipe was
     tuned with (lr_schedule.base_bn_batch_size): either changes the results, so say so, with the fixes."""
     bn, tuned, per_device = plan.bn_batch_size, plan.base_bn_batch_size, plan.per_device_batch_size
@@ -129,7 +132,10 @@ def batchnorm_warning(plan: Plan) -> str | None:
     share = plan.global_batch_size // plan.world_size
     if bn > tuned and not plan.sync_batchnorm and share % tuned == 0:
         fixes.append(f"data.max_per_device_batch_size={tuned}")
-    fixes.append("model.net.norm=group (no batch statistics)")
+    if norm_key:
+        fixes.append(f"{norm_key}=group (no batch statistics)")
+    if not fixes:
+        fixes.append("a norm without batch statistics in your network (GroupNorm, LayerNorm)")
     return f"{what}: {'; '.join(problems)}. Options: {', or '.join(fixes)}"
 
 

@@ -1,10 +1,14 @@
 """The LR plan: the peak LR for the global batch (linear, sqrt), warmup and decay, as a factor of the optimizer step."""
 
+import contextlib
+import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_module
 from torch.optim import Optimizer
 
 from scaleup.errors import UserError
@@ -62,7 +66,8 @@ def base_lrs(module: L.LightningModule) -> dict[str, float]:
     Calls `configure_optimizers` once before the Trainer exists, so the plan can show the LRs and a scheduler is
     refused before any process starts.
     """
-    returned = module.configure_optimizers()
+    with attached_trainer(module):
+        returned = module.configure_optimizers()
     if returned is None:  # Lightning allows it: a module that steps no optimizer
         return {}
     optimizers, schedulers = optimizers_and_schedulers(returned)
@@ -79,6 +84,25 @@ def base_lrs(module: L.LightningModule) -> dict[str, float]:
         for optimizer in optimizers
         for index, group in enumerate(optimizer.param_groups)
     }
+
+
+@contextlib.contextmanager
+def attached_trainer(module: L.LightningModule) -> Iterator[None]:
+    """`module`, which no Trainer holds yet, attached to a bare one-process Trainer for a `configure_optimizers`
+    that reads `self.trainer` (`self.trainer.model.parameters()`, as lightning-hydra-template's modules do)."""
+    lightning_log = rank_zero_module.log
+    said = lightning_log.level
+    lightning_log.setLevel(logging.WARNING)  # its "GPU available" lines belong to the run's own Trainer
+    try:
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    finally:
+        lightning_log.setLevel(said)
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    try:
+        yield
+    finally:
+        module.trainer = None
 
 
 def optimizers_and_schedulers(returned: Any) -> tuple[list[Optimizer], list[Any]]:

@@ -106,7 +106,7 @@ class OwnLoader(DigitsDataModule):
 def test_a_data_module_that_builds_its_own_train_loader_is_named_at_start_up():
     assert own_train_loader_warning(DigitsDataModule()) is None
     assert own_train_loader_warning(OwnLoader()) == (
-        "OwnLoader builds its own train loader: unless its sampler is train_sampler()'s GlobalBatchSampler, the order "
-        "of samples depends on the number of devices (and an IterableDataset is read whole by every rank), so "
-        "1-device and N-device runs will differ"
+        "OwnLoader builds its own train loader: unless its sampler is train_sampler()'s GlobalBatchSampler, every "
+        "rank reads the whole split (Lightning adds no DistributedSampler here), so 1-device and N-device runs will "
+        "differ. Return map-style datasets from build_splits() and let the base class make the loader"
     )

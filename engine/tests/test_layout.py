@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import re
-from collections import Counter
 from pathlib import Path
 
 import yaml
@@ -152,40 +151,3 @@ def test_the_engine_reads_its_config_by_attribute_outside_the_config_package():
         if reads_by_key(node)
     ]
     assert not reads, reads
-
-
-def test_the_training_job_enters_each_module_at_most_twice():
-    """`train()` calls into the machinery in the order of its story: data and model, plan, resume point, trainer,
-    fit, test, summary; a module it leaves and comes back to more than once would scatter one concern."""
-    tree = ast.parse((ENGINE_SRC / MACHINERY / "train.py").read_text())
-    origin = {
-        alias.asname or alias.name: node.module
-        for node in tree.body
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(f"{MACHINERY}.")
-        for alias in node.names
-    }
-    (job,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "train"]
-    calls = sorted(
-        (node.lineno, node.col_offset, origin[node.func.id])
-        for node in ast.walk(job)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in origin
-    )
-    walk = [module for i, (_, _, module) in enumerate(calls) if i == 0 or calls[i - 1][2] != module]
-    entered = Counter(walk)
-    assert max(entered.values()) <= 2, entered
-    assert walk[:2] == ["scaleup.config.typed", "scaleup.plan.topology"]  # every value checked first
-    assert walk.index("scaleup.build") < walk.index("scaleup.plan.make") < walk.index("scaleup.trainer")
-
-
-def test_the_training_job_edits_nothing_it_read_or_built():
-    """What `train()` decides goes into the plan, never back into the config it saves as config.yaml (a model built
-    the ordinary way after all is the plan's sharding row, not `strategy.meta_init=false`), and each object gets what
-    it needs when it is made (FSDP's recorded build), or from the callback that owns the setting (channels_last)."""
-    tree = ast.parse((ENGINE_SRC / MACHINERY / "train.py").read_text())
-    (job,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "train"]
-    edits = [
-        ast.unparse(node)
-        for node in ast.walk(job)
-        if isinstance(node, ast.Subscript | ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del)
-    ]
-    assert edits == []

@@ -10,7 +10,7 @@ import torch
 from conftest import QUICK, in_process, save_every
 from scaleup.checkpoints.io import load_checkpoint
 from scaleup.data.permutation import FeistelPermutation
-from scaleup.data.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler, resumed_steps
+from scaleup.data.samplers import GlobalBatchSampler, resumed_steps
 from scaleup.errors import UserError
 
 
@@ -58,21 +58,6 @@ def test_resume_skips_the_steps_already_taken_in_that_epoch_only():
     assert len(sampler) == len(full)  # Lightning counts the epoch's batches from the full length
     sampler.set_epoch(3)
     assert len(list(sampler)) == len(full)
-
-
-def test_unrepeated_eval_sampler_counts_every_sample_once():
-    seen = []
-    for rank in range(4):
-        seen += list(UnrepeatedDistributedSampler(range(13), num_replicas=4, rank=rank, shuffle=False))
-    assert sorted(seen) == list(range(13))
-
-
-def test_distributed_sampler_would_pad():
-    """Why we don't use the default: torch's DistributedSampler repeats samples to even out the ranks."""
-    seen = []
-    for rank in range(4):
-        seen += list(torch.utils.data.DistributedSampler(range(13), num_replicas=4, rank=rank, shuffle=False))
-    assert len(seen) == 16 and len(set(seen)) == 13
 
 
 def test_resume_on_another_device_count_continues_with_the_same_global_batches():

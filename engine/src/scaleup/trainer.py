@@ -169,6 +169,7 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
             logger=loggers or False,
             plugins=plugins,
             default_root_dir=run_dir,
+            use_distributed_sampler=False,  # the data module's samplers split the data: Lightning adds none
         )
     if trainer.is_global_zero:
         remove_interrupted_writes(config.checkpoint.dirpath)
@@ -194,5 +195,6 @@ def build_eval_trainer(topology: Topology, precision: Any, plan: Plan, run_dir: 
             enable_checkpointing=False,
             enable_progress_bar=progress_bar,
             default_root_dir=run_dir,
+            use_distributed_sampler=False,  # the data module's samplers split the data: Lightning adds none
         )
     return TrainerJob(trainer, stop)

@@ -9,7 +9,7 @@ import numpy as np
 # Lightning's own unpadded sampler: every sample exactly once, ranks may differ by one sample.
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.utilities import rank_zero_only
-from torch.utils.data import DistributedSampler
+from torch.utils.data import Sampler
 
 from scaleup.data.permutation import FeistelPermutation
 from scaleup.errors import UserError
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 CHUNK_INDICES = 16384
 
 
-class GlobalBatchSampler(DistributedSampler):
+class GlobalBatchSampler(Sampler):
     """Training order that depends only on (seed, epoch, global batch size), computed lazily.
 
     Each epoch is one permutation of the whole dataset, keyed by (seed, epoch) (`FeistelPermutation`: nothing
@@ -39,8 +39,9 @@ class GlobalBatchSampler(DistributedSampler):
     The tail that does not fill a global batch is dropped (a different tail each epoch): a partial step would
     give ranks unequal batches, and DDP's gradient mean would then weight samples unequally.
 
-    Being a `DistributedSampler`, Lightning leaves it in place instead of injecting its own, and calls
-    `set_epoch` on it every epoch. Use it at world size 1 too: that is what makes 1 vs N identical.
+    A plain Sampler: the Trainer runs with `use_distributed_sampler=False`, so Lightning leaves it as it is, and
+    calls its `set_epoch` every epoch, as it does for any sampler that has one. Use it at world size 1 too: that is
+    what makes 1 vs N identical.
 
     With `with_epoch=True` it yields `(epoch, index)` pairs, for `SeededSamples` (data/seeding.py), which seeds
     each sample's augmentation from them: the epoch travels with the index to whichever worker loads it.
@@ -59,18 +60,22 @@ class GlobalBatchSampler(DistributedSampler):
         shuffle: bool = True,
         with_epoch: bool = False,
     ) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         if global_batch_size % num_replicas:
             raise ValueError(f"global batch {global_batch_size} does not split over {num_replicas} ranks")
+        self.dataset, self.num_replicas, self.rank, self.seed, self.shuffle = dataset, num_replicas, rank, seed, shuffle
+        self.epoch = 0
         self.global_batch_size = global_batch_size
         self.per_rank = global_batch_size // num_replicas
         self.steps_per_epoch = len(dataset) // global_batch_size
-        self.total_size = self.steps_per_epoch * global_batch_size
         self.num_samples = self.steps_per_epoch * self.per_rank
         self.steps_per_chunk = max(1, CHUNK_INDICES // self.per_rank)
         self._resume_epoch = -1
         self._resume_steps = 0
         self.with_epoch = with_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose order the next iteration yields (Lightning calls it as each epoch starts)."""
+        self.epoch = epoch
 
     def resume(self, epoch: int, steps_done: int) -> None:
         """Skip the first `steps_done` global batches of `epoch` (a mid-epoch checkpoint); later epochs are whole."""

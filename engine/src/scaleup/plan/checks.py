@@ -148,6 +148,7 @@ def own_train_loader_warning(datamodule: GlobalBatchDataModule) -> str | None:
         return None
     return (
         f"{type(datamodule).__name__} builds its own train loader: unless its sampler is train_sampler()'s "
-        "GlobalBatchSampler, the order of samples depends on the number of devices (and an IterableDataset is read "
-        "whole by every rank), so 1-device and N-device runs will differ"
+        "GlobalBatchSampler, every rank reads the whole split (Lightning adds no DistributedSampler here), so "
+        "1-device and N-device runs will differ. Return map-style datasets from build_splits() and let the base "
+        "class make the loader"
     )

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 
 META = torch.device("meta")
 CPU = torch.device("cpu")
@@ -39,16 +39,38 @@ SKIPPING_META = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
 EMPTY = ("aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default", "aten.new_empty.default")
 
 
-def storage_key(tensor: torch.Tensor) -> int:
-    """Tensors that share memory (a parameter, the tensor it wraps, its views) share this key."""
-    return tensor.untyped_storage()._cdata
+def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
+    """Tensors that share memory (a parameter, the tensor it wraps, its views) share this key (equal and hashed by
+    the storage itself, which it keeps from being reused while it exists)."""
+    return StorageWeakRef(tensor.untyped_storage())
+
+
+def tree_leaves(tree: Any) -> Iterator[Any]:
+    """The leaves of nested lists, tuples and dicts (an operation's arguments), in order."""
+    if type(tree) in (list, tuple):
+        for item in tree:
+            yield from tree_leaves(item)
+    elif type(tree) is dict:
+        for item in tree.values():
+            yield from tree_leaves(item)
+    else:
+        yield tree
+
+
+def tree_map(function: Callable[[Any], Any], tree: Any) -> Any:
+    """`tree` with `function` applied to each leaf, its lists, tuples and dicts rebuilt."""
+    if type(tree) in (list, tuple):
+        return type(tree)(tree_map(function, item) for item in tree)
+    if type(tree) is dict:
+        return {key: tree_map(function, value) for key, value in tree.items()}
+    return function(tree)
 
 
 @dataclass(frozen=True)
 class Ref:
     """A meta tensor as an argument: a view of a recorded storage as it was after `version` writes."""
 
-    key: int
+    key: StorageWeakRef
     version: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -102,8 +124,7 @@ class MetaInit(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.histories: dict[int, History] = {}
-        self._alive: list[torch.Tensor] = []  # meta tensors stay referenced, so their storage keys stay unique
+        self.histories: dict[StorageWeakRef, History] = {}
         self.broken: str | None = None  # a random draw that could not be reproduced: no later draw can be trusted
         # Tensors whose values come from elsewhere (init.weights: finetune.py), by name in the LightningModule: read
         # one at a time in place of the replay when the shards are filled.
@@ -142,7 +163,6 @@ class MetaInit(TorchDispatchMode):
                     output = index if isinstance(out, (tuple, list)) else None
                     source = Call(func, call.args, call.kwargs, call.rng_state, output)
                     self.histories[storage_key(tensor)] = History(source)
-                    self._alive.append(tensor)
         if random:
             self._advance(call, args[0] if written_arguments(func) else None)
         return out
@@ -206,7 +226,7 @@ class MetaInit(TorchDispatchMode):
             return value
         return self.storage(value.key, value.version).as_strided(value.size, value.stride, value.offset)
 
-    def storage(self, key: int, version: int | None = None) -> torch.Tensor:
+    def storage(self, key: StorageWeakRef, version: int | None = None) -> torch.Tensor:
         """The real tensor a recorded storage held after `version` writes (all, by default)."""
         history = self.histories[key]
         if history.unreplayable:
@@ -241,7 +261,7 @@ class MetaInit(TorchDispatchMode):
                 return name, reason
         return None
 
-    def _why_not(self, key: int, seen: set[int]) -> str | None:
+    def _why_not(self, key: StorageWeakRef, seen: set[StorageWeakRef]) -> str | None:
         """Why the storage `key`, or one it is computed from, cannot be replayed; None if it can."""
         seen.add(key)
         history = self.histories[key]

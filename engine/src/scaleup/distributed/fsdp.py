@@ -178,7 +178,6 @@ def shard(
     Module names and parameter names stay as they were (FSDP2 swaps the parameters for DTensors in place, no
     wrapper), so checkpoints keep their plain keys.
     """
-    from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs: dict[str, Any] = {
@@ -200,12 +199,26 @@ def shard(
     for name in units:
         unit = model.get_submodule(name)
         if activation_checkpointing:
-            # The composable form: hooks instead of a wrapper module, so no `_checkpoint_wrapped_module.` in names.
-            checkpoint(unit)
+            recompute_in_backward(unit)
         fully_shard(unit, **kwargs)
     for _, net in networks(model):
         fully_shard(net, **kwargs)
     return [*norms, *units]
+
+
+def recompute_in_backward(module: nn.Module) -> None:
+    """Activation checkpointing of `module`: its forward runs under `torch.utils.checkpoint.checkpoint`
+    (non-reentrant, the random state kept, so a dropout draws the same mask again), replaced on the instance and not
+    wrapped in another module, so module and parameter names keep no `_checkpoint_wrapped_module.`."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = recomputed
 
 
 def local_bytes(tensors: Iterable[Any]) -> int:

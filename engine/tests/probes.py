@@ -66,6 +66,22 @@ class RankProbe(L.Callback):
         (self.out_dir / f"pid{trainer.global_rank}").write_text(str(os.getpid()))
 
 
+class LRProbe(L.Callback):
+    """Writes `path` (JSON): for each training batch, by its index over all epochs, the LR of every param group of
+    every optimizer as the batch's steps used it."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.lrs = Path(path), {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
+        groups = [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
+        self.lrs[trainer.fit_loop.epoch_loop.total_batch_idx] = groups
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps(self.lrs))
+
+
 class StopAfterEpochs(L.Callback):
     """Ends fit after `epochs` epochs while the plan still counts the full run: an interruption, cleanly."""
 

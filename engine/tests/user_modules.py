@@ -1,7 +1,10 @@
 """A user's own code, as the contract allows it: used with `model._target_=user_modules.<Name>` in real runs."""
 
 import json
+import os
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any
 
 import lightning as L
@@ -210,3 +213,83 @@ class DictDigitsDataModule(DigitsDataModule):
 
     def build_splits(self) -> dict[str, torch.utils.data.Dataset]:
         return {name: DictSamples(split) for name, split in super().build_splits().items()}
+
+
+class TwoOptimizerGAN(L.LightningModule):
+    """A GAN's shape with manual optimization, as a new user writes one: a generator (a digit's class, one-hot, to
+    its 64 pixels) and a discriminator (64 pixels to a real-or-generated logit), one Linear layer each, each with its
+    own optimizer, each stepped once per batch. No noise: the generated image is a function of the class, so 1 and
+    2 processes can end with the same weights. The discriminator's LR is `discriminator_lr` times the configured
+    one, both in unnamed param groups. val/acc: how often the discriminator tells real from generated.
+
+    The discriminator's loss leaves the generator without gradients: on 2 processes DDP needs
+    strategy.find_unused_parameters=true."""
+
+    def __init__(self, optimizer: Mapping[str, Any], discriminator_lr: float = 0.5) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.generator = nn.Linear(10, 64)
+        self.discriminator = nn.Linear(64, 1)
+
+    def generate(self, labels: torch.Tensor) -> torch.Tensor:
+        return self.generator(F.one_hot(labels, 10).to(self.generator.weight.dtype))
+
+    def judge(self, images: torch.Tensor, real: bool) -> torch.Tensor:
+        """The discriminator's loss on `images` (a mean over the device's batch) for the label `real`."""
+        logits = self.discriminator(images).squeeze(1)
+        return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, float(real)))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        images, labels = batch
+        generator_optimizer, discriminator_optimizer = self.optimizers()
+        fake = self.generate(labels)
+        discriminator_loss = self.judge(images.flatten(1), True) + self.judge(fake.detach(), False)
+        discriminator_optimizer.zero_grad()
+        self.manual_backward(discriminator_loss)
+        discriminator_optimizer.step()
+        generator_loss = self.judge(fake, True)
+        generator_optimizer.zero_grad()
+        self.manual_backward(generator_loss)
+        generator_optimizer.step()
+        self.log_dict({"train/d_loss": discriminator_loss, "train/g_loss": generator_loss})
+
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
+        images, labels = batch
+        real = self.discriminator(images.flatten(1)) > 0
+        generated = self.discriminator(self.generate(labels)) < 0
+        accuracy = torch.cat([real, generated]).to(images.dtype).mean()
+        self.log(f"{stage}/acc", accuracy, batch_size=2 * len(labels))
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        settings = dict(self.hparams.optimizer)
+        build = instantiate(settings, _partial_=True)
+        discriminator_lr = settings["lr"] * self.hparams.discriminator_lr
+        return [build(self.generator.parameters()), build(self.discriminator.parameters(), lr=discriminator_lr)]
+
+
+class MisbehavingClassifier(ImageClassifier):
+    """The suite's classifier, whose training_step misbehaves on one rank at one optimizer step, as the environment
+    says (engine/tests/test_rank_failures.py): MISBEHAVE=hang (sleeps for ever), raise, or wait_for_kill (sleeps until
+    the test kills it), on rank MISBEHAVE_RANK at step MISBEHAVE_STEP. Every rank writes its pid to
+    MISBEHAVE_DIR/rank<N>.pid as training starts; the misbehaving rank writes MISBEHAVE_DIR/reached when it gets
+    there. Without MISBEHAVE it trains as ImageClassifier does (a resume of the same run)."""
+
+    def on_train_start(self) -> None:
+        if os.environ.get("MISBEHAVE"):
+            Path(os.environ["MISBEHAVE_DIR"], f"rank{self.global_rank}.pid").write_text(str(os.getpid()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        what, at = os.environ.get("MISBEHAVE"), [int(os.environ.get(f"MISBEHAVE_{k}", -1)) for k in ("RANK", "STEP")]
+        if what and [self.global_rank, self.global_step] == at:
+            Path(os.environ["MISBEHAVE_DIR"], "reached").touch()
+            if what == "raise":
+                raise ValueError(f"rank {self.global_rank} cannot go on at step {self.global_step}")
+            time.sleep(10**6)  # hang, or wait_for_kill: the test kills this process here
+        return super().training_step(batch, batch_idx)

@@ -85,6 +85,8 @@ def as_user_error(err: BaseException) -> UserError | None:
         if isinstance(link, UserError):
             return link
     for link in _chain(err, implicit=False):
+        if unused_parameters(link):
+            return UserError(UNUSED_PARAMETERS)
         if isinstance(link, MissingMandatoryValue):
             key = link.full_key or link.key
             return UserError(f"{key} has no value (it is ??? in the config): pass {key}=<value>")
@@ -97,6 +99,33 @@ def as_user_error(err: BaseException) -> UserError | None:
                 "(a directory to write into must be creatable, a file to read must exist and be readable)"
             )
     return None
+
+
+# What DDP's reducer says when a backward leaves some parameters without a gradient (torch 2.14), and what Lightning
+# 2.6's DDPStrategy puts in its place: advice on Lightning's own strategy names, which the template's config refuses.
+REDUCER_MESSAGES = (
+    "Expected to have finished reduction in the prior iteration",
+    "has parameters that were not used in producing the loss",
+)
+# The Python frames that call into the reducer: DDP's forward, and Lightning's `prepare_for_backward` (manual_backward).
+REDUCER_CALLERS = ("torch/nn/parallel/distributed.py", "lightning/pytorch/overrides/distributed.py")
+UNUSED_PARAMETERS = (
+    "DDP found parameters that got no gradient from a training step's loss (e.g. a GAN's discriminator loss, "
+    "which leaves out the generator): set strategy.find_unused_parameters=true (DDP then finds them in each "
+    "step's graph), or make every parameter take part in every loss"
+)
+
+
+def unused_parameters(err: BaseException) -> bool:
+    """Whether `err` is DDP's reducer refusing a backward that left parameters without a gradient: raised from the
+    reducer's Python caller (not a user's own error that happens to quote the message)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return (
+        isinstance(err, RuntimeError)
+        and any(message in str(err) for message in REDUCER_MESSAGES)
+        and bool(frames)
+        and frames[-1].filename.replace(os.sep, "/").endswith(REDUCER_CALLERS)
+    )
 
 
 @contextlib.contextmanager

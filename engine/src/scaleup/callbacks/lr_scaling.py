@@ -5,10 +5,13 @@ from typing import Any
 import lightning as L
 
 from scaleup.plan.lr import LRSchedule
+from scaleup.plan.progress import steps_done
 
 
 class LRScaling(L.Callback):
-    """Before each batch, sets every param group's LR to its own base LR x `schedule.factor_at(global_step)`.
+    """Before each batch, sets every param group's LR to its own base LR x `schedule.factor_at(step)`, `step` being
+    the plan's steps done (`plan/progress.py`: optimizer steps, or global batches under manual optimization, where
+    every optimizer the module steps follows the schedule per batch).
 
     The base LR of a group is the one `configure_optimizers` gave it, so ratios between groups (a backbone at
     0.1x the head) hold through scaling, warmup and decay. It is read in `on_fit_start`, which Lightning calls
@@ -40,7 +43,7 @@ class LRScaling(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step
+        step = steps_done(trainer)
         if step == self._step:  # the next micro-batch of an accumulated step: set already
             return
         self._step = step

@@ -20,6 +20,7 @@ from scaleup.config.project import project_packages
 from scaleup.config.stored import stored_model, stored_plan
 from scaleup.data.samplers import GlobalBatchSampler, resumed_steps
 from scaleup.errors import UserError
+from scaleup.plan.progress import checkpoint_steps
 from scaleup.plan.resolve import Plan
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ def resume_point(
             f"checkpoint that train.py wrote, e.g. <run dir>/checkpoints/last.ckpt; a new run starts from these "
             f"weights with init.weights={path}"
         )
-    step = checkpoint.get("global_step", 0)
+    step = checkpoint_steps(checkpoint, manual_optimization=plan.manual_optimization)
     check_same_network(path, checkpoint, stored_model(checkpoint, project_packages(config.plain)), config.model, model)
     previous = stored_plan(checkpoint)  # None: not trained by scaleup's train.py
     check_same_global_batch(path, previous, step, plan)

@@ -19,6 +19,7 @@ from scaleup.data.seeding import SeededSamples
 from scaleup.distributed.run_dir import run_id
 from scaleup.errors import UserError
 from scaleup.plan.batch import BatchPlan, resolve_batch
+from scaleup.plan.progress import steps_done
 
 log = logging.getLogger(__name__)
 
@@ -169,14 +170,14 @@ class GlobalBatchDataModule(L.LightningDataModule):
             # drawing indices at once: a resumed run would read epoch 0's order with loader workers.
             sampler.set_epoch(self.trainer.current_epoch)
         if self.trainer is not None and self.trainer.ckpt_path is not None:
-            # Resuming: the loop state is restored before loaders are built, so the optimizer steps already
-            # taken in this epoch are known; skip exactly those global batches.
+            # Resuming: the loop state is restored before loaders are built, so the plan's steps already taken
+            # in this epoch are known; skip exactly those global batches.
             epoch = self.trainer.current_epoch
-            steps_done = resumed_steps(
-                self._restored_order, str(self.trainer.ckpt_path), epoch, self.trainer.global_step, sampler
+            skipped = resumed_steps(
+                self._restored_order, str(self.trainer.ckpt_path), epoch, steps_done(self.trainer), sampler
             )
-            if steps_done:
-                sampler.resume(epoch, steps_done)
+            if skipped:
+                sampler.resume(epoch, skipped)
         return self._loader("train", sampler, batch.per_device)
 
     def state_dict(self) -> dict[str, Any]:

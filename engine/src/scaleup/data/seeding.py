@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from scaleup.plan.progress import steps_done
+
 # Distinct first keys keep the two families of streams apart: sample 5 of epoch 3 and step 3 at offset 5
 # must not draw the same numbers.
 AUGMENTATION, MODEL = 0, 1
@@ -143,9 +145,10 @@ class StepSeed(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        # Counted from the optimizer step rather than from batch_idx: a checkpoint always falls between two steps,
-        # so after a resume the first micro-batch is a step's first, whatever Lightning's batch counters say.
-        step = trainer.global_step
+        # Counted from the plan's step (the optimizer step; the global batch under manual optimization) rather than
+        # from batch_idx: a checkpoint always falls between two steps, so after a resume the first micro-batch is a
+        # step's first, whatever Lightning's batch counters say.
+        step = steps_done(trainer)
         self._micro_batch = self._micro_batch + 1 if step == self._step else 0
         self._step = step
         offset = self._rank_offset + self._micro_batch * self._per_device  # micro_batch_offset

@@ -61,7 +61,8 @@ class LRSchedule:
 
 def base_lrs(module: L.LightningModule) -> dict[str, float]:
     """Each param group's LR as the module's `configure_optimizers` sets it, named like LearningRateMonitor's
-    tags (`SGD/head`, or `SGD/pg1` for a group without a "name"). Refuses a returned LR scheduler.
+    tags (`SGD/head`, or `SGD/pg1` for a group without a "name"; a second optimizer of the same class `SGD-1/pg1`).
+    Refuses a returned LR scheduler.
 
     Calls `configure_optimizers` once before the Trainer exists, so the plan can show the LRs and a scheduler is
     refused before any process starts.
@@ -79,9 +80,12 @@ def base_lrs(module: L.LightningModule) -> dict[str, float]:
             "and set lr_schedule.rule, warmup_epochs (or warmup_steps), decay=cosine|step|none, milestones and gamma "
             "instead"
         )
+    names = [type(optimizer).__name__ for optimizer in optimizers]
+    # The n-th repeat of a class is `<class>-n`, as LearningRateMonitor names it: two SGDs (a GAN's) keep both LRs.
+    names = [name + (f"-{names[:i].count(name)}" if name in names[:i] else "") for i, name in enumerate(names)]
     return {
-        f"{type(optimizer).__name__}/{group.get('name', f'pg{index + 1}')}": float(group["lr"])
-        for optimizer in optimizers
+        f"{name}/{group.get('name', f'pg{index + 1}')}": float(group["lr"])
+        for name, optimizer in zip(names, optimizers, strict=True)
         for index, group in enumerate(optimizer.param_groups)
     }
 

@@ -13,6 +13,7 @@ from scaleup.distributed.launch import Launch
 from scaleup.errors import config_errors
 from scaleup.plan.checks import check_config, has_batchnorm
 from scaleup.plan.lr import base_lrs
+from scaleup.plan.progress import check_manual_optimization
 from scaleup.plan.resolve import Plan, build_plan, early_stopping_entry
 from scaleup.plan.topology import Topology
 
@@ -50,7 +51,10 @@ def make_plan(
         plan,
         parameters=sum(p.numel() for p in model.parameters()),
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        manual_optimization=not model.automatic_optimization,
     )
+    if plan.manual_optimization:
+        check_manual_optimization(type(model).__name__, plan, config.trainer.accumulate_grad_batches)
     if launch.name == "fsdp":
         mesh = launch.strategy.mesh_shape
         sharding = describe_sharding(model, config.strategy, mesh, plan.accumulate_grad_batches, on_meta)

@@ -74,6 +74,9 @@ class Plan:
     batchnorm_frozen: bool = False  # init.freeze_bn over every BatchNorm layer: eval mode, no batch statistics
     parameters: int | None = None  # the model's parameters (None in a plan of an older version) ...
     trainable_parameters: int | None = None  # ... and those the optimizer trains
+    # The module steps its optimizers itself (automatic_optimization=False): every step the plan counts (the LR
+    # schedule, the step seed, trainer.max_steps, a resume) is a global batch, not an optimizer.step() call.
+    manual_optimization: bool = False
 
     def with_per_device_batch(self, per_device: int) -> Plan:
         """This plan with its global batch split into micro-batches of `per_device` (what the auto cap settles)."""
@@ -156,6 +159,8 @@ class Plan:
 
     def _steps_row(self) -> str:
         row = f"{known(self.warmup_steps)} / {known(self.total_steps)} ({self.decay} decay)"
+        if self.manual_optimization:
+            row += "; a step is a global batch (manual optimization), however many optimizer.step() calls it makes"
         if self.lr_factor <= 1:
             row += "; no warmup: the scaled LR is not above the base LR"
         return row

@@ -58,10 +58,12 @@ class ReportToStudy(L.Callback):
         from scaleup.search.study import RUN_DIR, open_storage
 
         pruner = instantiate(self.pruner) if self.pruner else optuna.pruners.NopPruner()
-        study = optuna.load_study(study_name=self.study_name, storage=open_storage(self.storage), pruner=pruner)
+        storage = open_storage(self.storage)
+        study = optuna.load_study(study_name=self.study_name, storage=storage, pruner=pruner)
         frozen = study.get_trials(deepcopy=False)[self.number]
-        # Optuna gives a trial to report to only by its storage id (`Trial(study, trial_id)`): FrozenTrial's.
-        self.trial = optuna.trial.Trial(study, frozen._trial_id)
+        # Optuna gives a trial to report to only by its storage id (`Trial(study, trial_id)`), which the storage finds.
+        study_id = storage.get_study_id_from_name(self.study_name)
+        self.trial = optuna.trial.Trial(study, storage.get_trial_id_from_study_id_trial_number(study_id, self.number))
         self.trial.set_user_attr(RUN_DIR, self.run_dir)
         self.reported = set(frozen.intermediate_values)  # a resumed trial reported these steps before
 

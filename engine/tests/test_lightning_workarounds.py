@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from scaleup.callbacks.loop_repairs import UNRESUMABLE_LOADER_WARNING, LoopRepairs
 from scaleup.compat.dcp import read_distributed_checkpoint, stored_file_sizes, stored_tensor_shapes
+from scaleup.compat.loggers import add_summaries
 from scaleup.compat.model_parallel import optimizer_states_keyed_in_group_order
 from scaleup.compat.precision import model_parallel_precision
 
@@ -119,7 +120,22 @@ def test_log_hyperparams_with_metrics_adds_a_scalar_point(tmp_path):
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("test_loss")] == [(7, 0.5)]
-    assert callable(logger.experiment._get_file_writer)  # the private torch method add_summaries writes through
+
+
+def test_add_summaries_writes_the_hparams_tab_after_lightning_closed_its_writer(tmp_path):
+    """add_summaries: Lightning closes its SummaryWriter at a stage's end; the summary goes into an event file of its
+    own in the same directory, which TensorBoard reads with the others."""
+    from torch.utils.tensorboard.summary import hparams
+
+    logger = TensorBoardLogger(tmp_path, name="", version="")
+    logger.log_metrics({"test_loss": 0.5}, step=7)
+    logger.finalize("success")
+    assert logger.experiment.file_writer is None
+    add_summaries(logger, list(hparams({"lr": 0.1}, {"test_loss": 0.0})), step=7)
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert "_hparams_/session_start_info" in events.PluginTagToContent("hparams")
+    assert [(e.step, e.value) for e in events.Scalars("test_loss")] == [(7, 0.5)]
 
 
 def test_ema_average_is_built_before_the_model_moves_to_its_device(tmp_path):
@@ -306,7 +322,7 @@ class SigtermInTest(L.Callback):
 
 
 def test_sigterm_in_test_ends_plain_lightning_with_exit_code_0(tmp_path):
-    """StopOnSigterm. Plain Lightning stops a test on SIGTERM with a SIGTERMException that carries no exit code:
+    """JobControl. Plain Lightning stops a test on SIGTERM with a SIGTERMException that carries no exit code:
     a job that lets it propagate exits 0, without results."""
     with pytest.raises(SIGTERMException) as stopped:
         trainer(tmp_path, callbacks=[SigtermInTest()]).test(Tiny(), verbose=False)

@@ -92,7 +92,6 @@ def require(*workarounds: Workaround) -> None:
 WITH_FALLBACK = (
     Private("torch.distributed.checkpoint.default_planner:_EmptyStateDictLoadPlanner"),
     Private("torch.distributed.checkpoint.state_dict_loader:_load_state_dict"),
-    Private("torch.utils.tensorboard.writer:SummaryWriter._get_file_writer"),
 )
 
 # --- The correctness workarounds, checked before a job that uses them starts ----------------------------------------

@@ -74,6 +74,20 @@ CASES = [
         "data.colour: DigitsDataModule takes no argument 'colour' (its arguments: augment, global_batch_size,",
     ),
     (
+        "diagnostics_from without a dry run",
+        "train",
+        ["diagnostics_from={tmp}"],
+        "diagnostics_from={tmp} is read by a dry run only: add dry_run=true to get the speedup estimate for this "
+        "topology",
+    ),
+    (
+        "diagnostics_from a directory without a run",
+        "train",
+        ["diagnostics_from={tmp}/empty", "dry_run=true"],
+        "diagnostics_from={tmp}/empty: no plan.json and metrics.json there; pass the directory of a finished (or "
+        "running) training run",
+    ),
+    (
         "indivisible batch",
         "train",
         ["data.global_batch_size=100", "trainer.accelerator=cpu", "trainer.devices=3", "dry_run=true"],
@@ -142,6 +156,32 @@ CASES = [
         "train",
         ["strategy=fsdp", "strategy.shard_modules=[torch.nn.LSTM]", "trainer.devices=2", "dry_run=true"],
         "strategy.shard_modules=['torch.nn.LSTM'] matches no module of ImageClassifier",
+    ),
+    # manual optimization (a module that steps its optimizers itself): Lightning cannot accumulate there
+    (
+        "manual optimization with accumulation",
+        "train",
+        ["model=two_optimizers", "trainer.accumulate_grad_batches=2", "dry_run=true"],
+        "trainer.accumulate_grad_batches=2, but TwoOptimizerGAN sets automatic_optimization=False, and Lightning "
+        "cannot accumulate gradients under manual optimization: remove it: each device then computes its whole share "
+        "of the global batch at once",
+    ),
+    (
+        "manual optimization with the auto cap",
+        "train",
+        ["model=two_optimizers", "data.max_per_device_batch_size=auto", "dry_run=true"],
+        "data.max_per_device_batch_size=auto derives a gradient accumulation, but TwoOptimizerGAN sets "
+        "automatic_optimization=False, and Lightning cannot accumulate gradients under manual optimization: give the "
+        "cap as a number that the per-device share of the global batch fits in, or drop it",
+    ),
+    (
+        "manual optimization with a cap that needs accumulation",
+        "train",
+        ["model=two_optimizers", "data.max_per_device_batch_size=32", "trainer.devices=1", "dry_run=true"],
+        "data.global_batch_size=64 on 1 device(s) is 64 samples per device, above data.max_per_device_batch_size=32: "
+        "the cap derives 2 accumulation steps, but TwoOptimizerGAN sets automatic_optimization=False, and Lightning "
+        "cannot accumulate gradients under manual optimization. Run on 2 devices, raise the cap to 64, or lower the "
+        "global batch",
     ),
     # checkpoints
     ("missing checkpoint", "train", ["ckpt_path={tmp}/nope.ckpt"], "checkpoint {tmp}/nope.ckpt does not exist"),

@@ -78,7 +78,7 @@ from scaleup.callbacks.exact_metrics import ExactEvalMetrics
 from scaleup.callbacks.loop_repairs import LoopRepairs
 from scaleup.callbacks.lr_scaling import LRScaling
 from scaleup.callbacks.performance import PerformanceSettings
-from scaleup.callbacks.preemption import StopOnSigterm
+from scaleup.callbacks.preemption import JobControl
 from scaleup.callbacks.run_files import RunFiles
 from scaleup.data.seeding import StepSeed
 from scaleup.observability.diagnostics import TrainingDiagnostics
@@ -352,7 +352,7 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
         "LoopRepairs": LoopRepairs,
         "RunFiles": lambda: RunFiles(tmp / "metrics.json", {}, {}),
         "PerformanceSettings": lambda: PerformanceSettings(tf32=True, channels_last=False),
-        "StopOnSigterm": lambda: StopOnSigterm(tmp / "ckpt"),
+        "JobControl": lambda: JobControl(tmp / "ckpt"),
     }
     defaults = {  # engine/src/scaleup/conf/callbacks/default.yaml
         "ModelCheckpoint (best)": lambda: ModelCheckpoint(tmp / "ckpt", monitor="val/acc", mode="max"),

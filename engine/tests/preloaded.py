@@ -79,8 +79,9 @@ pid = int(conn.recv(64))
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
     signal.signal(sig, lambda sig, frame: os.kill(pid, sig))
 code = int(conn.recv(64))
-if code < 0:
-    signal.signal(-code, signal.SIG_DFL)
+if code < 0:  # end as the run did: killed by the same signal (SIGKILL has no handler to reset)
+    if -code != signal.SIGKILL:
+        signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)
 sys.exit(code)
 """

@@ -147,4 +147,4 @@ def test_a_default_run_attaches_few_engine_callbacks_in_their_fixed_order(tmp_pa
     assert max(at("LRScaling") + at("StepSeed")) < user  # the LR set before it is logged; the seeded stream
     assert max(at("ExactEvalMetrics")) < min(at("ModelCheckpoint") + at("RunFiles"))  # exact before read
     # after every callback of the config (Lightning then appends the module's and moves the checkpoints last)
-    assert at("StopOnSigterm") == [max(at("TrainingDiagnostics") + at("CallbackCensus")) + 1]
+    assert at("JobControl") == [max(at("TrainingDiagnostics") + at("CallbackCensus")) + 1]

@@ -4,6 +4,7 @@ topology; and what the jobs read back from them (`TrainerJob`)."""
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from scaleup.callbacks.exact_metrics import ExactEvalMetrics
 from scaleup.callbacks.loop_repairs import LoopRepairs
 from scaleup.callbacks.lr_scaling import LRScaling
 from scaleup.callbacks.performance import PerformanceSettings, set_tf32
-from scaleup.callbacks.preemption import StopOnSigterm, exit_when_stopped
+from scaleup.callbacks.preemption import JobControl, exit_when_stopped
 from scaleup.callbacks.run_files import RunFiles
 from scaleup.checkpoints.io import AtomicCheckpointIO, remove_interrupted_writes
 from scaleup.compat.gates import (
@@ -44,6 +45,7 @@ from scaleup.distributed.fsdp import FSDPStrategy
 from scaleup.errors import config_errors
 from scaleup.observability.quiet import quiet
 from scaleup.plan.batch_probe import AutoBatchSize
+from scaleup.plan.progress import StopAtPlannedSteps
 from scaleup.plan.resolve import Plan
 from scaleup.plan.topology import Topology
 from scaleup.search.trial import trial_callbacks
@@ -86,7 +88,7 @@ class TrainerJob:
     """A job's Trainer and the callbacks the job reads back: the stop flag, and the best checkpoint (training)."""
 
     trainer: L.Trainer
-    stop: StopOnSigterm
+    stop: JobControl
     best: ModelCheckpoint | None = None
 
     def running(self, resume_hint: str) -> contextlib.AbstractContextManager[None]:
@@ -102,7 +104,7 @@ def template_callbacks(config: TrainConfig, plan: Plan, run_dir: Path) -> list[L
     - AutoBatchSize before LoopRepairs: the micro-batch is settled before a resume's counters are restated in it;
     - ExactEvalMetrics before the checkpoints, RunFiles, a search's report and the user's EarlyStopping: they read
       eval metrics once they are exact.
-    StopOnSigterm comes after the user's callbacks (build_trainer): the others finish the batch it stops after.
+    JobControl comes after the user's callbacks (build_trainer): the others finish the batch it stops after.
     engine/tests/test_train_e2e.py checks these rules on a real run's callbacks.
     """
     return [
@@ -115,6 +117,7 @@ def template_callbacks(config: TrainConfig, plan: Plan, run_dir: Path) -> list[L
         RunFiles(run_dir / "metrics.json", config.plain, plan.to_dict()),
         *trial_callbacks(config.monitor.metric, str(run_dir)),
         PerformanceSettings(plan.tf32, plan.channels_last),
+        *([StopAtPlannedSteps(plan.total_steps)] if plan.manual_optimization else []),
     ]
 
 
@@ -132,7 +135,7 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     elif not any(isinstance(cb, ProgressBar) for cb in callbacks):
         callbacks.append(RichProgressBar(refresh_rate=4))
-    stop = StopOnSigterm(config.checkpoint.dirpath)
+    stop = JobControl(config.checkpoint.dirpath, config.strategy.hang_timeout_minutes)
     callbacks.append(stop)
     with config_errors("logger"):
         loggers = instantiate_each(config.logger)
@@ -156,6 +159,7 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
         "precision": plan.precision,
         "accumulate_grad_batches": plan.accumulate_grad_batches,
         "log_every_n_steps": plan.log_every_n_steps,
+        **planned_length(plan),
     }
     plugins: list[Any] = [AtomicCheckpointIO(), *cluster_plugins()]  # a PyTorchJob's ranks: distributed/clusters.py
     if isinstance(strategy, FSDPStrategy):
@@ -176,11 +180,19 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
     return TrainerJob(trainer, stop, best)
 
 
+def planned_length(plan: Plan) -> dict[str, int]:
+    """Under manual optimization, the Trainer's length in epochs only (the last one cut short by StopAtPlannedSteps):
+    Lightning's `max_steps` would count every optimizer.step() call, the plan's `total_steps` counts global batches."""
+    if not plan.manual_optimization or not plan.steps_per_epoch:
+        return {}
+    return {"max_steps": -1, "max_epochs": math.ceil(plan.total_steps / plan.steps_per_epoch)}
+
+
 def build_eval_trainer(topology: Topology, precision: Any, plan: Plan, run_dir: Path, progress_bar: bool) -> TrainerJob:
     """The Trainer of `eval.py`: the checkpoint's own speed settings, exact metrics into metrics.json, no logger."""
     quiet()
     require(EXACT_EVAL, SIGTERM_HANDLER)
-    stop = StopOnSigterm()
+    stop = JobControl()
     tf32, channels_last = plan.tf32, plan.channels_last  # as trained
     set_tf32(tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
     callbacks = [ExactEvalMetrics(), RunFiles(run_dir / "metrics.json"), PerformanceSettings(tf32, channels_last), stop]

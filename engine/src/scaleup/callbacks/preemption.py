@@ -1,9 +1,10 @@
-"""Pre-emption: SIGTERM (a scheduler's "go now") stops every rank at the same step, saves last.ckpt, exits 143.
+"""How a job ends other than by finishing: SIGTERM (a scheduler's "go now") stops every rank at the same step, saves
+last.ckpt and exits 143; a rank that fails, hangs or is killed is named and ends every rank (distributed/watchdog.py).
 
-Schedulers (SLURM, Kubernetes, torchrun's agent) send SIGTERM, then SIGKILL after a grace period. `StopOnSigterm`
+Schedulers (SLURM, Kubernetes, torchrun's agent) send SIGTERM, then SIGKILL after a grace period. `JobControl`
 (which replaces Lightning's own handling) stops every rank after the same micro-batch and writes last.ckpt there;
 the jobs wrap `fit` and `test` in `exit_when_stopped`, which exits 143 (never 0 without results), so
-`ckpt_path=last` continues the run.
+`ckpt_path=last` continues the run. On several processes it also keeps the rank's place in the job for the watchdog.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -24,11 +26,17 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from scaleup.compat.launch import keep_sigterm_handler
+from scaleup.distributed.watchdog import Children, Progress, Watchdog, dump_stacks, exit_now, report
 
 log = logging.getLogger("scaleup")
 
+# How a job that did not finish exits (every rank of it):
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, the shell's convention for "terminated"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
+# and, from distributed/watchdog.py on several processes: EXIT_HUNG = 124 (as timeout(1): a rank made no progress
+# within strategy.hang_timeout_minutes) and EXIT_FAILED = 1 (a rank raised, or died)
+SIGTERM_GRACE_SECONDS = 30.0  # a rank that got SIGTERM and reaches no next step in this time exits on its own
+HANG_TIMEOUT_MINUTES = 5.0  # eval.py's (it has no strategy section): the strategy configs' default
 
 
 def interrupted(err: BaseException) -> bool:
@@ -39,11 +47,12 @@ def interrupted(err: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def exit_when_stopped(stop: StopOnSigterm, resume_hint: str) -> Iterator[None]:
+def exit_when_stopped(stop: JobControl, resume_hint: str) -> Iterator[None]:
     """Exit 143 when the stage ends because of SIGTERM, also when it ended in another error after the signal
     (a peer that stopped first closes its connections: the collective this rank waited in fails); exit 130 with
     the same hint after Ctrl-C. The SIGTERM handler the job found is put back when it ends: a process that
-    trains twice (a notebook, a test session) and the processes it forks later still die on SIGTERM."""
+    trains twice (a notebook, a test session) and the processes it forks later still die on SIGTERM; the watchdog
+    stops."""
     main_thread = threading.current_thread() is threading.main_thread()
     found = signal.getsignal(signal.SIGTERM)
     try:
@@ -57,12 +66,14 @@ def exit_when_stopped(stop: StopOnSigterm, resume_hint: str) -> Iterator[None]:
         log.warning(f"stopped by SIGTERM; {resume_hint}")
         sys.exit(EXIT_PREEMPTED)
     finally:
+        stop.finish()
         if main_thread:
             signal.signal(signal.SIGTERM, found)
 
 
-class StopOnSigterm(Callback):
-    """Takes SIGTERM over from Lightning as soon as the process group exists, and stops every rank at the same point.
+class JobControl(Callback):
+    """Takes SIGTERM over from Lightning as soon as the process group exists, and stops every rank at the same point;
+    on several processes, keeps this rank's place in the job for the watchdog (distributed/watchdog.py).
 
     Lightning 2.6.6. Reason: its handler runs a collective inside the signal handler (a broadcast that can
     interleave with the training step's and hang), a signal in `test` ends with SIGTERMException, a SystemExit
@@ -88,11 +99,25 @@ class StopOnSigterm(Callback):
     ranks agree once, at the end of each rank's last batch, before the epoch end's metric collectives
     (ExactEvalMetrics), in which a rank that had stopped alone would leave its peers with a closed connection. So
     a signal on any rank, also one between `fit` and `test`, stops every rank at the end of its share of the test.
-    `exit_when_stopped` then exits 143.
+    `exit_when_stopped` then exits 143. A rank that got SIGTERM and reaches no next step (no hook of the loop)
+    within SIGTERM_GRACE_SECONDS (or `hang_timeout_minutes`, if shorter) writes its stacks to hang/rank<N>.txt and
+    exits 143 on its own: a rank stuck in the user's code, or in a collective with a rank that is gone, is never
+    left running.
+
+    The watchdog: started in `setup` on several processes, it reads `progress`, which the loop's hooks below write
+    (plain attribute writes, nothing that talks to another process), and `on_exception` hands it the rank's error,
+    so that the failing rank is named and its traceback printed once (rank 0, last), and every rank ends.
+    `hang_timeout_minutes`: strategy.hang_timeout_minutes (0 or None: no hang watch).
     """
 
-    def __init__(self, dirpath: str | Path | None = None) -> None:
+    def __init__(
+        self, dirpath: str | Path | None = None, hang_timeout_minutes: float | None = HANG_TIMEOUT_MINUTES
+    ) -> None:
         self.path = f"{str(dirpath).rstrip('/')}/last.ckpt" if dirpath is not None else None  # a local path or a URL
+        self.hang_seconds = 60 * hang_timeout_minutes if hang_timeout_minutes else None
+        self.progress = Progress()
+        self.watchdog: Watchdog | None = None
+        self._overdue: threading.Timer | None = None  # ends a rank that does not stop after SIGTERM
         self.requested = False
         self._trainer: L.Trainer | None = None
         self._ready = False  # set up once per job: the process group, the handler kept over Lightning's
@@ -107,7 +132,27 @@ class StopOnSigterm(Callback):
             launcher = self._trainer.strategy.launcher if self._trainer is not None else None
             if launcher is not None:  # Lightning's own launcher: pass it on to the processes it started
                 launcher.kill(signum)
+            grace = min(SIGTERM_GRACE_SECONDS, self.hang_seconds or SIGTERM_GRACE_SECONDS)
+            self._overdue = threading.Timer(grace, self._stop_overdue, args=(self.progress.ticks, grace))
+            self._overdue.daemon = True
+            self._overdue.start()
         self.requested = True
+
+    def _stop_overdue(self, ticks: int, grace: float) -> None:
+        """The grace period after SIGTERM ran out: a rank that made no progress since exits 143 with its stacks."""
+        if self.progress.ticks != ticks or self._trainer is None:
+            return
+        rank = self._trainer.global_rank
+        dump = dump_stacks(Path(self._trainer.default_root_dir), rank, self.progress)
+        report(f"rank {rank}: got SIGTERM {grace:.0f} s ago and reached no next step: exiting 143; its stack: {dump}")
+        exit_now(EXIT_PREEMPTED)
+
+    def finish(self) -> None:
+        """The job ended: stop the watchdog and the timer of a SIGTERM's grace period."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self._overdue is not None:
+            self._overdue.cancel()
 
     def _install(self) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -124,7 +169,65 @@ class StopOnSigterm(Callback):
         if not self._alone:
             # gloo runs on the CPU: NCCL's default group would sync the device.
             self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            self._start_watchdog(trainer)
         self._ready = True
+
+    def _start_watchdog(self, trainer: L.Trainer) -> None:
+        # Lightning's launcher: the processes rank 0 of this node started (local ranks 1, 2, ...), named if one dies.
+        procs = getattr(trainer.strategy.launcher, "procs", None) or []
+        first = trainer.global_rank - trainer.local_rank + 1
+        children = Children({first + i: proc for i, proc in enumerate(procs) if isinstance(proc, subprocess.Popen)})
+        watchdog = Watchdog(
+            self.progress,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            run_dir=Path(trainer.default_root_dir),
+            hang_seconds=self.hang_seconds,
+            children=children,
+        )
+        self.watchdog = watchdog if watchdog.start() else None
+
+    # The loop's hooks: this rank's place for the watchdog, in plain attribute writes.
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.progress.enter("data")
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.progress.enter("data")
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self.progress.enter("forward")
+
+    def on_before_backward(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self.progress.enter("backward")
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self.progress.enter("optimizer step")
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.progress.enter("data")
+
+    def on_save_checkpoint(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self.progress.enter(self.progress.phase)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.progress.eval_batches = 0
+        self.progress.enter("validation")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.progress.evaluations += 1
+        self.progress.enter("data")
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.progress.eval_batches = 0
+        self.progress.enter("test")
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.progress.evaluations += 1
+        self.progress.enter("test end")
+
+    def _evaluated(self, phase: str, last_batch: bool) -> None:
+        self.progress.eval_batches += 1
+        self.progress.enter(f"{phase} end" if last_batch else phase)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._pending is not None:
@@ -132,16 +235,23 @@ class StopOnSigterm(Callback):
             self._pending = None
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self.progress.micro_batches += 1
+        self.progress.enter("data")
         # At a batch's end, where a mid-epoch ModelCheckpoint saves too: the resume path proven exact.
         if self._agreed(trainer):
             raise SIGTERMException
 
     def on_test_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        self._stop_evaluation(trainer.test_loop.batch_progress.is_last_batch)
+        last_batch = trainer.test_loop.batch_progress.is_last_batch
+        self._evaluated("test", last_batch)
+        self._stop_evaluation(last_batch)
 
     def on_validation_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
         if trainer.state.fn == "validate":  # inside fit, validation runs to its end
+            self._evaluated("validation", trainer.validate_loop.batch_progress.is_last_batch)
             self._stop_evaluation(trainer.validate_loop.batch_progress.is_last_batch)
+        else:
+            self._evaluated("validation", trainer.fit_loop.epoch_loop.val_loop.batch_progress.is_last_batch)
 
     def _stop_evaluation(self, last_batch: bool) -> None:
         """Stops a test or a validation: one process at once; several when any rank asked, checked at the last
@@ -167,6 +277,8 @@ class StopOnSigterm(Callback):
         return agreed
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self.watchdog is not None:  # an error of this rank, or a collective a peer left: named, and every rank ends
+            self.watchdog.failed(exception)
         if self.path is not None and isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
             trainer.save_checkpoint(self.path)  # rank 0 writes, every rank waits at the barrier
             if trainer.is_global_zero:

@@ -111,6 +111,7 @@ class TrainKeys(Section):
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)]  # what Lightning's seed_everything accepts
     dry_run: bool
     ckpt_path: str | None = Field(description="a checkpoint path, last, or null")
+    diagnostics_from: str | None = Field(description="a run directory, or null")
 
 
 class Monitor(ClosedSection):
@@ -140,6 +141,7 @@ class LRScheduleSettings(ClosedSection):
     gamma: Positive
 
 
+COMMON_KEYS = ["name", "timeout_minutes", "hang_timeout_minutes"]
 DDP_KEYS = ["bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters"]
 
 
@@ -148,6 +150,7 @@ class Strategy(ClosedSection):
 
     name: Literal["ddp", "ddp_spawn", "fsdp"]
     timeout_minutes: Positive
+    hang_timeout_minutes: NonNegative | None = 5.0  # 0 or None: no hang watch (distributed/watchdog.py)
     # ddp
     bucket_cap_mb: Positive
     gradient_as_bucket_view: bool
@@ -164,17 +167,17 @@ class Strategy(ClosedSection):
 
     @classmethod
     def known_keys(cls, section: Mapping[str, Any]) -> list[str]:
-        """name, timeout_minutes and the keys of strategy.name's own option (scaleup/conf/strategy/); without a valid
-        name, every key (the name's own message says what is wrong)."""
-        fsdp = [key for key in cls.model_fields if key not in ("name", "timeout_minutes", *DDP_KEYS)]
+        """The keys every option has (COMMON_KEYS) and those of strategy.name's own option (scaleup/conf/strategy/);
+        without a valid name, every key (the name's own message says what is wrong)."""
+        fsdp = [key for key in cls.model_fields if key not in (*COMMON_KEYS, *DDP_KEYS)]
         own = {"ddp": DDP_KEYS, "ddp_spawn": DDP_KEYS, "fsdp": fsdp}.get(section.get("name"), [*DDP_KEYS, *fsdp])
-        return ["name", "timeout_minutes", *own]
+        return [*COMMON_KEYS, *own]
 
     @classmethod
     def required_keys(cls, section: Mapping[str, Any]) -> list[str]:
         """Without a valid name, only the keys every option has (the name's own message says what is wrong)."""
         if section.get("name") not in typing.get_args(cls.model_fields["name"].annotation):
-            return ["name", "timeout_minutes"]
+            return ["name", "timeout_minutes"]  # hang_timeout_minutes has a default
         return super().required_keys(section)
 
     @classmethod

@@ -109,10 +109,9 @@ def build_strategy(
     """
     name = strategy.name
     timeout = timedelta(minutes=float(strategy.timeout_minutes))
-    # meta_init: how the job builds the model (build.py), not an option of the strategy
-    options = {
-        key: value for key, value in values(strategy).items() if key not in ("name", "timeout_minutes", "meta_init")
-    }
+    # meta_init: how the job builds the model (build.py); hang_timeout_minutes: the watchdog's (callbacks/preemption.py)
+    engine_keys = ("name", "timeout_minutes", "hang_timeout_minutes", "meta_init")
+    options = {key: value for key, value in values(strategy).items() if key not in engine_keys}
     in_background = resolve_async_save(async_save, sharded=shards_the_model(strategy, world_size))
     if name == "fsdp":
         from scaleup.distributed.fsdp import FSDPStrategy

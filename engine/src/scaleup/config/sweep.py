@@ -4,6 +4,7 @@ job starts."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import sys
@@ -13,9 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from hydra import compose
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -29,7 +30,18 @@ def sweep_jobs(config: DictConfig) -> tuple[list[list[str]], set[str]]:
     params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
     parsed = OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task])
     swept = {override.get_key_element() for override in parsed if override.is_sweep_override()}
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch], swept
+    # As the basic sweeper orders them: one list of `key=value` per key (a later override of a key replaces the
+    # earlier one in its place), and their product.
+    choices: dict[str, list[str]] = {}
+    for override in parsed:
+        key = override.get_key_element()
+        if override.is_sweep_override() and not override.is_discrete_sweep():
+            raise HydraException(f"BasicSweeper does not support sweep type : {override.value_type.name}")
+        values = (
+            override.sweep_string_iterator() if override.is_sweep_override() else [override.get_value_element_as_str()]
+        )
+        choices[key] = [f"{key}={value}" for value in values]
+    return [list(job) for job in itertools.product(*choices.values())], swept
 
 
 def job_config(config_name: str, overrides: list[str], num: int) -> DictConfig:

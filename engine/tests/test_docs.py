@@ -281,3 +281,54 @@ def test_every_readme_section_cited_elsewhere_exists():
         if name is not None and name.rstrip(".,") not in sections
     ]
     assert stale == []
+
+
+REFERENCE = ROOT / "docs" / "configuration.md"
+# A reference table's row: `key`[, `key`...] | default[, default...] | ...; and in prose, `key` (default: ...) or
+# `key` (default).
+INLINE_DEFAULT = re.compile(r"`([a-z_]+(?:\.[a-z_0-9]+)+)` \((?:default:? )?`?(?!default)([\w.-]+)`?[):;,]")
+LITERAL = re.compile(r"-?\d+(\.\d+)?|true|false|null|[a-z][\w-]*|\[[^\]]*\]")
+
+
+def documented_defaults() -> Iterator[tuple[int, str, str]]:
+    """(line, key, the default docs/configuration.md states for it), where it states a literal."""
+    for number, text, fenced in lines(REFERENCE):
+        if fenced:
+            continue
+        cells = [cell.strip() for cell in text.split("|")]
+        if text.startswith("| `") and len(cells) > 3:
+            keys = CODE_SPAN.findall(cells[1])
+            values = re.split(r", | / ", cells[2].replace("`", ""))
+            if len(keys) == len(values) and all("." in key for key in keys):
+                yield from ((number, key, value) for key, value in zip(keys, values, strict=True))
+        yield from ((number, key, value) for key, value in INLINE_DEFAULT.findall(text))
+
+
+def as_yaml(value: Any) -> str:
+    """A composed value as the docs write it."""
+    if isinstance(value, list):
+        return "[" + ", ".join(map(as_yaml, value)) + "]"
+    if value is None or isinstance(value, bool):
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)
+
+
+def test_every_default_the_reference_states_is_the_configs():
+    """A setting's default is defined once, in its config group's YAML: docs/configuration.md's stated defaults are
+    checked against the composed config (the strategy keys against their option)."""
+    wrong = []
+    for number, key, stated in documented_defaults():
+        if not LITERAL.fullmatch(stated):
+            continue
+        trees = [composed("train"), composed("train", ("strategy=fsdp",)), *every_train_key()]
+        found = next((tree for tree in trees if has_key(tree, key)), None)
+        if found is None:
+            continue  # a key of a group option that is not composed by default: test_every_config_key_in_prose_exists
+        value = found
+        for part in key.split("."):
+            value = value[part]
+        if isinstance(value, str) and "${" in value:
+            continue  # an interpolation: the docs say what it resolves to
+        if as_yaml(value) != stated:
+            wrong.append(f"docs/configuration.md:{number}: `{key}` is {as_yaml(value)}, the docs say {stated}")
+    assert not wrong, "\n".join(wrong)

@@ -22,10 +22,13 @@ from scaleup.config.typed import TrainConfig, train_config
 from scaleup.data.datamodule import GlobalBatchDataModule
 from scaleup.distributed.launch import check_launch, prepare_launch, shards_the_model
 from scaleup.distributed.process_group import shut_down_process_group
+from scaleup.errors import UserError
 from scaleup.finetune import prepare_start
 from scaleup.observability.loggers import close_loggers
 from scaleup.observability.quiet import quiet_reattached_callbacks
 from scaleup.observability.rows import log_rows
+from scaleup.observability.speedup import Measured, estimate_lines, measured_run, target_of
+from scaleup.observability.step_time import summary_lines
 from scaleup.plan.checks import own_train_loader_warning, pitfall_warnings
 from scaleup.plan.make import make_plan
 from scaleup.plan.resolve import Plan
@@ -46,6 +49,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     topology = resolve_topology(config.trainer, dry_run=config.dry_run)
     check_outputs(config)  # before an epoch is trained, or data downloaded, for nothing
     check_launch(topology, dry_run=config.dry_run)
+    measured = measured_diagnostics(config)  # a previous run's step times, read before anything is built
     # Same seed on every rank before the data and the model are built: the same splits (also where a data module
     # splits with the global random state) and identical initial weights everywhere.
     L.seed_everything(config.seed, workers=True, verbose=False)
@@ -71,6 +75,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if rank_zero_only.rank == 0:
         announce(plan, config, run_dir, datamodule)
     if config.dry_run:
+        if measured is not None and rank_zero_only.rank == 0:
+            for line in estimate_lines(measured, target_of(plan.to_dict()), config.diagnostics_from):
+                log.info(line)
         return plan.to_dict()
 
     job = build_trainer(config, plan, topology, launch.strategy, run_dir)
@@ -94,7 +101,25 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # Read back what rank 0 wrote: with ddp_spawn, training and testing ran in child processes.
     metrics = json.loads((run_dir / "metrics.json").read_text())
     summarise(run_dir, metrics, best, config.monitor.metric)
+    in_memory = getattr(datamodule, "in_memory", False)
+    for line in summary_lines(
+        metrics, num_workers=config.batches.num_workers, in_memory=in_memory, devices_per_node=plan.devices
+    ):
+        log.info(line)  # the run's last lines: where its step time went, and what to do about it
     return metrics
+
+
+def measured_diagnostics(config: TrainConfig) -> Measured | None:
+    """The measured run `diagnostics_from` names, for a dry run's speedup estimate; a UserError without a dry run
+    (a training run would ignore it)."""
+    if config.diagnostics_from is None:
+        return None
+    if not config.dry_run:
+        raise UserError(
+            f"diagnostics_from={config.diagnostics_from} is read by a dry run only: add dry_run=true to get the "
+            "speedup estimate for this topology"
+        )
+    return measured_run(config.diagnostics_from)
 
 
 def announce(plan: Plan, config: TrainConfig, run_dir: Path, datamodule: GlobalBatchDataModule) -> None:

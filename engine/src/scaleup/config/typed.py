@@ -92,6 +92,7 @@ class TrainConfig:
     seed: int
     dry_run: bool
     ckpt_path: str | None
+    diagnostics_from: str | None
     monitor: Monitor
     checkpoint: Checkpointing
     performance: Performance

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import resource
+import socket
 import sys
 import time
 from collections import deque
@@ -12,9 +13,14 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.utilities.data import extract_batch_size
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
+
+from scaleup.observability.step_time import RankTimes, find_straggler, rank_metrics, straggler_line
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +108,14 @@ class TrainingDiagnostics(L.Callback):
     the run changes; that step, slowed down by the counting, is left out of the timings.
 
     With DDP the slowest rank sets everyone's pace: a high data wait means the loaders cannot keep up (raise
-    `data.num_workers`), and uneven memory means something runs on one rank only. Per step it costs two CUDA
-    events (or two host clock reads on CPU) and no synchronisation; the ranks exchange their numbers once per
-    epoch.
+    `data.num_workers`), and uneven memory means something runs on one rank only. Per rank it also logs where a
+    training batch's time goes (scaleup.observability.step_time): `perf/rank<r>/compute_s`, `data_wait_s` and
+    `comm_s`, the last the exposed communication of DDP's gradient reduction: from the end of the rank's own
+    backward (the last gradient bucket ready, marked by a comm hook that then runs DDP's own allreduce) to the
+    reduction's completion (after the backward, when DDP has waited for it). It names a straggler (a rank whose
+    compute is well above the others') in a warning with its host. Per step it costs two CUDA events (or two host
+    clock reads on CPU), two more in a step that reduces gradients, and no synchronisation; the ranks exchange their
+    numbers once per epoch (and their host names once per run).
     """
 
     def __init__(self, flops: bool = False) -> None:
@@ -114,10 +125,40 @@ class TrainingDiagnostics(L.Callback):
         self._counted_samples = 0  # the batch size of the step whose forward is counted, until that step ends
         self._clock: StreamClock | None = None
         self._marks: deque = deque()  # start, end, start, end, ... not yet folded into the sums
+        self._comm_marks: deque = deque()  # compute end, reduced, ... (exposed communication) not yet folded
         self._last_end: Any = None
-        self._wait = self._busy = 0.0
+        self._wait = self._busy = self._comm = 0.0
         self._samples = self._steps = 0
+        self._timing = False  # inside a timed step
+        self._compute_end: Any = None  # the mark of this backward's last gradient bucket, until the backward ends
+        self._comm_measured = True  # False where no hook times the reduction (FSDP, a comm hook of the user's)
+        self._hooked: torch.nn.Module | None = None
+        self._hosts: list[str] = []
+        self._named: set[int] = set()  # the stragglers warned about, once each per run
         self._reported = False  # the loader line, once per run
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._hosts = host_names(trainer.world_size)
+        model = trainer.strategy.model
+        if not isinstance(model, DistributedDataParallel):
+            self._comm_measured = trainer.world_size == 1  # one process: nothing to exchange; FSDP: not measured
+            return
+        if model is not self._hooked:
+            try:
+                model.register_comm_hook(None, self._reduce)
+                self._hooked = model
+            except RuntimeError:  # DDP takes one hook: the user registered their own
+                self._comm_measured = False
+                log.info("the gradient reduction has a comm hook of its own: its communication time is not measured")
+
+    def _reduce(self, process_group, bucket):  # no hints: DDP checks them, and this module's are postponed strings
+        """DDP's gradient reduction, as it runs without a hook (torch's allreduce_hook: divide by the world size,
+        sum), with the time its last bucket became ready: this rank's backward is done from there on. It runs where
+        the backward runs (the autograd thread, in its stream), so on a GPU the event marks the last gradient's
+        kernel in the stream order. A dist.GradBucket in, a torch.futures.Future of the reduced bucket out."""
+        if bucket.is_last() and self._clock is not None:
+            self._compute_end = self._clock.mark()
+        return allreduce_hook(process_group, bucket)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # A run resumed in the middle of an epoch gets no on_train_epoch_start from Lightning for that epoch.
@@ -126,7 +167,9 @@ class TrainingDiagnostics(L.Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._clock = StreamClock(pl_module.device)
         self._marks.clear()
-        self._last_end, self._wait, self._busy, self._samples, self._steps = None, 0.0, 0.0, 0, 0
+        self._comm_marks.clear()
+        self._timing, self._compute_end = False, None
+        self._last_end, self._wait, self._busy, self._comm, self._samples, self._steps = None, 0.0, 0.0, 0.0, 0, 0
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)  # this epoch's peak, not the run's
 
@@ -138,11 +181,21 @@ class TrainingDiagnostics(L.Callback):
             self._counter.__enter__()
             return  # counting slows this step down: it is left out of the timings
         self._marks.append(self._clock.mark())  # the batch is on the device: fetch and copy are behind us
+        self._timing = True
         if len(self._marks) > 2 * FOLD_EVERY:
             self._fold(wait_for_all=False)
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         self._stop_counting()
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # DDP waited for the reduction before the backward returned (on a GPU: the stream waits for it), so this
+        # mark is its completion. A backward without a reduction (accumulating under no_sync) left no mark.
+        if self._compute_end is None:
+            return
+        if self._timing:
+            self._comm_marks.extend((self._compute_end, self._clock.mark()))
+        self._compute_end = None
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._stop_counting()  # the counter is a mode on this thread: never left on after the run
@@ -164,6 +217,7 @@ class TrainingDiagnostics(L.Callback):
             self._counted_samples = 0
             return
         self._marks.append(self._clock.mark())
+        self._timing = False
         self._samples += batch_size(batch)
         self._steps += 1
 
@@ -175,12 +229,16 @@ class TrainingDiagnostics(L.Callback):
                 self._wait += self._clock.seconds(self._last_end, start)  # loader, collate, host-to-device copy
             self._busy += self._clock.seconds(start, end)
             self._last_end = end
+        while len(self._comm_marks) >= 2 and (wait_for_all or self._clock.ready(self._comm_marks[1])):
+            compute_end, reduced = self._comm_marks.popleft(), self._comm_marks.popleft()
+            self._comm += self._clock.seconds(compute_end, reduced)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._clock is not None and self._clock.cuda:
             torch.cuda.synchronize(pl_module.device)  # once per epoch: the last steps' events complete
         if len(self._marks) % 2:  # a step that started but did not end (interrupted): not counted
             self._marks.pop()
+            self._timing = False
         self._fold(wait_for_all=True)
         total = self._wait + self._busy
         if total == 0:
@@ -189,8 +247,22 @@ class TrainingDiagnostics(L.Callback):
         per_worker, needed, exact = loader_workers_needed(self._wait, self._busy, self._samples, self._steps, workers)
         # One small all_gather at epoch end, which every rank reaches: the per-rank numbers, side by side.
         memory = peak_memory_gb(pl_module.device)
-        mine = torch.tensor([self._wait / total, self._samples / total, memory, per_worker, needed])
-        ranks = trainer.strategy.all_gather(mine.to(pl_module.device)).reshape(-1, 5).cpu()
+        steps = max(self._steps, 1)
+        comm = self._comm / steps if self._comm_measured else -1.0
+        compute = (self._busy - self._comm) / steps
+        mine = [
+            self._wait / total,
+            self._samples / total,
+            memory,
+            per_worker,
+            needed,
+            self._wait / steps,
+            compute,
+            comm,
+        ]
+        mine = torch.tensor(mine)
+        ranks = trainer.strategy.all_gather(mine.to(pl_module.device)).reshape(-1, len(mine)).cpu()
+        times = [RankTimes(wait, compute, comm if comm >= 0 else None) for wait, compute, comm in ranks[:, 5:].tolist()]
         metrics = {
             "perf/data_wait": ranks[:, 0].max().item(),  # the slowest rank holds up the others
             "perf/samples_per_s": ranks[:, 1].sum().item(),
@@ -208,8 +280,12 @@ class TrainingDiagnostics(L.Callback):
             peak = get_available_flops(pl_module.device, compute_dtype(trainer.precision))
             if peak:
                 metrics["perf/mfu"] = achieved / (peak * trainer.world_size)
-        # Identical on every rank after the gather: the reduction changes nothing.
-        pl_module.log_dict(metrics, sync_dist=True, reduce_fx="max")
+        metrics |= rank_metrics(times)
+        # Identical on every rank after the gather: logged as they are, with no collective per name (rank_zero_only
+        # turns Lightning's reduction off; every rank still logs them).
+        pl_module.log_dict(metrics, sync_dist=True, rank_zero_only=True)
+        if trainer.is_global_zero:
+            self._warn_straggler(times)
         memory = ranks[:, 2]
         if trainer.is_global_zero and memory.min() > 0 and memory.max() / memory.min() > UNEVEN_MEMORY:
             log.warning(
@@ -218,6 +294,15 @@ class TrainingDiagnostics(L.Callback):
                 + ". DDP keeps identical replicas, so look for work done on one rank only (tensors kept for "
                 "logging, evaluation or saving on rank 0)"
             )
+
+    def _warn_straggler(self, ranks: list[RankTimes]) -> None:
+        """The straggler in a warning, with its host, the first epoch each rank is one."""
+        straggler = find_straggler(ranks)
+        if straggler is None or straggler.rank in self._named:
+            return
+        self._named.add(straggler.rank)
+        host = self._hosts[straggler.rank] if straggler.rank < len(self._hosts) else "?"
+        log.warning(straggler_line(straggler, f"host {host}"))
 
     def _report_workers(self, metrics: dict[str, float], workers: int, exact: bool, in_memory: bool) -> None:
         """One line, after the run's first epoch: the step's compute, one worker's rate, the workers that rate
@@ -228,15 +313,27 @@ class TrainingDiagnostics(L.Callback):
         the training loop's own work between batches (hooks, logging), which workers do not shorten (digits on a
         CPU: "data wait 30%" with the main process delivering 120,000 samples/s)."""
         steps, needed = max(self._steps, 1), max(1, math.ceil(metrics["perf/loader_workers_needed"]))
+        # A rank that waits for a straggler in the gradient reduction does not compute meanwhile: said apart.
+        waits = f" and waits {1000 * self._comm / steps:.1f} ms in the gradient all-reduce" if self._comm else ""
         line = (
             f"loaders: a step computes {self._samples / steps:.0f} samples per device in "
-            f"{1000 * self._busy / steps:.1f} ms; one loader worker delivers {'' if exact else 'at least '}"
-            f"{metrics['perf/loader_samples_per_s_per_worker']:.0f} samples/s (data.num_workers={workers}, data "
-            f"wait {metrics['perf/data_wait']:.0%}): keeping up needs {'about' if exact else 'at most'} {needed} "
-            f"worker{'s' if needed > 1 else ''} per device, each on a CPU core of its own"
+            f"{1000 * (self._busy - self._comm) / steps:.1f} ms{waits}; one loader worker delivers "
+            f"{'' if exact else 'at least '}{metrics['perf/loader_samples_per_s_per_worker']:.0f} samples/s "
+            f"(data.num_workers={workers}, data wait {metrics['perf/data_wait']:.0%}): keeping up needs "
+            f"{'about' if exact else 'at most'} {needed} worker{'s' if needed > 1 else ''} per device, "
+            "each on a CPU core of its own"
         )
         short = exact and metrics["perf/data_wait"] > DATA_BOUND and needed > workers and not in_memory
         (log.warning if short else log.info)(line)
+
+
+def host_names(world_size: int) -> list[str]:
+    """Every rank's host name, exchanged once (at the start of fit), for the straggler's warning."""
+    if world_size == 1 or not dist.is_available() or not dist.is_initialized():
+        return [socket.gethostname()]
+    hosts: list[Any] = [None] * world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
 
 
 def compute_dtype(precision: str) -> torch.dtype:

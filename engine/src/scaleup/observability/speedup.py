@@ -1,0 +1,222 @@
+"""Should this job use more devices? An estimate of the step time and speedup on M devices from a run on N.
+
+`python train.py dry_run=true trainer.devices=M diagnostics_from=<run dir>` reads the run's plan.json and the
+per-rank step times its metrics.json holds (scaleup.observability.step_time) and applies a simple model:
+
+- compute and data wait per sample stay as measured (the median rank's), so a device's time per optimizer step
+  is accumulation x per-device batch x (compute + data wait) per sample;
+- the gradient all-reduce is a ring all-reduce, 2(M-1)/M x gradient bytes / bandwidth, with the bandwidth that
+  makes the measured run's exposed communication (its pace-setting rank's wait in the reduction) come out: the
+  exposed part scales by (2(M-1)/M) / (2(N-1)/N), and the gradient bytes cancel;
+- the step is the two added: the communication the measured run hid behind its backward stays hidden in the same
+  proportion.
+
+What it leaves out, printed with every estimate: a smaller per-device batch usually runs at a lower rate per sample
+on a GPU (optimistic), a shorter backward hides less communication (optimistic when the per-device batch shrinks),
+and a network between nodes is usually slower than the links within one (a run on one node says nothing about
+several). From a 1-device run there is no communication to scale: the estimate is compute alone, a lower bound.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scaleup.errors import UserError
+from scaleup.observability.step_time import find_straggler, pace_setter, ranks_from_metrics
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A run's topology and its step times: compute and data wait in seconds per training batch (the median
+    rank's), exposed communication and the measured step in seconds per optimizer step (the pace-setting rank's)."""
+
+    world_size: int
+    num_nodes: int
+    per_device_batch: int
+    accumulation: int
+    compute: float
+    data_wait: float
+    comm: float | None
+    step: float
+    gradient_bytes: int = 0
+    straggler: int | None = None
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.accumulation * self.per_device_batch
+
+
+@dataclass(frozen=True)
+class Target:
+    """The topology to estimate: M devices in all, on `num_nodes` nodes, with the plan's batch split."""
+
+    world_size: int
+    num_nodes: int
+    per_device_batch: int
+    accumulation: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.accumulation * self.per_device_batch
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Seconds per optimizer step on the target (`comm` None: unknown, left out), its throughput, and the speedup
+    over the measured run and over one device computing the same samples at the measured rate."""
+
+    step: float
+    work: float
+    comm: float | None
+    samples_per_s: float
+    over_measured: float
+    over_one: float
+
+    def efficiency(self, world_size: int) -> float:
+        return self.over_one / world_size
+
+
+def ring(world_size: int) -> float:
+    """A ring all-reduce's traffic per byte of gradient, per device: 2(M-1)/M."""
+    return 2 * (world_size - 1) / world_size
+
+
+def estimate(measured: Measured, target: Target) -> Estimate:
+    """The model of the module docstring applied to `target`."""
+    per_sample = (measured.compute + measured.data_wait) / measured.per_device_batch
+    work = target.accumulation * target.per_device_batch * per_sample
+    if target.world_size == 1:
+        comm = 0.0
+    elif measured.world_size > 1 and measured.comm is not None:
+        comm = measured.comm * ring(target.world_size) / ring(measured.world_size)
+    else:
+        comm = None
+    step = work + (comm or 0.0)
+    samples_per_s = target.global_batch / step
+    return Estimate(
+        step=step,
+        work=work,
+        comm=comm,
+        samples_per_s=samples_per_s,
+        over_measured=samples_per_s / (measured.global_batch / measured.step),
+        over_one=target.global_batch * per_sample / step,
+    )
+
+
+def gradient_bytes(parameters: int, precision: str) -> int:
+    """Bytes of gradient DDP reduces: 8 per parameter in float64, 2 in a half precision's `-true`, else 4 (the
+    mixed precisions keep float32 weights, and so float32 gradients)."""
+    if precision.startswith("64"):
+        return 8 * parameters
+    return (2 if precision in ("bf16-true", "16-true") else 4) * parameters
+
+
+def in_units(size: float) -> str:
+    """A byte count in kB, MB or GB, 3 significant digits."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size:.0f} B"
+
+
+def measured_run(directory: str) -> Measured:
+    """The measured figures of the run in `directory` (its plan.json and metrics.json); a UserError where they are
+    not there."""
+    run = Path(directory)
+    plan_file, metrics_file = run / "plan.json", run / "metrics.json"
+    if not plan_file.is_file() or not metrics_file.is_file():
+        raise UserError(
+            f"diagnostics_from={directory}: no plan.json and metrics.json there; pass the directory of a finished "
+            "(or running) training run"
+        )
+    plan, metrics = json.loads(plan_file.read_text()), json.loads(metrics_file.read_text())
+    ranks = ranks_from_metrics(metrics)
+    if not ranks:
+        raise UserError(
+            f"diagnostics_from={directory}: its metrics.json holds no per-rank step times (perf/rank0/compute_s ...): "
+            "they are logged at the end of each training epoch by the diagnostics callback (callbacks=default)"
+        )
+    pace = ranks[pace_setter(ranks)]
+    accumulation = int(plan["accumulate_grad_batches"])
+    straggler = find_straggler(ranks)
+    return Measured(
+        world_size=int(plan["world_size"]),
+        num_nodes=int(plan["num_nodes"]),
+        per_device_batch=int(plan["per_device_batch_size"]),
+        accumulation=accumulation,
+        compute=statistics.median(r.compute for r in ranks),
+        data_wait=statistics.median(r.data_wait for r in ranks),
+        comm=None if pace.comm is None else pace.comm * accumulation,
+        step=pace.step * accumulation,
+        gradient_bytes=gradient_bytes(int(plan.get("trainable_parameters", 0)), str(plan.get("precision", ""))),
+        straggler=straggler.rank if straggler else None,
+    )
+
+
+def target_of(plan: dict[str, Any]) -> Target:
+    """The topology and batch split of a plan (Plan.to_dict())."""
+    return Target(
+        int(plan["world_size"]),
+        int(plan["num_nodes"]),
+        int(plan["per_device_batch_size"]),
+        int(plan["accumulate_grad_batches"]),
+    )
+
+
+def estimate_lines(measured: Measured, target: Target, source: str) -> list[str]:
+    """The estimate in words, with what it assumes."""
+    ms = 1000
+    model = estimate(measured, Target(measured.world_size, measured.num_nodes, measured.per_device_batch,
+                                      measured.accumulation))  # fmt: skip
+    result = estimate(measured, target)
+    lines = [
+        f"speedup estimate from {source}: {measured.world_size} device(s) on {measured.num_nodes} node(s), per-device "
+        f"batch {measured.per_device_batch} x {measured.accumulation} accumulation, measured "
+        f"{ms * measured.step:.1f} ms per optimizer step (the model gives {ms * model.step:.1f} ms)",
+    ]
+    comm = "no communication measured (1 device)"
+    if measured.comm is not None and measured.world_size > 1:
+        comm = f"exposed communication {ms * measured.comm:.2f} ms per optimizer step"
+        if measured.gradient_bytes and measured.comm > 0:
+            bandwidth = ring(measured.world_size) * measured.gradient_bytes / measured.comm
+            comm += (
+                f" (apparent bandwidth {in_units(bandwidth)}/s for {in_units(measured.gradient_bytes)} of gradients)"
+            )
+    elif measured.comm is None:
+        comm = "communication not measured (strategy=fsdp, or a comm hook of the run's own)"
+    lines.append(
+        f"  measured per training batch (median rank): compute {ms * measured.compute:.2f} ms, data wait "
+        f"{ms * measured.data_wait:.2f} ms; {comm}"
+    )
+    comm_part = "communication unknown (left out)" if result.comm is None else f"{ms * result.comm:.2f} ms all-reduce"
+    lines.append(
+        f"  on {target.world_size} device(s) (per-device batch {target.per_device_batch} x {target.accumulation} "
+        f"accumulation, global {target.global_batch}): about {ms * result.step:.1f} ms per optimizer step "
+        f"({ms * result.work:.1f} ms compute and data wait + {comm_part}), {result.samples_per_s:,.0f} samples/s: "
+        f"{result.over_measured:.2f}x the measured run, {result.over_one:.2f}x one device "
+        f"(efficiency {result.efficiency(target.world_size):.0%})"
+    )
+    if result.over_measured < 1:
+        lines.append(f"  {target.world_size} device(s) would be slower than the measured run: stay on fewer devices")
+    if measured.straggler is not None:
+        lines.append(
+            f"  the measured run had a straggler (rank {measured.straggler}): the estimate assumes every rank "
+            "computes at the median rank's rate"
+        )
+    if result.comm is None:
+        lines.append("  the communication was not measured: the step time is a lower bound, the speedup an upper one")
+    lines.append(
+        "  assumes: compute and data wait per sample as measured (a smaller per-device batch runs at a lower rate "
+        "on a GPU: optimistic); ring all-reduce, 2(M-1)/M x gradient bytes / the measured run's bandwidth; the same "
+        "share of the communication hidden behind the backward (a shorter backward hides less: optimistic)"
+        + (
+            "; the same interconnect (between nodes it is usually slower: measure a run on 2 nodes)"
+            if target.num_nodes > measured.num_nodes
+            else ""
+        )
+    )
+    return lines

@@ -60,18 +60,23 @@ def project_packages(config: Mapping[str, Any] | None = None) -> list[str]:
 
 def train_config_as_written() -> DictConfig:
     """configs/train.yaml composed without overrides, from the configs of the job that runs (Hydra's primary config
-    folder; `python eval.py` runs from any folder), else of the project in this folder. A loader of its own: inside
-    `@hydra.main`, Hydra's compose API refuses to start again."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra._internal.utils import create_config_search_path
+    folder; `python eval.py` runs from any folder), else of the project in this folder. Hydra's compose API, on a
+    Hydra of its own: the one `@hydra.main` set up (if any) is put aside meanwhile, and back afterwards."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
     sources = HydraConfig.get().runtime.config_sources if HydraConfig.initialized() else []
     main = [source.path for source in sources if source.provider == "main" and source.schema == "file"]
     configs = Path(main[0]) if main else project_configs()
-    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(f"file://{configs.resolve()}"))
-    return loader.load_configuration("train", overrides=[], run_mode=RunMode.RUN)
+    running = GlobalHydra.instance().hydra if GlobalHydra.instance().is_initialized() else None
+    GlobalHydra.instance().clear()  # initialize_config_dir refuses to start while a Hydra runs
+    try:
+        with initialize_config_dir(str(configs.resolve()), version_base="1.3"):
+            return compose("train")
+    finally:
+        if running is not None:
+            GlobalHydra.instance().initialize(running)
 
 
 def set_up_run(cfg: DictConfig) -> Path:

@@ -4,6 +4,7 @@ files and their sizes.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -12,33 +13,42 @@ import torch
 def read_distributed_checkpoint(path: Any) -> dict[str, Any]:
     """Every entry of a torch.distributed.checkpoint directory, as full tensors on the CPU, without a process group.
 
-    torch 2.14.1. Reason: torch rebuilds a state dict from the stored metadata alone only with the private
-    `_EmptyStateDictLoadPlanner` and `_load_state_dict` (what its public `format_utils.dcp_to_torch_save` does,
-    which writes the result to a file; the public `dcp.load` fills only the keys it is given).
+    torch 2.14.1. Reason: the public `dcp.load` fills only the entries it is given; here they are made from the
+    stored metadata first (an empty tensor of each stored shape and dtype, a placeholder for each other object, at
+    the place `Metadata.planner_data` records), as torch's private `_EmptyStateDictLoadPlanner` does (behind its
+    public `format_utils.dcp_to_torch_save`, which writes the result to a file).
     Canary: test_private_empty_planner_reads_a_distributed_checkpoint_without_a_process_group.
     """
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    except ImportError:  # the public converter, through a file
-        return read_through_torch_save(path)
-
+    reader = FileSystemReader(path)
+    metadata = reader.read_metadata()
+    paths = metadata.planner_data or {}
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            entry = torch.empty(entry.size, dtype=entry.properties.dtype)
+        put(state, paths.get(key, (key,)), entry)
+    dcp.load(state, storage_reader=reader, no_dist=True)  # tensors filled in place, other objects replaced
     return state
 
 
-def read_through_torch_save(path: Any) -> dict[str, Any]:
-    """`read_distributed_checkpoint` with torch's public `dcp_to_torch_save`, which writes one file to read back."""
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as scratch:
-        dcp_to_torch_save(path, f"{scratch}/state.pt")
-        return torch.load(f"{scratch}/state.pt", map_location="cpu", weights_only=False)
+def put(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """Set `value` at `path` in nested dicts and lists (an int a list index), making the containers on the way."""
+    container: Any = root
+    for key, after in itertools.pairwise(path):
+        empty: Any = [] if isinstance(after, int) else {}
+        if isinstance(container, list):
+            container.extend([None] * (key + 1 - len(container)))
+            container[key] = empty if container[key] is None else container[key]
+            container = container[key]
+        else:
+            container = container.setdefault(key, empty)
+    if isinstance(container, list):
+        container.extend([None] * (path[-1] + 1 - len(container)))
+    container[path[-1]] = value
 
 
 def stored_tensor_shapes(path: Any, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype]]:

@@ -90,8 +90,6 @@ def require(*workarounds: Workaround) -> None:
 
 #: Private names with a public fallback that gives the same result: used where present, never checked.
 WITH_FALLBACK = (
-    Private("torch.distributed.checkpoint.default_planner:_EmptyStateDictLoadPlanner"),
-    Private("torch.distributed.checkpoint.state_dict_loader:_load_state_dict"),
 )
 
 # --- The correctness workarounds, checked before a job that uses them starts ----------------------------------------

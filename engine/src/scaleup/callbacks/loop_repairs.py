@@ -94,12 +94,11 @@ class LoopRepairs(Callback):
         self._checkpoint = None
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
-
         held = (trainer.train_dataloader, trainer.val_dataloaders, trainer.test_dataloaders)
         for loader in (item for loaders in held for item in _as_list(loaders)):
-            if isinstance(getattr(loader, "_iterator", None), _MultiProcessingDataLoaderIter):
-                loader._iterator._shutdown_workers()
+            # Only a multi-process iterator has workers to shut down.
+            if (shut_down := getattr(getattr(loader, "_iterator", None), "_shutdown_workers", None)) is not None:
+                shut_down()
                 loader._iterator = None
 
 

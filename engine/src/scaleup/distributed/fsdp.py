@@ -33,6 +33,7 @@ from scaleup.compat.model_parallel import configure_model_counts_as_overridden, 
 from scaleup.distributed.meta_init import META, MetaInit, materialize_shards, tensors_of
 from scaleup.errors import UserError
 from scaleup.plan.checks import BATCH_NORMS
+from scaleup.plan.resolve import mib
 
 if TYPE_CHECKING:
     from scaleup.config.schema import Strategy
@@ -122,35 +123,20 @@ def bytes_per_rank(model: nn.Module, world_size: int) -> tuple[int, int]:
     return total, per_rank
 
 
-def describe(model: nn.Module, strategy: Strategy, mesh: tuple[int, ...], accumulation: int, on_meta: bool) -> str:
-    """The plan's row: the units, the parameter bytes per rank, the mesh, how the model is built (`on_meta`: on the
-    meta device, its build replayed into each rank's shards) and when gradients are reduced."""
-    units = unit_names(model, strategy.shard_modules)
+def sharding_fields(model: nn.Module, strategy: Strategy, mesh: tuple[int, ...], on_meta: bool) -> dict[str, Any]:
+    """The plan's sharding fields (its row says them in words): the units and roots, the parameter bytes of the
+    model and of one rank's shards, the mesh, how the model is built (`on_meta`: on the meta device, its build
+    replayed into each rank's shards) and when gradients are reduced."""
     total, per_rank = bytes_per_rank(model, mesh[-1])
-    shown = ", ".join(units[:6]) + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
-    roots = ", ".join(name for name, _ in networks(model))
-    parts = [
-        f"{len(units)} unit(s) ({shown or 'none'}), then the root(s) {roots}; parameters {mib(per_rank)} per rank "
-        f"of {mib(total)} (gradients and optimizer state shard alike)",
-        f"mesh {mesh[0]} node(s) x {mesh[1]}: sharded within a node, replicated across nodes"
-        if len(mesh) == 2
-        else f"mesh {mesh[0]}: sharded over every process",
-        "built on the meta device, each rank fills its shards with the ordinary build's values"
-        if on_meta
-        else "every rank builds the whole model, then shards it",
-    ]
-    if accumulation > 1:
-        parts.append(
-            f"gradients reduced once per optimizer step (whole gradients held between micro-batches: +{mib(total)} "
-            "per rank)"
-            if strategy.sync_gradients == "step"
-            else "gradients reduce-scattered at every micro-batch"
-        )
-    return "; ".join(parts)
-
-
-def mib(count: int) -> str:
-    return f"{count / 2**20:.2f} MiB" if count < 2**30 else f"{count / 2**30:.2f} GiB"
+    return {
+        "sharding_units": tuple(unit_names(model, strategy.shard_modules)),
+        "sharding_roots": tuple(name for name, _ in networks(model)),
+        "sharding_mesh": tuple(mesh),
+        "parameter_bytes": total,
+        "parameter_bytes_per_rank": per_rank,
+        "built_on_meta": on_meta,
+        "gradient_sync": strategy.sync_gradients,
+    }
 
 
 def batch_norms(model: nn.Module) -> list[str]:
@@ -365,6 +351,7 @@ class FSDPStrategy(ModelParallelStrategy):
         recording: MetaInit | None = None,
     ) -> None:
         super().__init__(data_parallel_size=world_size, tensor_parallel_size=1, timeout=timeout)
+        self.timeout = timeout  # the background saves' process group waits as long
         self.shard_modules = shard_modules
         self.mesh_shape = mesh_shape(sharding, world_size, num_nodes)
         self.sync_gradients = sync_gradients
@@ -465,7 +452,7 @@ class FSDPStrategy(ModelParallelStrategy):
         """The saves of `async_save`, one in flight at a time, over a process group of their own; made at the first
         save."""
         if self._background_saver is None:
-            self._background_saver = BackgroundSaver(timeout=self._timeout)
+            self._background_saver = BackgroundSaver(timeout=self.timeout)
         return self._background_saver
 
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
@@ -373,7 +374,7 @@ class FSDPStrategy(ModelParallelStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if not self._measured:
             self._measured = True
-            inner = getattr(optimizer, "_optimizer", optimizer)
+            inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
             mine = model_state_bytes(self.lightning_module, inner)
             ranks: list[Any] = [None] * self.world_size
             torch.distributed.all_gather_object(ranks, mine)  # the first step: every rank is here

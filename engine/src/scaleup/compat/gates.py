@@ -88,9 +88,87 @@ def require(*workarounds: Workaround) -> None:
             )
 
 
-#: Private names with a public fallback that gives the same result: used where present, never checked.
-WITH_FALLBACK = (
+@dataclass(frozen=True)
+class PrivateUse:
+    """Why the engine touches one private upstream name: where, the guarantee it serves, the upstream behaviour it
+    works around, and the test that fails when that behaviour changes (its canary)."""
+
+    where: str
+    guarantee: str
+    upstream: str
+    canary: str
+
+
+SPAWN_EXIT = PrivateUse(
+    "compat/launch.py",
+    "ddp_spawn workers leave the process group together (no gloo abort at the end of a spawned run)",
+    "Lightning's spawn worker function returns with the process group up and has no hook after it",
+    "test_spawn_worker_leaves_the_process_group_up",
 )
+META_REPLAY = PrivateUse(
+    "distributed/meta_init.py",
+    "strategy=fsdp builds a model on the meta device whose shards hold the eager build's values bit for bit",
+    "torch records operations only through TorchDispatchMode, whose module is private, and names the arguments an "
+    "operation writes only in OpOverload._schema; torchmetrics moves its states only in Module._apply",
+    "test_the_replayed_build_equals_the_ordinary_build_bit_for_bit",
+)
+LOADER_WORKERS = PrivateUse(
+    "callbacks/loop_repairs.py",
+    "an error inside fit leaves no persistent loader worker running (a job run in-process after it would stall)",
+    "torch has no public way to stop a DataLoader's persistent workers",
+    "test_an_error_leaves_persistent_loader_workers_running",
+)
+EXACT_METRICS = PrivateUse(
+    "callbacks/exact_metrics.py",
+    "validation and test metrics of a plain self.log on N processes equal those on one",
+    "Lightning keeps each rank's own epoch value, and truncates a sync_dist mean's sample count",
+    "test_plain_self_log_keeps_each_rank_its_own_epoch_value",
+)
+
+#: Every private name of torch, Lightning, Hydra, Optuna or torchmetrics that the engine's source touches (an
+#: attribute, an imported name or module, or a method or attribute of an upstream class it subclasses), and why.
+#: test_compat.py scans the source and asserts that what it finds is exactly this. A new one needs a guarantee that
+#: no public API gives, a canary in engine/tests/test_lightning_workarounds.py (or the feature's own test), an entry
+#: here and a row in docs/lightning-workarounds.md.
+PRIVATE_NAMES = {
+    "_results": EXACT_METRICS,
+    "_computed": EXACT_METRICS,
+    "_signal_connector": PrivateUse(
+        "compat/launch.py",
+        "the template's SIGTERM handler stays in front of Lightning's from a stage's start",
+        "Lightning registers its own SIGTERM handler after setup, through Trainer._signal_connector",
+        "test_lightning_registers_its_own_sigterm_handler_after_setup",
+    ),
+    "_iteration_based_training": PrivateUse(
+        "callbacks/loop_repairs.py",
+        "a resume with trainer.max_steps from an epoch-end checkpoint trains what a resume without max_steps trains",
+        "with max_steps, Lightning re-enters a finished epoch (or drops the rest of one that max_steps cut short)",
+        "test_max_steps_resume_from_an_epoch_end_reenters_the_finished_epoch",
+    ),
+    "_iterator": LOADER_WORKERS,
+    "_shutdown_workers": LOADER_WORKERS,
+    "_rekey_optimizer_state_if_needed": PrivateUse(
+        "compat/model_parallel.py",
+        "strategy=fsdp resumes a one-file checkpoint whose optimizer has several param groups",
+        "Lightning keys index i of the optimizer state to the module's i-th parameter, not the param groups' order",
+        "test_model_parallel_rekeys_optimizer_state_by_module_order",
+    ),
+    "_device": PrivateUse(
+        "callbacks/ema.py",
+        "callbacks=ema keeps the average on the training device (no copy of every weight per step)",
+        "EMAWeightAveraging builds its average in setup, before the model moves, on pl_module.device unless _device "
+        "is set",
+        "test_ema_average_is_built_before_the_model_moves_to_its_device",
+    ),
+    "_MultiProcessingLauncher": SPAWN_EXIT,
+    "_wrapping_function": SPAWN_EXIT,
+    "_configure_launcher": SPAWN_EXIT,
+    "_launcher": SPAWN_EXIT,
+    "_start_method": SPAWN_EXIT,
+    "torch.utils._python_dispatch": META_REPLAY,
+    "_schema": META_REPLAY,
+    "_apply": META_REPLAY,
+}
 
 # --- The correctness workarounds, checked before a job that uses them starts ----------------------------------------
 

@@ -86,7 +86,7 @@ def test_every_option_of_every_group_dry_runs_with_every_experiment(tmp_path):
 def test_any_callbacks_list_plans_a_run(callbacks, tmp_path):
     plan = in_process([f"callbacks={callbacks}", "dry_run=true", f"hydra.run.dir={tmp_path}"])
     assert plan["lr"] == pytest.approx(0.1) and plan["total_steps"] == 12 * 19
-    assert (plan["early_stopping"] is not None) == ("early_stopping" in callbacks)
+    assert (plan["early_stopping_monitor"] is not None) == ("early_stopping" in callbacks)
 
 
 @pytest.mark.parametrize("model", CLASSIFIERS)

@@ -22,19 +22,19 @@ def plan_of(*overrides: str, tmp_path) -> dict:
 @pytest.mark.parametrize(
     ("option", "steps_per_epoch", "warmup", "total", "limit"),
     [
-        (None, 19, 19, 228, ""),  # digits: 1257 // 64 = 19 global batches; 12 epochs
-        ("fdr", 1, 1, 1, "trainer.fast_dev_run=1"),
-        ("overfit", 3, 3, 60, "trainer.overfit_batches=3"),
-        ("limit", 4, 4, 12, "trainer.limit_train_batches=4"),
-        ("profiler", 19, 19, 19, ""),
-        ("anomaly", 19, 19, 19, ""),
+        (None, 19, 19, 228, (None, None)),  # digits: 1257 // 64 = 19 global batches; 12 epochs
+        ("fdr", 1, 1, 1, ("fast_dev_run", 1)),
+        ("overfit", 3, 3, 60, ("overfit_batches", 3)),
+        ("limit", 4, 4, 12, ("limit_train_batches", 4)),
+        ("profiler", 19, 19, 19, (None, None)),
+        ("anomaly", 19, 19, 19, (None, None)),
     ],
 )
 def test_the_plan_follows_the_debug_flags(option, steps_per_epoch, warmup, total, limit, tmp_path):
     ramping = "lr_schedule.base_batch_size=32"  # a peak above the base LR, so a warmup of warmup_epochs=1
     plan = plan_of(*([f"debug={option}"] if option else []), ramping, tmp_path=tmp_path)
     assert (plan["steps_per_epoch"], plan["warmup_steps"], plan["total_steps"]) == (steps_per_epoch, warmup, total)
-    assert plan["epoch_limit"] == limit
+    assert (plan["epoch_limit_flag"], plan["epoch_limit_value"]) == limit
 
 
 def test_flags_count_micro_batches_and_an_epochs_last_step(tmp_path):

@@ -71,7 +71,7 @@ def test_a_node_lost_mid_run_continues_on_the_survivor_with_exact_weights(baseli
     assert "world_size 2 -> 1" in resumed and "accumulate_grad_batches 1 -> 2" in resumed, resumed
     plan = read_json(run_dir / "plan.json")
     assert (plan["world_size"], plan["num_nodes"], plan["accumulate_grad_batches"]) == (1, 1, 2)
-    assert plan["global_batch_size"] == 64 and plan["launcher"].startswith("torchrun, restart 1")
+    assert plan["global_batch_size"] == 64 and (plan["launcher_kind"], plan["launcher_restarts"]) == ("torchrun", 1)
     assert read_json(run_dir / "metrics.json")["test/samples"] == EXACT_TEST
     worst = assert_same_weights(
         weights(baseline("one") / "checkpoints/last.ckpt"), weights(run_dir / "checkpoints/last.ckpt"), 0, TOLERANCE

@@ -57,7 +57,8 @@ def test_early_stopping_ends_the_run_and_says_so(uninterrupted):
     assert checkpoint["global_step"] == STOPPED_AT
     assert early_stopping_state(checkpoint)["wait_count"] == 2
     plan = read_json(uninterrupted / "plan.json")
-    assert (plan["early_stopping"], plan["total_steps"]) == ("val/acc (max, patience 2)", 48)
+    early_stopping = (plan["early_stopping_monitor"], plan["early_stopping_mode"], plan["early_stopping_patience"])
+    assert (early_stopping, plan["total_steps"]) == (("val/acc", "max", 2), 48)
     log = (uninterrupted / "train.log").read_text()
     assert f"early stopping ended the run at step {STOPPED_AT} of the 48 planned (epoch 2)" in log
 

@@ -743,10 +743,11 @@ def test_a_share_of_each_epoch_works_as_typed(entry_point_results):
     assert result["rc"] == 0, result["stderr"][-3000:]
     plan = json.loads((run_dir / "plan.json").read_text())
     # 1257 training samples fill 19 global batches of 64; half of them, rounded down, in each of the 12 epochs.
-    assert (plan["steps_per_epoch"], plan["total_steps"], plan["epoch_limit"]) == (
+    assert (plan["steps_per_epoch"], plan["total_steps"], plan["epoch_limit_flag"], plan["epoch_limit_value"]) == (
         9,
         108,
-        "trainer.limit_train_batches=0.5",
+        "limit_train_batches",
+        0.5,
     )
 
 

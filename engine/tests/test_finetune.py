@@ -209,12 +209,22 @@ def test_the_plan_shows_where_the_weights_came_from_and_what_was_left_new(source
         "  BatchNorm      eval mode in training: the weights' running statistics, never updated\n"
     ) in log
     row = (
-        f"{file} (a state_dict) into net: 18 of 20 tensors; left as built: 13.weight, 13.bias; frozen: 0.weight, "
-        "1.weight, 1.bias, 3.weight, 4.weight, 4.bias (init.freeze); BatchNorm in eval mode: running statistics "
-        "fixed (init.freeze_bn)"
+        f"{file} (a state_dict) into net: 18 of 20 tensors loaded, 2 left as built; 6 parameters frozen (init.freeze); "
+        "BatchNorm in eval mode: running statistics fixed (init.freeze_bn)"
     )
     assert f"  initial weights       {row}\n" in log
-    assert read_json(tuned / "plan.json")["initial_weights"] == row
+    plan = read_json(tuned / "plan.json")
+    initial = {key: plan[key] for key in plan if key.startswith("init_") and key != "init_bn_batch_size"}
+    assert initial == {
+        "init_weights": str(file),
+        "init_weights_kind": "a state_dict",
+        "init_module": "net",
+        "init_tensors": 20,
+        "init_loaded": 18,
+        "init_left_as_built": 2,
+        "init_frozen": 6,
+        "init_freeze_bn": True,
+    }
 
 
 def test_a_fine_tuned_run_evaluates_and_exports(tuned, tmp_path):
@@ -234,10 +244,11 @@ def test_a_resumed_fine_tuning_run_continues_from_its_checkpoint_not_the_initial
     gone = tmp_path / "gone.pt"
     in_process([*RECIPE, f"init.weights={gone}", "ckpt_path=last", "trainer.max_epochs=2", f"hydra.run.dir={run_dir}"])
     assert_same_weights(torch.load(run_dir / "start" / "start0.pt", weights_only=True), resumed, rtol=0, atol=0)
-    assert (
-        f"{gone}: not loaded, the run resumes from {run_dir}/checkpoints/last.ckpt (its trained weights)"
-        in (run_dir / "train.log").read_text()
-    )
+    log = (run_dir / "train.log").read_text()
+    assert f"not loaded  the run resumes from {run_dir}/checkpoints/last.ckpt (its trained weights)" in log
+    assert f"{gone}: not loaded, the run resumes from its checkpoint (its trained weights)" in log
+    plan = read_json(run_dir / "plan.json")
+    assert (plan["init_weights"], plan["init_loaded"], plan["init_tensors"]) == (str(gone), None, None)
 
 
 def test_the_plan_warns_when_pretrained_batchnorm_statistics_see_another_batch(source, tmp_path):

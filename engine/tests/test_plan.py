@@ -3,10 +3,12 @@
 import json
 import logging
 import math
+from dataclasses import replace
 
 import pytest
 
-from conftest import ENGINE_CONF, batches, engine_section, in_process, performance, read_json
+from conftest import ENGINE_CONF, TESTS, batches, engine_section, in_process, performance, read_json
+from scaleup.checkpoints.io import load_checkpoint
 from scaleup.checkpoints.resume import log_changes
 from scaleup.errors import UserError
 from scaleup.plan.batch import resolve_batch, total_steps
@@ -155,10 +157,12 @@ def test_dry_run_goyal_plan_for_256_gpus(tmp_path, caplog):
     log = (tmp_path / "train.log").read_text()
     assert "3.2 @ 8192" in log and "BatchNorm statistics" not in log
     assert not (tmp_path / "checkpoints").exists()
-    # A resume of an FSDP checkpoint with this plan (no sharding): the log says what the value became.
+    # A resume of an FSDP checkpoint with this plan (no sharding): the log says what the value became; not the
+    # launch, which a restarted torchrun counts up.
+    sharded = {**plan, "sharding_units": ["net.0", "net.1"], "launcher_kind": "torchrun", "launcher_restarts": 2}
     with caplog.at_level(logging.INFO, logger="scaleup"):
-        log_changes("last.ckpt", Plan.from_dict({**plan, "sharding": "11 unit(s)"}), Plan.from_dict(plan))
-    assert "resuming from last.ckpt; changed since: sharding 11 unit(s) -> none" in caplog.text
+        log_changes("last.ckpt", Plan.from_dict(sharded), Plan.from_dict(plan))
+    assert "resuming from last.ckpt; changed since: sharding_units net.0, net.1 -> none\n" in caplog.text
     # plan.json read back typed, as eval, export, resume and the equivalence check read it
     typed = Plan.from_dict({**plan, "from_a_newer_version": 1})
     assert json.loads(json.dumps(typed.to_dict())) == plan and typed.milestones == tuple(plan["milestones"])
@@ -239,7 +243,7 @@ def test_cap_in_the_plan():
     plan = plan_for(**CAPPED)
     assert (plan.per_device_batch_size, plan.accumulate_grad_batches, plan.global_batch_size) == (32, 8, 256)
     assert (plan.max_per_device_batch_size, plan.bn_batch_size, plan.base_bn_batch_size) == (32, 32, 256)
-    assert (plan.sync_batchnorm, plan.sync_batchnorm_reason) == (False, "auto: one process, nothing to sync")
+    assert (plan.sync_batchnorm, plan.sync_batchnorm_rule) == (False, "one_process")
     assert plan.total_steps == 3 * (10_000 // 256)  # steps and LR follow the global batch alone
 
 
@@ -252,17 +256,17 @@ def test_auto_cap_plans_the_global_batch_and_leaves_the_split_to_the_probe():
 
 
 @pytest.mark.parametrize(
-    ("topology", "global_", "sync", "reason"),
+    ("topology", "global_", "sync", "rule"),
     [
-        (Topology("gpu", 8, 1), 128, True, "auto: 16 samples per device < 32"),
-        (Topology("gpu", 8, 1), 256, False, "auto: 32 samples per device >= 32 are enough per statistic"),
-        (Topology("cpu", 2, 1), 32, False, "auto: torch's SyncBatchNorm runs on GPUs only"),
-        (Topology("gpu", 1, 1), 16, False, "auto: one process, nothing to sync"),
+        (Topology("gpu", 8, 1), 128, True, "small_batch"),  # 16 per device, below 32
+        (Topology("gpu", 8, 1), 256, False, "large_batch"),  # 32 per device
+        (Topology("cpu", 2, 1), 32, False, "cpu"),
+        (Topology("gpu", 1, 1), 16, False, "one_process"),
     ],
 )
-def test_sync_batchnorm_auto_decides_by_the_per_device_batch(topology, global_, sync, reason):
+def test_sync_batchnorm_auto_decides_by_the_per_device_batch(topology, global_, sync, rule):
     plan = plan_for(topology=topology, trainer={"max_epochs": 1}, batches={"global_batch_size": global_})
-    assert (plan.sync_batchnorm, plan.sync_batchnorm_reason) == (sync, reason)
+    assert (plan.sync_batchnorm, plan.sync_batchnorm_rule) == (sync, rule)
     assert plan.bn_batch_size == (global_ if sync else global_ // topology.world_size)
 
 
@@ -324,10 +328,49 @@ def test_early_stopping_is_in_the_plan():
             "patience": 4,
         }
     )
-    assert plan.early_stopping == "val/acc (max, patience 4)" and plan_for().early_stopping is None
+    assert early_stopping(plan) == ("val/acc", "max", 4) and early_stopping(plan_for()) == (None, None, None)
     # What the entry leaves out is the callback's own default (Lightning's EarlyStopping: min, patience 3).
     plan = plan_for(early_stopping={"_target_": "lightning.pytorch.callbacks.EarlyStopping", "monitor": "val/loss"})
-    assert plan.early_stopping == "val/loss (min, patience 3)"
+    assert early_stopping(plan) == ("val/loss", "min", 3)
+
+
+def early_stopping(plan):
+    return (plan.early_stopping_monitor, plan.early_stopping_mode, plan.early_stopping_patience)
+
+
+def test_a_plan_of_an_older_version_reads_its_sentences_as_numbers():
+    """Before 0.3 the plan stored sentences (the v0.2.0 fixture's plan, with an early stopping, a torchrun restart
+    and an FSDP row added): they become the fields they were made from, or are left out where they cut names
+    short, and the plan prints as it did."""
+    old = load_checkpoint(TESTS / "fixtures" / "v0.2.0" / "last.ckpt")["scaleup"]["plan"]
+    assert old["sync_batchnorm_reason"] == "auto: one process, nothing to sync" and old["launcher"] == "one process"
+    plan = Plan.from_dict(old)
+    assert (plan.sync_batchnorm_rule, plan.launcher_kind, plan.launcher_restarts) == ("one_process", "one_process", 0)
+    assert (plan.epoch_limit_flag, plan.epoch_limit_value, early_stopping(plan)) == (
+        "limit_train_batches",
+        3,
+        (None, None, None),
+    )
+    assert dict(plan.rows())["steps per epoch"] == "3 (trainer.limit_train_batches=3)"
+    older = {
+        **old,
+        "early_stopping": "val/acc (max, patience 5)",
+        "epoch_limit": "trainer.limit_train_batches=0.5",
+        "launcher": "torchrun in a Kubeflow pod (PET_* variables from the operator), restart 3: ranks from RANK, ...",
+        "sync_batchnorm_reason": "auto: 16 samples per device < 32 (decided before the probe, on its largest split)",
+        "sharding": "11 unit(s) (net.0, ...); parameters 1.00 MiB per rank of 2.00 MiB",
+        "initial_weights": "net.pt (a state_dict) into net: 18 of 20 tensors; left as built: 13.weight, 13.bias",
+    }
+    plan = Plan.from_dict(older)
+    assert (early_stopping(plan), plan.epoch_limit_value) == (("val/acc", "max", 5), 0.5)
+    assert (plan.launcher_kind, plan.launcher_restarts, plan.sync_batchnorm_rule) == (
+        "kubeflow_torchrun",
+        3,
+        "small_batch",
+    )
+    assert (plan.sharding_units, plan.parameter_bytes, plan.init_weights) == ((), None, "")
+    slurm = Plan.from_dict({**old, "launcher": "SLURM srun, job 4711: ranks from SLURM_PROCID, SLURM_LOCALID"})
+    assert (slurm.launcher_kind, slurm.launcher_job) == ("slurm", "4711")
 
 
 RANDOMNESS = (
@@ -414,6 +457,48 @@ PRINTED = {
 def test_the_plan_as_printed(name):
     settings, rows = PRINTED[name]
     assert plan_for(**settings).rows() == rows
+
+
+def test_the_rows_made_from_the_launch_sharding_and_initial_weights_fields():
+    """The rows of the fields the plan's makers fill in after build_plan (clusters.py, fsdp.py, finetune.py)."""
+    plan = replace(
+        plan_for(trainer={"max_epochs": 3, "accumulate_grad_batches": 2, "overfit_batches": 3}),
+        launcher_kind="torchrun",
+        launcher_restarts=1,
+        sharding_units=tuple(f"net.{i}" for i in range(8)),
+        sharding_roots=("net",),
+        sharding_mesh=(2, 4),
+        parameter_bytes=3 * 2**20,
+        parameter_bytes_per_rank=2**20 // 4,
+        built_on_meta=True,
+        gradient_sync="step",
+        init_weights="net.pt",
+        init_weights_kind="a state_dict",
+        init_module="net",
+        init_tensors=20,
+        init_loaded=18,
+        init_left_as_built=2,
+        init_frozen=6,
+        init_freeze_bn=True,
+    )
+    rows = dict(plan.rows())
+    assert rows["launcher"] == "torchrun, restart 1: ranks from RANK, LOCAL_RANK, GROUP_RANK"
+    # 3 micro-batches of the sequential loader, in steps of 2
+    assert (plan.steps_per_epoch, plan.epoch_limit_flag, plan.epoch_limit_value) == (2, "overfit_batches", 3)
+    assert rows["steps per epoch"] == "2 (trainer.overfit_batches=3)"
+    assert rows["sharding"] == (
+        "8 unit(s) (net.0, net.1, net.2, net.3, net.4, net.5, ... (8 in all)), then the root(s) net; parameters "
+        "0.25 MiB per rank of 3.00 MiB (gradients and optimizer state shard alike); mesh 2 node(s) x 4: sharded "
+        "within a node, replicated across nodes; built on the meta device, each rank fills its shards with the "
+        "ordinary build's values; gradients reduced once per optimizer step (whole gradients held between "
+        "micro-batches: +3.00 MiB per rank)"
+    )
+    assert rows["initial weights"] == (
+        "net.pt (a state_dict) into net: 18 of 20 tensors loaded, 2 left as built; 6 parameters frozen "
+        "(init.freeze); BatchNorm in eval mode: running statistics fixed (init.freeze_bn)"
+    )
+    resumed = dict(replace(plan, init_loaded=None, init_frozen=0, init_freeze_bn=False).rows())["initial weights"]
+    assert resumed == "net.pt: not loaded, the run resumes from its checkpoint (its trained weights)"
 
 
 def test_a_group_of_your_own_takes_the_engines_yaml_defaults_and_a_missing_key_is_one_line(tmp_path):

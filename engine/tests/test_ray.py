@@ -224,7 +224,7 @@ def test_two_workers_killed_mid_run_restart_and_end_with_the_one_process_weights
         "train.log",
     ]
     plan = read_json(run_dir / "plan.json")
-    assert plan["launcher"] == "Ray Train, 2 workers: ranks from ray.train.get_context()"
+    assert plan["launcher_kind"] == "ray"
     assert (plan["world_size"], plan["per_device_batch_size"], plan["accumulate_grad_batches"]) == (2, 32, 1)
     metrics = read_json(run_dir / "metrics.json")
     assert (metrics["val/samples"], metrics["test/samples"]) == (EXACT_VAL, EXACT_TEST)  # 65/64 and 578/577 per rank

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_only
@@ -88,27 +88,29 @@ class Start:
         compare = self.has_batchnorm and not self.settings.freeze_bn
         return replace(
             plan,
-            initial_weights=start.row(resumed),
+            **start.plan_fields(resumed),
             init_bn_batch_size=trained_with if compare else None,
             batchnorm_frozen=self.every_batchnorm_frozen,
         )
 
-    def row(self, resumed: Path | str | None) -> str:
-        """The plan's row: where the weights came from and what was left new; or that a resume loads none."""
-        parts = []
-        if self.settings.weights is not None and resumed is not None:
-            parts.append(f"{self.settings.weights}: not loaded, the run resumes from {resumed} (its trained weights)")
-        elif self.file is not None and self.matched is not None:
-            new = self.matched.left_new + list(self.matched.mismatched)
-            parts.append(
-                f"{self.file.given} ({self.file.kind}) into {self.label}: {len(self.matched.loaded)} of "
-                f"{self.matched.total} tensors; left as built: {shown(new) if new else 'none'}"
+    def plan_fields(self, resumed: Path | str | None) -> dict[str, Any]:
+        """The plan's init fields: the file and its kind, the module, its tensors loaded from the file and left as
+        built (none loaded when the run resumes), the frozen parameters, init.freeze_bn."""
+        fields: dict[str, Any] = {
+            "init_weights": str(self.settings.weights or ""),
+            "init_module": self.settings.module or "",
+            "init_frozen": len(self.frozen),
+            "init_freeze_bn": bool(self.settings.freeze_bn),
+        }
+        if self.file is not None and self.matched is not None and resumed is None:
+            fields.update(
+                init_weights=str(self.file.given),
+                init_weights_kind=self.file.kind,
+                init_tensors=self.matched.total,
+                init_loaded=len(self.matched.loaded),
+                init_left_as_built=len(self.matched.left_new) + len(self.matched.mismatched),
             )
-        if self.frozen:
-            parts.append(f"frozen: {shown(self.frozen)} (init.freeze)")
-        if self.settings.freeze_bn:
-            parts.append("BatchNorm in eval mode: running statistics fixed (init.freeze_bn)")
-        return "; ".join(parts)
+        return fields
 
     def report(self, resumed: Path | str | None) -> None:
         """One block before training: what was taken from the file, what stays as built and why, what of the file

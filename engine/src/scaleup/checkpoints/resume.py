@@ -190,11 +190,32 @@ def best_checkpoint(checkpoint: dict[str, Any], monitor: str, path: Path | str) 
 
 def shown(value: Any) -> str:
     """A plan value in the resume log: an empty one (e.g. no FSDP sharding on one device) as `none`."""
+    if isinstance(value, tuple | list):
+        return ", ".join(map(str, value)) or "none"
     return "none" if value in (None, "") else str(value)
 
 
+# What a resume does not compare: the launch (a restarted torchrun counts up), the initial weights (a resume loads
+# none), the split sizes, and the code of the SyncBN rule (its setting and outcome are compared).
+NOT_COMPARED = (
+    "dataset_sizes",
+    "sync_batchnorm_rule",
+    "launcher_kind",
+    "launcher_restarts",
+    "launcher_job",
+    "init_weights",
+    "init_weights_kind",
+    "init_module",
+    "init_tensors",
+    "init_loaded",
+    "init_left_as_built",
+    "init_frozen",
+    "init_freeze_bn",
+)
+
+
 def log_changes(path: Path | str, previous: Plan | None, plan: Plan) -> None:
-    skipped = {"dataset_sizes", "sync_batchnorm_reason", "launcher", "initial_weights"}  # a resume loads no weights
+    skipped = set(NOT_COMPARED)
     if plan.max_per_device_batch_size == "auto":  # settled again at the start of fit
         skipped |= {"per_device_batch_size", "accumulate_grad_batches", "bn_batch_size"}
     before = previous.to_dict() if previous else {}

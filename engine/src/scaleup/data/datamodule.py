@@ -145,6 +145,8 @@ class GlobalBatchDataModule(L.LightningDataModule):
         trainer = self.trainer
         if trainer is None:  # a loader built outside fit/test, e.g. in a notebook
             return resolve_batch(self.global_batch_size, self.per_device_batch_size, 1, 1), 0
+        # The Trainer's accumulation is the plan's (build_trainer), or the one data.max_per_device_batch_size=auto
+        # settled at the start of fit, before any loader is built (AutoBatchSize): the split the plan made.
         batch = resolve_batch(
             self.global_batch_size, self.per_device_batch_size, trainer.world_size, trainer.accumulate_grad_batches
         )

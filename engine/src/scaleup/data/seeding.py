@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from scaleup.plan.batch import resolve_batch
 from scaleup.plan.progress import steps_done
 
 # Distinct first keys keep the two families of streams apart: sample 5 of epoch 3 and step 3 at offset 5
@@ -133,9 +134,9 @@ class StepSeed(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The topology is fixed for the fit (and settled by now, also by AutoBatchSize): read from the Trainer's
         # properties once, not at every step.
-        accumulation = trainer.accumulate_grad_batches
-        self._per_device = self.global_batch_size // (trainer.world_size * accumulation)
-        self._rank_offset = micro_batch_offset(trainer.global_rank, accumulation, 0, self._per_device)
+        batch = resolve_batch(self.global_batch_size, None, trainer.world_size, trainer.accumulate_grad_batches)
+        self._per_device = batch.per_device
+        self._rank_offset = micro_batch_offset(trainer.global_rank, batch.accumulation, 0, batch.per_device)
         # The process's GPU generator itself: `torch.cuda.manual_seed` looks it up through a lazy-init queue.
         device = pl_module.device
         if device.type == "cuda":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 
 from lightning.fabric.plugins.environments import ClusterEnvironment, KubeflowEnvironment
 
@@ -64,24 +65,33 @@ def is_one_process_per_pod() -> bool:
     )
 
 
-def launcher_name(world_size: int) -> str:
-    """What started the processes, for the plan."""
+@dataclass(frozen=True)
+class Launcher:
+    """What started the processes, for the plan: a key of plan/resolve.py's LAUNCHERS (which says it in words),
+    torchrun's restart count and SLURM's job id where they apply."""
+
+    kind: str
+    restarts: int = 0
+    job: str = ""
+
+
+def launcher_of(world_size: int) -> Launcher:
+    """What started the processes, read from the variables it set."""
     if is_ray_train():  # first: Ray's workers may inherit the variables of the allocation Ray itself runs in
-        return f"Ray Train, {world_size} workers: ranks from ray.train.get_context()"
+        return Launcher("ray")
     if is_torchrun():
-        kubeflow = " in a Kubeflow pod (PET_* variables from the operator)" if "PET_NNODES" in os.environ else ""
-        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return f"torchrun{kubeflow}, restart {restarts}: ranks from RANK, LOCAL_RANK, GROUP_RANK"
+        kind = "kubeflow_torchrun" if "PET_NNODES" in os.environ else "torchrun"
+        return Launcher(kind, restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     if is_slurm():
-        return f"SLURM srun, job {os.environ.get('SLURM_JOB_ID', '?')}: ranks from SLURM_PROCID, SLURM_LOCALID"
+        return Launcher("slurm", job=os.environ.get("SLURM_JOB_ID", ""))
     if is_one_process_per_pod():
-        return "Kubeflow PyTorchJob, one process per pod: ranks from WORLD_SIZE, RANK (the pod's index)"
-    return "Lightning's launcher, one process per device" if world_size > 1 else "one process"
+        return Launcher("pytorchjob")
+    return Launcher("lightning" if world_size > 1 else "one_process")
 
 
 def launched_world_size() -> tuple[str, int] | None:
     """(launcher, world size) where the processes were started outside Lightning, else None."""
-    if is_ray_train():  # first, as in launcher_name
+    if is_ray_train():  # first, as in launcher_of
         return "Ray Train", int(os.environ["WORLD_SIZE"])
     if is_torchrun():
         return "torchrun", int(os.environ["WORLD_SIZE"])

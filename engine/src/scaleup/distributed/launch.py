@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from scaleup.checkpoints.background import resolve_async_save
 from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.config.typed import values
-from scaleup.distributed.clusters import check_one_process_per_pod, launched_world_size, launcher_name
+from scaleup.distributed.clusters import Launcher, check_one_process_per_pod, launched_world_size, launcher_of
 from scaleup.distributed.process_group import shut_down_process_group
 from scaleup.errors import UserError, config_errors
 from scaleup.plan.topology import Topology
@@ -53,7 +53,7 @@ class Launch:
 
     strategy: Any
     name: str
-    launcher: str
+    launcher: Launcher
 
 
 def check_launch(topology: Topology, *, dry_run: bool) -> None:
@@ -85,11 +85,11 @@ def prepare_launch(
             strategy, topology.world_size, multirun, async_save, num_nodes=topology.num_nodes, recording=recording
         )
     if dry_run:
-        launcher = "planned only (dry run)"
+        launcher = Launcher("dry_run")
     elif name == "ddp_spawn" and launched_world_size() is None:
-        launcher = "spawn (a sweep's processes), one process per device"
+        launcher = Launcher("spawn")
     else:
-        launcher = launcher_name(topology.world_size)
+        launcher = launcher_of(topology.world_size)
     return Launch(built, name, launcher)
 
 

@@ -141,8 +141,11 @@ def batch_limit(batches: int, limit: float | None) -> int:
     return min(batches, int(limit))
 
 
-def epoch_steps(train_size: int | None, batch: BatchPlan, trainer: TrainerArgs) -> tuple[int | None, str]:
-    """Optimizer steps per epoch as Lightning takes them, and the debug flag that shortens the epoch ("" if none).
+def epoch_steps(
+    train_size: int | None, batch: BatchPlan, trainer: TrainerArgs
+) -> tuple[int | None, str | None, int | float | None]:
+    """Optimizer steps per epoch as Lightning takes them, and the debug flag that shortens the epoch with its value
+    (None, None if none).
 
     A full epoch is the global batches the training set fills (the sampler skips the tail). Lightning's debug
     flags cut it short, counting each rank's loader batches (micro-batches): `limit_train_batches` and
@@ -150,7 +153,7 @@ def epoch_steps(train_size: int | None, batch: BatchPlan, trainer: TrainerArgs) 
     Lightning swaps in, which keeps the tail. An epoch that ends inside an accumulation still steps: rounded up.
     """
     if train_size is None:
-        return None, ""
+        return None, None, None
     batches = train_size // batch.global_ * batch.accumulation
     fast_dev_run = int(trainer.fast_dev_run or 0)  # True is 1 batch
     if trainer.overfit_batches:
@@ -163,7 +166,8 @@ def epoch_steps(train_size: int | None, batch: BatchPlan, trainer: TrainerArgs) 
     if limited == 0 and limit:
         raise UserError(f"trainer.{flag}={limit} keeps less than one of the {batches} batches per epoch; raise it")
     shortened = limited != batches or flag == "overfit_batches"
-    return math.ceil(limited / batch.accumulation), f"trainer.{flag}={limit}" if shortened else ""
+    steps = math.ceil(limited / batch.accumulation)
+    return (steps, flag, limit) if shortened else (steps, None, None)
 
 
 def run_steps(steps_per_epoch: int | None, trainer: TrainerArgs) -> int | None:

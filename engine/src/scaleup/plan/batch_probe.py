@@ -129,8 +129,9 @@ class AutoBatchSize(L.Callback):
                 f"data.max_per_device_batch_size=auto: not even one sample per device fits in {device}'s memory; "
                 "use trainer.precision=bf16-mixed, a smaller model, or strategy=fsdp"
             )
-        trainer.accumulate_grad_batches = self.plan.global_batch_size // (trainer.world_size * agreed)
         self.plan = self.plan.with_per_device_batch(agreed)
+        # The loaders, built after this, and StepSeed follow the Trainer's accumulation.
+        trainer.accumulate_grad_batches = self.plan.accumulate_grad_batches
         # Checkpoints record the split actually used: eval.py batches by it, a resume rescales its counters by it.
         for callback in trainer.callbacks:
             if isinstance(callback, RunFiles):

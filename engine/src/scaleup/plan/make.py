@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import lightning as L
 
-from scaleup.distributed.fsdp import describe as describe_sharding
+from scaleup.distributed.fsdp import sharding_fields
 from scaleup.distributed.launch import Launch
 from scaleup.errors import config_errors
 from scaleup.plan.checks import check_config, has_batchnorm
@@ -56,8 +56,6 @@ def make_plan(
     if plan.manual_optimization:
         check_manual_optimization(type(model).__name__, plan, config.trainer.accumulate_grad_batches)
     if launch.name == "fsdp":
-        mesh = launch.strategy.mesh_shape
-        sharding = describe_sharding(model, config.strategy, mesh, plan.accumulate_grad_batches, on_meta)
-        plan = replace(plan, sharding=sharding)
+        plan = replace(plan, **sharding_fields(model, config.strategy, launch.strategy.mesh_shape, on_meta))
     check_config(config, plan)
     return plan

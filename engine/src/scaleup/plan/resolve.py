@@ -7,13 +7,16 @@ the per-device batch for the topology. Moving to more devices then changes the s
 from __future__ import annotations
 
 import inspect
+import json
 import pkgutil
+import re
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
+from scaleup.distributed.clusters import Launcher
 from scaleup.errors import UserError
-from scaleup.plan.batch import check_auto_cap, epoch_steps, resolve_batch, run_steps
+from scaleup.plan.batch import BatchPlan, check_auto_cap, epoch_steps, resolve_batch, run_steps
 from scaleup.plan.lr import LRSchedule, lr_factor
 from scaleup.plan.topology import Topology, resolve_precision
 
@@ -63,13 +66,41 @@ class Plan:
     has_batchnorm: bool = False
     bn_batch_size: int | None = None  # samples per BN statistic; None without BN, or with auto before the probe
     base_bn_batch_size: int | None = None  # the BN batch the recipe was tuned at
-    sync_batchnorm_reason: str = ""
-    early_stopping: str | None = None  # e.g. "val/acc (max, patience 5)": the run may end before total_steps
-    epoch_limit: str = ""  # the Lightning debug flag that shortens each epoch, e.g. "trainer.overfit_batches=3"
-    sharding: str = ""  # strategy=fsdp: the sharding units and the parameter bytes per rank (distributed/fsdp.py)
-    launcher: str = ""  # what started the processes (distributed/clusters.py), e.g. "torchrun, restart 0: ..."
+    # Why SyncBatchNorm is on or off, as a code: SYNC_BATCHNORM_RULES holds what each one means.
+    sync_batchnorm_rule: str = ""
+    # The callbacks' EarlyStopping (None without one): the run may end before total_steps.
+    early_stopping_monitor: str | None = None
+    early_stopping_mode: str | None = None
+    early_stopping_patience: int | None = None
+    # The Lightning debug flag that shortens each epoch (None if none) and its value, e.g. overfit_batches, 3.
+    epoch_limit_flag: str | None = None
+    epoch_limit_value: int | float | None = None
+    # strategy=fsdp (distributed/fsdp.py): the units sharded in order, then the roots; the mesh (nodes x devices
+    # for hybrid sharding, the world for full); the parameter bytes of the model and of one rank's shards; whether
+    # the model is built on the meta device; when gradients are reduced (strategy.sync_gradients).
+    sharding_units: tuple[str, ...] = ()
+    sharding_roots: tuple[str, ...] = ()
+    sharding_mesh: tuple[int, ...] = ()
+    parameter_bytes: int | None = None
+    parameter_bytes_per_rank: int | None = None
+    built_on_meta: bool = False
+    gradient_sync: str | None = None
+    # What started the processes (distributed/clusters.py): one of LAUNCHERS, torchrun's restart count, SLURM's job.
+    launcher_kind: str = ""
+    launcher_restarts: int = 0
+    launcher_job: str = ""
     log_every_n_steps: int | None = None  # resolved: `auto` is a number here; None is Lightning's default (50)
-    initial_weights: str = ""  # init.weights: where they came from, what was left as built and frozen (finetune.py)
+    # init (finetune.py): the weights file as given and its kind, the module they go into ("" for the
+    # LightningModule), its tensors, how many were loaded from the file (None: a resume loads none) and left as
+    # built; the parameters init.freeze froze; init.freeze_bn.
+    init_weights: str = ""
+    init_weights_kind: str = ""
+    init_module: str = ""
+    init_tensors: int | None = None
+    init_loaded: int | None = None
+    init_left_as_built: int | None = None
+    init_frozen: int = 0
+    init_freeze_bn: bool = False
     init_bn_batch_size: int | None = None  # the BatchNorm batch those weights were trained with, where it matters
     batchnorm_frozen: bool = False  # init.freeze_bn over every BatchNorm layer: eval mode, no batch statistics
     parameters: int | None = None  # the model's parameters (None in a plan of an older version) ...
@@ -78,13 +109,19 @@ class Plan:
     # schedule, the step seed, trainer.max_steps, a resume) is a global batch, not an optimizer.step() call.
     manual_optimization: bool = False
 
+    def split(self) -> BatchPlan:
+        """The global batch as the plan splits it: per-device micro-batch x accumulation x world size."""
+        return BatchPlan(self.per_device_batch_size, self.accumulate_grad_batches, self.world_size)
+
     def with_per_device_batch(self, per_device: int) -> Plan:
-        """This plan with its global batch split into micro-batches of `per_device` (what the auto cap settles)."""
+        """This plan with its global batch split into micro-batches of `per_device` (what the auto cap settles: an
+        exact split, so the cap's accumulation gives exactly `per_device`)."""
+        batch = resolve_batch(self.global_batch_size, None, self.world_size, None, per_device)
         return replace(
             self,
-            per_device_batch_size=per_device,
-            accumulate_grad_batches=self.global_batch_size // (self.world_size * per_device),
-            bn_batch_size=bn_batch(per_device, self.world_size, self.sync_batchnorm, self.has_batchnorm),
+            per_device_batch_size=batch.per_device,
+            accumulate_grad_batches=batch.accumulation,
+            bn_batch_size=bn_batch(batch.per_device, self.world_size, self.sync_batchnorm, self.has_batchnorm),
         )
 
     def schedule(self) -> LRSchedule:
@@ -103,12 +140,13 @@ class Plan:
     @classmethod
     def from_dict(cls, stored: Mapping[str, Any]) -> Plan:
         """The plan `to_dict` wrote (plan.json, a checkpoint's `scaleup.plan`), typed again. A key this version does
-        not know is left out and one an older plan lacks takes its field's default; a plan without a field that has
-        none is refused in one line."""
+        not know is left out and one an older plan lacks takes its field's default (the sentences of a plan before
+        0.3 become the numbers they were made from where they state them: `from_sentences`); a plan without a field
+        that has none is refused in one line."""
         known = {spec.name: spec for spec in fields(cls)}
-        values = {name: value for name, value in stored.items() if name in known}
-        if "milestones" in values:
-            values["milestones"] = tuple(values["milestones"])  # JSON has no tuples
+        values = {name: value for name, value in {**from_sentences(stored), **stored}.items() if name in known}
+        for name in TUPLES & values.keys():
+            values[name] = tuple(values[name])  # JSON has no tuples
         missing = [
             name
             for name, spec in known.items()
@@ -125,21 +163,21 @@ class Plan:
                 "world size",
                 f"{self.world_size} = {self.num_nodes} node(s) x {self.devices} {self.accelerator}",
             ),
-            *([("launcher", self.launcher)] if self.launcher else []),
+            *([("launcher", self._launcher_row())] if self.launcher_kind else []),
             *([("parameters", self._parameters_row())] if self.parameters is not None else []),
             ("per-device batch", self._per_device_row()),
             ("accumulation", self._accumulation_row()),
             ("global batch", f"{self.global_batch_size} ({self.batch_mode} mode)"),
             ("learning rate", self._lr_row()),
             ("warmup / total steps", self._steps_row()),
-            ("steps per epoch", known(self.steps_per_epoch) + (f" ({self.epoch_limit})" if self.epoch_limit else "")),
+            ("steps per epoch", known(self.steps_per_epoch) + self._epoch_limit_note()),
             ("BatchNorm batch", self._bn_row()),
-            ("SyncBatchNorm", f"{'on' if self.sync_batchnorm else 'off'} ({self.sync_batchnorm_reason})"),
+            ("SyncBatchNorm", f"{'on' if self.sync_batchnorm else 'off'} ({self._sync_batchnorm_reason()})"),
             ("precision / strategy", f"{self.precision} / {self.strategy}"),
-            *([("sharding", self.sharding)] if self.sharding else []),
-            *([("initial weights", self.initial_weights)] if self.initial_weights else []),
+            *([("sharding", self._sharding_row())] if self.sharding_mesh else []),
+            *([("initial weights", self._initial_weights_row())] if self._starts_from_weights() else []),
             ("TF32 / channels_last", f"{'on' if self.tf32 else 'off'} / {'on' if self.channels_last else 'off'}"),
-            *([("early stopping", self._early_stopping_row())] if self.early_stopping else []),
+            *([("early stopping", self._early_stopping_row())] if self.early_stopping_monitor else []),
             ("seed", str(self.seed)),
             ("random numbers", self._randomness_row()),
             ("data", sizes or "unknown until the data is there (the data module cannot state its sizes)"),
@@ -193,9 +231,69 @@ class Plan:
 
     def _early_stopping_row(self) -> str:
         return (
-            f"{self.early_stopping}: may end the run before step {self.total_steps}; "
-            f"the LR schedule still spans all {self.total_steps}"
+            f"{self.early_stopping_monitor} ({self.early_stopping_mode}, patience {self.early_stopping_patience}): "
+            f"may end the run before step {self.total_steps}; the LR schedule still spans all {self.total_steps}"
         )
+
+    def _epoch_limit_note(self) -> str:
+        return f" (trainer.{self.epoch_limit_flag}={self.epoch_limit_value})" if self.epoch_limit_flag else ""
+
+    def _sync_batchnorm_reason(self) -> str:
+        """Why SyncBatchNorm is on or off, from the rule and the numbers it decided by."""
+        # With an auto cap the rule was applied to the probe's largest split, the per-device share.
+        auto = self.max_per_device_batch_size == "auto"
+        per_device = self.global_batch_size // self.world_size if auto else self.per_device_batch_size
+        reason = SYNC_BATCHNORM_RULES.get(self.sync_batchnorm_rule, self.sync_batchnorm_rule or "unknown")
+        reason = reason.format(per_device=per_device, small=SMALL_BN_BATCH)
+        if auto and self.has_batchnorm and self.sync_batchnorm_rule != "fsdp":
+            reason += " (decided before the probe, on its largest split)"
+        return reason
+
+    def _launcher_row(self) -> str:
+        row = LAUNCHERS.get(self.launcher_kind, self.launcher_kind)
+        return row.format(restarts=self.launcher_restarts, job=self.launcher_job or "?", world_size=self.world_size)
+
+    def _sharding_row(self) -> str:
+        units, mesh = self.sharding_units, self.sharding_mesh
+        shown = ", ".join(units[:6]) + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
+        parts = [
+            f"{len(units)} unit(s) ({shown or 'none'}), then the root(s) {', '.join(self.sharding_roots)}; parameters "
+            f"{mib(self.parameter_bytes_per_rank)} per rank of {mib(self.parameter_bytes)} (gradients and optimizer "
+            "state shard alike)",
+            f"mesh {mesh[0]} node(s) x {mesh[1]}: sharded within a node, replicated across nodes"
+            if len(mesh) == 2
+            else f"mesh {mesh[0]}: sharded over every process",
+            "built on the meta device, each rank fills its shards with the ordinary build's values"
+            if self.built_on_meta
+            else "every rank builds the whole model, then shards it",
+        ]
+        if self.accumulate_grad_batches > 1:
+            parts.append(
+                f"gradients reduced once per optimizer step (whole gradients held between micro-batches: "
+                f"+{mib(self.parameter_bytes)} per rank)"
+                if self.gradient_sync == "step"
+                else "gradients reduce-scattered at every micro-batch"
+            )
+        return "; ".join(parts)
+
+    def _starts_from_weights(self) -> bool:
+        return bool(self.init_weights or self.init_frozen or self.init_freeze_bn)
+
+    def _initial_weights_row(self) -> str:
+        """Where the weights came from and how many of the module's tensors they set; or that a resume loads none."""
+        parts = []
+        if self.init_weights and self.init_loaded is None:
+            parts.append(f"{self.init_weights}: not loaded, the run resumes from its checkpoint (its trained weights)")
+        elif self.init_weights:
+            parts.append(
+                f"{self.init_weights} ({self.init_weights_kind}) into {self.init_module or 'the LightningModule'}: "
+                f"{self.init_loaded} of {self.init_tensors} tensors loaded, {self.init_left_as_built} left as built"
+            )
+        if self.init_frozen:
+            parts.append(f"{self.init_frozen} parameters frozen (init.freeze)")
+        if self.init_freeze_bn:
+            parts.append("BatchNorm in eval mode: running statistics fixed (init.freeze_bn)")
+        return "; ".join(parts)
 
     def _lr_row(self) -> str:
         if self.base_lr is not None:
@@ -210,6 +308,77 @@ class Plan:
 
 def known(value: Any) -> str:
     return "unknown" if value is None else str(value)
+
+
+def mib(count: int) -> str:
+    return f"{count / 2**20:.2f} MiB" if count < 2**30 else f"{count / 2**30:.2f} GiB"
+
+
+# The plan's fields that hold tuples (JSON gives them back as lists).
+TUPLES = {"milestones", "sharding_units", "sharding_roots", "sharding_mesh"}
+
+# What each sync_batchnorm_rule means, as the plan prints it.
+SYNC_BATCHNORM_RULES = {
+    "set": "set by trainer.sync_batchnorm",
+    "fsdp": "strategy=fsdp: BatchNorm statistics stay per device",
+    "no_batchnorm": "no BatchNorm layers",
+    "one_process": "auto: one process, nothing to sync",
+    "cpu": "auto: torch's SyncBatchNorm runs on GPUs only",
+    "small_batch": "auto: {per_device} samples per device < {small}",
+    "large_batch": "auto: {per_device} samples per device >= {small} are enough per statistic",
+}
+
+# What each launcher_kind means (distributed/clusters.py decides which), as the plan prints it.
+LAUNCHERS = {
+    "dry_run": "planned only (dry run)",
+    "spawn": "spawn (a sweep's processes), one process per device",
+    "ray": "Ray Train, {world_size} workers: ranks from ray.train.get_context()",
+    "torchrun": "torchrun, restart {restarts}: ranks from RANK, LOCAL_RANK, GROUP_RANK",
+    "kubeflow_torchrun": (
+        "torchrun in a Kubeflow pod (PET_* variables from the operator), restart {restarts}: ranks from RANK, "
+        "LOCAL_RANK, GROUP_RANK"
+    ),
+    "slurm": "SLURM srun, job {job}: ranks from SLURM_PROCID, SLURM_LOCALID",
+    "pytorchjob": "Kubeflow PyTorchJob, one process per pod: ranks from WORLD_SIZE, RANK (the pod's index)",
+    "lightning": "Lightning's launcher, one process per device",
+    "one_process": "one process",
+}
+
+
+def from_sentences(stored: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a plan written before 0.3 that held sentences (`sync_batchnorm_reason`, `early_stopping`,
+    `epoch_limit`, `launcher`), as the numbers and names they state. The sharding and initial-weights sentences
+    are left out: their names and counts were cut short."""
+    found: dict[str, Any] = {}
+    reason = stored.get("sync_batchnorm_reason")
+    if isinstance(reason, str):
+        starts = {text.split("{")[0]: rule for rule, text in SYNC_BATCHNORM_RULES.items()}
+        small = {"<": "small_batch", ">=": "large_batch"}
+        if sized := re.match(r"auto: \d+ samples per device (<|>=)", reason):
+            found["sync_batchnorm_rule"] = small[sized[1]]
+        else:
+            found["sync_batchnorm_rule"] = next(
+                (rule for start, rule in starts.items() if reason.startswith(start)), ""
+            )
+    early = stored.get("early_stopping")
+    if isinstance(early, str) and (parts := re.fullmatch(r"(.+) \((\w+), patience (\d+)\)", early)):
+        found.update(
+            early_stopping_monitor=parts[1], early_stopping_mode=parts[2], early_stopping_patience=int(parts[3])
+        )
+    limit = stored.get("epoch_limit")
+    if isinstance(limit, str) and (parts := re.fullmatch(r"trainer\.(\w+)=(.+)", limit)):
+        found.update(epoch_limit_flag=parts[1], epoch_limit_value=json.loads(parts[2].lower()))
+    launcher = stored.get("launcher")
+    if isinstance(launcher, str):
+        starts = {text.split("{")[0].split(",")[0]: kind for kind, text in LAUNCHERS.items()}
+        starts["torchrun in a Kubeflow pod"] = "kubeflow_torchrun"
+        kind = max((start for start in starts if launcher.startswith(start)), key=len, default=None)
+        found["launcher_kind"] = starts[kind] if kind else ""
+        if restarts := re.search(r"restart (\d+)", launcher):
+            found["launcher_restarts"] = int(restarts[1])
+        if job := re.match(r"SLURM srun, job ([^:]+):", launcher):
+            found["launcher_job"] = job[1]
+    return found
 
 
 def check_plan_inputs(
@@ -273,7 +442,7 @@ def build_plan(
     strategy: str,
     early_stopping: Mapping[str, Any] | None = None,
     performance: Performance,
-    launcher: str = "",
+    launcher: Launcher | None = None,
 ) -> Plan:
     """Check the settings, then derive the batch split, the LR schedule, BatchNorm and precision for `topology`."""
     check_plan_inputs(trainer=trainer, batches=batches, lr_schedule=lr_schedule, strategy=strategy)
@@ -287,7 +456,7 @@ def build_plan(
         None if cap == "auto" else cap,
     )
     check_split_sizes(dataset_sizes, batch.global_, topology.world_size)
-    steps_per_epoch, epoch_limit = epoch_steps(dataset_sizes.get("train"), batch, trainer)
+    steps_per_epoch, limit_flag, limit_value = epoch_steps(dataset_sizes.get("train"), batch, trainer)
 
     rule = str(lr_schedule.rule)
     base_batch = int(lr_schedule.base_batch_size)
@@ -295,12 +464,12 @@ def build_plan(
     distinct_lrs = set(base_lrs.values())
     shared_lr = distinct_lrs.pop() if len(distinct_lrs) == 1 else None
     # With an auto cap the micro-batch is known only after the probe; SyncBN is decided before it (Lightning
-    # converts the layers during setup) on the largest micro-batch the probe can pick.
-    sync, sync_reason = resolve_sync_batchnorm(
+    # converts the layers during setup) on the largest micro-batch the probe can pick (the cap is left out above).
+    sync, sync_rule = resolve_sync_batchnorm(
         trainer.sync_batchnorm, topology, has_batchnorm, batch.per_device, strategy
     )
-    if cap == "auto" and has_batchnorm:
-        sync_reason += " (decided before the probe, on its largest split)"
+    early = early_stopping_settings(early_stopping)
+    launcher = launcher or Launcher("")
 
     return Plan(
         world_size=topology.world_size,
@@ -330,14 +499,19 @@ def build_plan(
         strategy=strategy,
         seed=int(seed),
         dataset_sizes=dict(dataset_sizes),
-        epoch_limit=epoch_limit,
+        epoch_limit_flag=limit_flag,
+        epoch_limit_value=limit_value,
         max_per_device_batch_size=cap,
         has_batchnorm=has_batchnorm,
         bn_batch_size=None if cap == "auto" else bn_batch(batch.per_device, topology.world_size, sync, has_batchnorm),
         base_bn_batch_size=int(lr_schedule.base_bn_batch_size or base_batch),
-        sync_batchnorm_reason=sync_reason,
-        early_stopping=describe_early_stopping(early_stopping),
-        launcher=launcher,
+        sync_batchnorm_rule=sync_rule,
+        early_stopping_monitor=early and early["monitor"],
+        early_stopping_mode=early and early["mode"],
+        early_stopping_patience=early and int(early["patience"]),
+        launcher_kind=launcher.kind,
+        launcher_restarts=launcher.restarts,
+        launcher_job=launcher.job,
         log_every_n_steps=resolve_log_every_n_steps(trainer.log_every_n_steps, steps_per_epoch),
     )
 
@@ -359,14 +533,13 @@ def early_stopping_entry(callbacks_cfg: Mapping[str, Any]) -> Mapping[str, Any] 
     return next((c for c in entries if str(c["_target_"]).rsplit(".", 1)[-1] == "EarlyStopping"), None)
 
 
-def describe_early_stopping(entry: Mapping[str, Any] | None) -> str | None:
-    """`metric (mode, patience N)` of the callbacks' EarlyStopping entry; a setting the entry leaves out is the
-    callback's own default."""
+def early_stopping_settings(entry: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The settings of the callbacks' EarlyStopping entry (monitor, mode, patience, ...); a setting the entry leaves
+    out is the callback's own default."""
     if not entry:
         return None
     callback = pkgutil.resolve_name(str(entry["_target_"]))
-    settings = {name: p.default for name, p in inspect.signature(callback).parameters.items()} | dict(entry)
-    return f"{settings['monitor']} ({settings['mode']}, patience {settings['patience']})"
+    return {name: p.default for name, p in inspect.signature(callback).parameters.items()} | dict(entry)
 
 
 LOG_EVERY_N_STEPS = 50  # Lightning's default
@@ -391,7 +564,7 @@ def resolve_log_every_n_steps(setting: int | str | None, steps_per_epoch: int | 
 def resolve_sync_batchnorm(
     setting: Any, topology: Topology, has_batchnorm: bool, per_device: int, strategy: str = "ddp"
 ) -> tuple[bool, str]:
-    """Whether to sync BatchNorm across devices, and why.
+    """Whether to sync BatchNorm across devices, and why: a key of SYNC_BATCHNORM_RULES.
 
     `auto` syncs when it can run (GPU, more than one process; torch refuses it on CPU) and the per-device
     micro-batch is below SMALL_BN_BATCH: then BN sees devices x micro-batch samples instead of too few. From
@@ -403,20 +576,20 @@ def resolve_sync_batchnorm(
                 "trainer.sync_batchnorm=true does not run with strategy=fsdp (it converts no layers); use "
                 "trainer.sync_batchnorm=auto, model.net.norm=group, or strategy=ddp"
             )
-        return False, "strategy=fsdp: BatchNorm statistics stay per device" if has_batchnorm else "no BatchNorm layers"
+        return False, "fsdp" if has_batchnorm else "no_batchnorm"
     if setting in ("auto", None):
         if not has_batchnorm:
-            return False, "no BatchNorm layers"
+            return False, "no_batchnorm"
         if topology.world_size == 1:
-            return False, "auto: one process, nothing to sync"
+            return False, "one_process"
         if topology.accelerator != "gpu":
-            return False, "auto: torch's SyncBatchNorm runs on GPUs only"
+            return False, "cpu"
         if per_device < SMALL_BN_BATCH:
-            return True, f"auto: {per_device} samples per device < {SMALL_BN_BATCH}"
-        return False, f"auto: {per_device} samples per device >= {SMALL_BN_BATCH} are enough per statistic"
+            return True, "small_batch"
+        return False, "large_batch"
     if setting and topology.accelerator == "cpu" and topology.world_size > 1:
         raise UserError(
             "trainer.sync_batchnorm=true cannot run on CPU (torch's SyncBatchNorm needs GPUs); "
             "use trainer.sync_batchnorm=auto, or model.net.norm=group for batch-independent normalisation"
         )
-    return bool(setting), "set by trainer.sync_batchnorm"
+    return bool(setting), "set"

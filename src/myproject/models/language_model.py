@@ -9,9 +9,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from torchmetrics.classification import MulticlassAccuracy
 
-from scaleup.api import StageMetrics, build_optimizer
+from scaleup.api import StageMetrics, Top1Accuracy, build_optimizer
 
 
 class CharLanguageModel(L.LightningModule):
@@ -25,8 +24,8 @@ class CharLanguageModel(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = instantiate(dict(net))
-        # micro average: correct and total counts, summed over every character of every process.
-        self.metrics = StageMetrics({"acc": MulticlassAccuracy(net["vocab_size"], average="micro")})
+        # Correct and total counts, summed over every character of every process.
+        self.metrics = StageMetrics({"acc": Top1Accuracy()})
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.net(ids)

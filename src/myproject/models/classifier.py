@@ -81,6 +81,7 @@ class ImageClassifier(L.LightningModule):
         return build_optimizer(self.hparams.optimizer, self, self.hparams.lr_scales)
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """Test-time figures (confusion matrix, misclassified samples), unless `figures` is None."""
+        """Test-time figures (confusion matrix, misclassified samples), unless `figures` is None; attached to the
+        test alone: in `fit` Lightning would call its hooks at every step for nothing."""
         figures = self.hparams.figures
-        return [] if figures is None else [ClassificationFigures(**figures)]
+        return [] if figures is None or self.trainer.state.fn != "test" else [ClassificationFigures(**figures)]

@@ -9,9 +9,9 @@ from scaleup.plan.progress import steps_done
 
 
 class LRScaling(L.Callback):
-    """Before each batch, sets every param group's LR to its own base LR x `schedule.factor_at(step)`, `step` being
-    the plan's steps done (`plan/progress.py`: optimizer steps, or global batches under manual optimization, where
-    every optimizer the module steps follows the schedule per batch).
+    """Before each batch, sets every param group's LR to its own base LR x `schedule.factor_at(step)` where the factor
+    changed since the step before, `step` being the plan's steps done (`plan/progress.py`: optimizer steps, or global
+    batches under manual optimization, where every optimizer the module steps follows the schedule per batch).
 
     The base LR of a group is the one `configure_optimizers` gave it, so ratios between groups (a backbone at
     0.1x the head) hold through scaling, warmup and decay. It is read in `on_fit_start`, which Lightning calls
@@ -27,6 +27,7 @@ class LRScaling(L.Callback):
         self.base_lrs: list[list[float]] = []
         self._groups: list[tuple[dict[str, Any], float]] = []  # (param group, its base LR), flat
         self._step: int | None = None
+        self._factor: float | None = None  # the factor the param groups hold
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.base_lrs = [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
@@ -38,7 +39,7 @@ class LRScaling(L.Callback):
             for optimizer, base_lrs in zip(trainer.optimizers, self.base_lrs, strict=True)
             for group, base_lr in zip(optimizer.param_groups, base_lrs, strict=True)
         ]
-        self._step = None
+        self._step = self._factor = None
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -48,5 +49,8 @@ class LRScaling(L.Callback):
             return
         self._step = step
         factor = self.schedule.factor_at(step)
+        if factor == self._factor:  # a constant stretch of the schedule: the groups hold it already
+            return
+        self._factor = factor
         for group, base_lr in self._groups:
             group["lr"] = base_lr * factor

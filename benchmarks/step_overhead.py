@@ -2,11 +2,18 @@
 width 32, batch 16, one torch thread, CPU. About 7 ms a step, the range of GPU steps, where a few hundred us of
 Python per step show. Each part can run alone with `--only`; they run in this order:
 
-1. `lockstep`, where the ratio is read: bare Lightning and `python train.py` as users run it (progress bar,
-   TensorBoard, LR monitor, diagnostics, checkpoints, metrics), with the same data, network and optimizer, run at
-   the same time as two processes that take turns step by step (a pipe passes the turn at each step's end), so a
-   machine getting busier or quieter slows both alike, step for step. The process that leads (and starts first)
-   alternates between pairs; a pair of bare Lightning against itself shows the method's own noise. Each process
+Two baselines, as "bare Lightning" can mean either:
+- bare Lightning (`Bare`): the same network, loss, optimizer and data in a LightningModule that logs nothing, on a
+  Trainer with no progress bar, logger or checkpoint: Lightning's own floor;
+- Lightning as its users have it (`--variant lightning-user`): train.py's LightningModule itself (ImageClassifier,
+  its metrics and logging) on a Trainer with Lightning's defaults (its TQDM bar, TensorBoard, a ModelCheckpoint)
+  and train.py's log_every_n_steps: what train.py adds to a Lightning script of one's own with the same module.
+
+1. `lockstep`, where the ratios are read: `python train.py` as users run it (progress bar, TensorBoard, LR
+   monitor, diagnostics, checkpoints, metrics) against each baseline, with the same data, network and optimizer,
+   run at the same time as two processes that take turns step by step (a pipe passes the turn at each step's end),
+   so a machine getting busier or quieter slows both alike, step for step. The process that leads (and starts
+   first) alternates between pairs; a pair of bare Lightning against itself shows the method's own noise. Each process
    times the 73 steps after the first 5 of each of 3 epochs (78 steps each), logging steps included, validation
    between epochs not, in CPU time of all its threads (the helper threads' work counts; the progress bar's
    drawing, paced by the clock, counts up to twice, as a step takes twice as long in lockstep). Printed per pair:
@@ -17,8 +24,8 @@ Python per step show. Each part can run alone with `--only`; they run in this or
    loggers' writes, timed with the main thread's CPU clock (HookTimer): what each piece costs in a real step.
 3. `variants`: in alternating fresh processes, a plain PyTorch loop, bare Lightning and train.py, each run alone:
    median, min and spread of the runs' mean s/step (wall and CPU), and each one's ratio to bare Lightning.
-4. `calls`: the main thread's Python calls per step, bare Lightning and train.py (CallCounter): a count, the
-   same under any load.
+4. `calls`: the main thread's Python calls per step, each baseline and train.py (CallCounter): a count, the same
+   under any load.
 5. `parts`, in one process: bare Lightning plus one part (a callback of train.py or of the default callbacks, the
    TensorBoard logger, or the template's LightningModule with its metrics and logging), each against bare
    Lightning alone, in alternating rounds (219 steps timed). Printed: the extra ms per step of each part and its
@@ -94,6 +101,7 @@ SGD = {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9, "weight_decay"
 NET = {"_target_": "myproject.models.DigitsCNN", "num_classes": 10, "in_channels": 1, "width": 32}
 # Rich draws as it would in a terminal (the output goes to a pipe here), where it costs what users pay.
 TERMINAL = {"FORCE_COLOR": "1", "TTY_COMPATIBLE": "1", "COLUMNS": "120"}
+USER = "Lightning as users have it"  # the second baseline (user_lightning)
 
 
 def digits_loader(repeat: int = 1) -> DataLoader:
@@ -138,12 +146,34 @@ def bare_trainer(callbacks: list[L.Callback], logger: Any = False, **kwargs: Any
     )
 
 
-def run_lightning() -> None:
-    bare_trainer([StepTimer()]).fit(Bare(), digits_loader())
+def user_lightning(callbacks: list[L.Callback]) -> None:
+    """Lightning as its users have it: train.py's LightningModule (ImageClassifier: the same network, optimizer,
+    metrics and logging) on a Trainer with Lightning's defaults (TQDMProgressBar, TensorBoardLogger, a
+    ModelCheckpoint) and train.py's log_every_n_steps, plus `callbacks`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_epochs=EPOCHS,
+            logger=TensorBoardLogger(tmp, name="tb"),
+            default_root_dir=tmp,
+            enable_model_summary=False,
+            log_every_n_steps=resolve_log_every_n_steps("auto", WARMUP + STEPS),
+            callbacks=callbacks,
+        )
+        trainer.fit(ImageClassifier(NET, SGD), digits_loader())
 
 
-def run_lightning_calls() -> None:
-    bare_trainer([CallCounter()]).fit(Bare(), digits_loader())
+def run_lightning(args: argparse.Namespace) -> None:
+    """`--variant lightning` (bare Lightning) or `lightning-user` (Lightning as its users have it), measured by the
+    step timer, in lockstep (given the pipes) or by the call counter (`--count`)."""
+    if args.receive:
+        measure: L.Callback = Lockstep(args.receive, args.send, args.first == "True")
+    else:
+        measure = CallCounter() if args.count else StepTimer()
+    if args.variant == "lightning":
+        bare_trainer([measure]).fit(Bare(), digits_loader())
+    else:
+        user_lightning([measure])
 
 
 class Lockstep(StepTimer):
@@ -221,10 +251,11 @@ class CallCounter(L.Callback):
 
 
 def count_calls(args: argparse.Namespace, env: dict[str, str], itself: list[str]) -> dict[str, Any]:
-    """Python calls per training step of bare Lightning and of train.py, one run each."""
+    """Python calls per training step of each baseline and of train.py, one run each."""
     with tempfile.TemporaryDirectory() as tmp:
         commands = {
-            "bare Lightning": [*itself, "lightning-calls"],
+            "bare Lightning": [*itself, "lightning", "--count"],
+            USER: [*itself, "lightning-user", "--count"],
             "train.py": template_command(f"{tmp}/run", args.override, callback="step_overhead.CallCounter"),
         }
         counts = {name: [int(n) for n in printed_numbers(command, env, CALLS)] for name, command in commands.items()}
@@ -233,8 +264,10 @@ def count_calls(args: argparse.Namespace, env: dict[str, str], itself: list[str]
     print(f"\nPython calls per training step, main thread, {steps}")
     for name, calls in counts.items():
         row = f"mean {mean[name]:7.0f}, ordinary step {min(calls):6d}, logging step {max(calls):6d}"
-        print(f"{name:15s} {row}   x bare Lightning {mean[name] / mean['bare Lightning']:.3f}")
-    return {"per_step": counts, "mean": mean, "ratio": mean["train.py"] / mean["bare Lightning"]}
+        print(f"{name:26s} {row}   x bare Lightning {mean[name] / mean['bare Lightning']:.3f}")
+    ratios = {"ratio": mean["train.py"] / mean["bare Lightning"], "ratio_to_user": mean["train.py"] / mean[USER]}
+    print(f"train.py x {USER}: {ratios['ratio_to_user']:.3f}")
+    return {"per_step": counts, "mean": mean} | ratios
 
 
 # --- Each piece's CPU time inside a training step ------------------------------------------------------------------
@@ -478,8 +511,9 @@ def main() -> None:
     parser.add_argument("--only", choices=parts, help="run one part of the benchmark")
     parser.add_argument("--versus", type=Path, help="another checkout of the project, for --only versus")
     parser.add_argument("--override", action="append", default=[], help="a train.py override (repeatable)")
-    variants = ["lightning", "plain", "parts", "lightning-calls"]
+    variants = ["lightning", "lightning-user", "plain", "parts"]
     parser.add_argument("--variant", choices=variants, help=argparse.SUPPRESS)  # internal
+    parser.add_argument("--count", action="store_true", help=argparse.SUPPRESS)  # count calls, not time
     parser.add_argument("--parts-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--receive", help=argparse.SUPPRESS)  # lockstep: the pipes and who takes the first step
     parser.add_argument("--send", help=argparse.SUPPRESS)
@@ -491,10 +525,10 @@ def main() -> None:
         torch.set_num_threads(1)
         if args.variant == "parts":
             run_parts(args.rounds, args.parts_out)
-        elif args.receive:
-            bare_trainer([Lockstep(args.receive, args.send, args.first == "True")]).fit(Bare(), digits_loader())
+        elif args.variant == "plain":
+            run_plain()
         else:
-            {"lightning": run_lightning, "plain": run_plain, "lightning-calls": run_lightning_calls}[args.variant]()
+            run_lightning(args)
         return
 
     env = {
@@ -678,13 +712,18 @@ def compare_checkouts(args: argparse.Namespace, env: dict[str, str]) -> dict[str
 
 
 def compare_in_lockstep(args: argparse.Namespace, env: dict[str, str], itself: list[str]) -> dict[str, Any]:
-    """bare Lightning against train.py, and against itself, each pair in lockstep, `args.pairs` times."""
-    results: dict[str, list[dict[str, Any]]] = {"train.py": [], "bare Lightning (itself)": []}
+    """train.py against bare Lightning and against Lightning as its users have it, and bare Lightning against
+    itself, each pair in lockstep, `args.pairs` times."""
+    results: dict[str, list[dict[str, Any]]] = {"train.py": [], f"train.py x {USER}": [], "bare Lightning (itself)": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.pairs):
-            template = template_command(f"{tmp}/run{i}", args.override, callback="step_overhead.Lockstep")
-            pairs = {
-                "train.py": {"bare": [*itself, "lightning", *PIPES], "train.py": [*template, *HYDRA_PIPES]},
+            template = [
+                *template_command(f"{tmp}/run{i}", args.override, callback="step_overhead.Lockstep"),
+                *HYDRA_PIPES,
+            ]
+            pairs = {  # each: (the reference, the other)
+                "train.py": {"bare": [*itself, "lightning", *PIPES], "train.py": template},
+                f"train.py x {USER}": {"user": [*itself, "lightning-user", *PIPES], "train.py": template},
                 "bare Lightning (itself)": {
                     "bare": [*itself, "lightning", *PIPES],
                     "again": [*itself, "lightning", *PIPES],
@@ -693,13 +732,14 @@ def compare_in_lockstep(args: argparse.Namespace, env: dict[str, str], itself: l
             for name, commands in pairs.items():
                 lead = list(commands)[i % 2]  # who leads, and starts first, alternates
                 times, log_every = lockstep_pair_retried(commands, lead, env, tmp)
-                if name == "train.py":  # bare Lightning against itself is cut into train.py's windows
+                if "train.py" in log_every:  # bare Lightning against itself is cut into train.py's windows
                     every = log_every["train.py"]
-                ratios = pair_ratios(times, "bare", list(commands)[1], every)
+                reference, other = commands
+                ratios = pair_ratios(times, reference, other, every)
                 results[name].append(ratios | {"lead": lead})
                 ms = " vs ".join(f"{v * 1e3:.2f}" for v in ratios["s_per_step"].values())
                 row = f"{ratios['ratio']:.3f}, windows {ratios['window_ratio']:.3f}"
-                print(f"  pair {i + 1}/{args.pairs} {name:24s} ms/step {ms}: {row}")
+                print(f"  pair {i + 1}/{args.pairs} {name:38s} ms/step {ms}: {row}")
     print(f"\nin lockstep, CPU time, {args.pairs} pairs; train.py overrides: {args.override or 'none'}")
     summary = {}
     for name, runs in results.items():
@@ -715,8 +755,9 @@ def compare_in_lockstep(args: argparse.Namespace, env: dict[str, str], itself: l
             "pairs": runs,
         }
         row = summary[name]
+        versus = "" if "x" in name.split() else " x bare Lightning"
         print(
-            f"{name:24s} x bare Lightning: {row['ratio']:.3f} (geometric mean of the pairs; median"
+            f"{name + versus:38s}: {row['ratio']:.3f} (geometric mean of the pairs; median"
             f" {row['median_ratio']:.3f}), windows {row['window_ratio']:.3f}; extra us in an ordinary step"
             f" {row['extra_us']['ordinary']:+.0f}, in a logging step {row['extra_us']['logging']:+.0f}"
         )

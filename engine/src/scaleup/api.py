@@ -5,8 +5,8 @@ update may reorganise. docs/contract.md says what the jobs expect of your DataMo
 
 Data modules: subclass `GlobalBatchDataModule` (implement `build_splits`), or `ClassificationDataModule` to tell
 the model its classes and input channels, or `ImageDataModule` for images that travel as uint8 and are normalised
-on the device. Models: `StageMetrics` for exact metrics on any number of processes (`Top1Accuracy`, an exact
-accuracy that costs a training step little), `build_optimizer` for the optimizer the LR schedule scales.
+on the device. Models: `StageMetrics` for exact metrics on any number of processes, `build_optimizer` for the
+optimizer the LR schedule scales.
 """
 
 from scaleup.data.classification import ClassificationDataModule
@@ -15,7 +15,7 @@ from scaleup.data.image_batches import ImageDataModule
 from scaleup.data.images import EncodedBatch, ImageFiles, ImageTransform
 from scaleup.errors import UserError
 from scaleup.observability.figures import ClassificationFigures
-from scaleup.observability.metrics import StageMetrics, Top1Accuracy
+from scaleup.observability.metrics import StageMetrics
 from scaleup.optim import build_optimizer
 
 __all__ = [
@@ -27,7 +27,6 @@ __all__ = [
     "ImageFiles",
     "ImageTransform",
     "StageMetrics",
-    "Top1Accuracy",
     "UserError",
     "build_optimizer",
     "random_split_indices",

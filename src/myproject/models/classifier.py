@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from torchmetrics.classification import MulticlassAccuracy
 
-from scaleup.api import ClassificationFigures, StageMetrics, Top1Accuracy, build_optimizer
+from scaleup.api import ClassificationFigures, StageMetrics, build_optimizer
 
 
 class ImageClassifier(L.LightningModule):
@@ -40,9 +40,9 @@ class ImageClassifier(L.LightningModule):
             # In-place compile keeps parameter names: no `_orig_mod.` in checkpoints (torch.compile(net) adds it).
             self.net.compile()
         num_classes = net["num_classes"]
-        # Correct and total counts, summed over every sample of every process. Top-5 is an evaluation metric here:
-        # in training it would add its top-k and per-class work to every step.
-        accuracy = {"acc": Top1Accuracy()}
+        # micro average: correct and total counts, summed over every sample of every process. Top-5 is an
+        # evaluation metric here: in training it would add its top-k and one-hot work to every step.
+        accuracy = {"acc": MulticlassAccuracy(num_classes, average="micro")}
         if num_classes > 5:
             accuracy["acc5"] = MulticlassAccuracy(num_classes, top_k=5, average="micro")
         self.metrics = StageMetrics(accuracy, eval_only=["acc5"] if num_classes > 5 else [])

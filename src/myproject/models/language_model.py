@@ -9,8 +9,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
+from torchmetrics.classification import MulticlassAccuracy
 
-from scaleup.api import StageMetrics, Top1Accuracy, build_optimizer
+from scaleup.api import StageMetrics, build_optimizer
 
 
 class CharLanguageModel(L.LightningModule):
@@ -24,8 +25,8 @@ class CharLanguageModel(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = instantiate(dict(net))
-        # Correct and total counts, summed over every character of every process.
-        self.metrics = StageMetrics({"acc": Top1Accuracy()})
+        # micro average: correct and total counts, summed over every character of every process.
+        self.metrics = StageMetrics({"acc": MulticlassAccuracy(net["vocab_size"], average="micro")})
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.net(ids)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric, MetricCollection
 
-__all__ = ["SampleMean", "SampleSum", "StageMetrics", "Top1Accuracy"]
+__all__ = ["SampleMean", "SampleSum", "StageMetrics"]
 
 STAGES = ("train", "val", "test")
 RESERVED = ("loss", "samples")
@@ -51,30 +51,6 @@ class SampleMean(SampleSum):
 
     def compute(self) -> torch.Tensor:
         return self.total / self.samples
-
-
-class Top1Accuracy(Metric):
-    """The share of samples whose highest score is the target, over every sample of every process: hits and samples
-    are integer sums (exact at any count), divided once at `compute()`.
-
-    `update(scores, target)`: scores (N, C), targets (N). An argmax, a comparison and two in-place adds, and no read
-    back from the device. torchmetrics' MulticlassAccuracy(num_classes, average="micro") gives the same value from
-    per-class statistics, with several times the tensor work in every training step (benchmarks/step_overhead.py).
-    """
-
-    full_state_update = False
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_state("hits", default=torch.tensor(0), dist_reduce_fx="sum")
-        self.add_state("samples", default=torch.tensor(0), dist_reduce_fx="sum")
-
-    def update(self, scores: torch.Tensor, target: torch.Tensor) -> None:
-        self.hits.add_((scores.argmax(-1) == target).sum())
-        self.samples.add_(target.numel())
-
-    def compute(self) -> torch.Tensor:
-        return self.hits / self.samples
 
 
 class StageMetrics(nn.Module):

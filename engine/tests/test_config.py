@@ -1,6 +1,7 @@
 """Every config option composes and builds; bad input gets one clear message."""
 
 import inspect
+import os
 
 import lightning as L
 import pytest
@@ -10,7 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from test_adopted import write_mnist
 
-from conftest import PROJECT, check, config_groups, in_process, read_json, run
+from conftest import PROJECT, check, clean_env, config_groups, in_process, read_json, run
 from scaleup.build import build_model
 from scaleup.config.plain import instantiate_each
 from scaleup.data.datamodule import apply_model_settings
@@ -195,6 +196,27 @@ def test_a_search_path_of_your_own_adds_to_the_engines_groups(tmp_path):
         with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3", job_name="train"):
             cfg = compose("train", [f"hydra.searchpath={searchpath}", "trainer=short"])
         assert (cfg.trainer.max_epochs, cfg.trainer.accelerator, cfg.strategy.name) == (2, "auto", "ddp")
+
+
+@pytest.mark.slow  # a process of its own: Hydra finds its plugins once per process
+def test_engine_groups_off_the_search_path_are_one_line(tmp_path):
+    """A `hydra_plugins` package with an __init__.py first on the path hides the engine's plugin
+    (hydra_plugins/scaleup_searchpath), so none of the engine's groups are found: one line naming what hides it and
+    the fix, exit 2, no run directory; not Hydra's `hydra=default: there is no such option (the options: config)`."""
+    shadow = tmp_path / "elsewhere" / "hydra_plugins"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(shadow.parent), env["PYTHONPATH"]])
+    result = run(["dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"], env=env)
+    assert (result.returncode, result.stderr) == (
+        2,
+        "error: the engine's config groups (callbacks, debug, hydra, init, loader, logger, lr_schedule, paths, "
+        "strategy, trainer) are not on Hydra's search path: Hydra did not find the engine's plugin "
+        f"hydra_plugins/scaleup_searchpath: {shadow / '__init__.py'} hides it; delete that __init__.py (Hydra's "
+        "plugins share the name)\n",
+    )
+    assert not (tmp_path / "run").exists()
 
 
 def test_eval_help_shows_its_config_not_the_training_groups():

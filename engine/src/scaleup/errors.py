@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import importlib.util
 import os
 import shutil
 import site
@@ -224,6 +225,8 @@ def composition_error(
 
     if isinstance(err, OverrideParseException):
         return UserError(grammar_error(err))
+    if (unseen := engine_groups_unseen()) is not None:
+        return UserError(unseen)
     if (added := added_twice(err, overrides)) is not None:
         key, fixed = _override_key(added), added.removeprefix("+")
         return UserError(f"{added}: {key} is already in the config; set it with {fixed} (a leading + adds a new key)")
@@ -247,6 +250,29 @@ def composition_error(
     known = [*(node.keys() if isinstance(node, DictConfig) else ()), *([] if parent else extra)]
     hint = did_you_mean(name, known, f"{parent}." if parent else "")
     return UserError(f"{key}: there is no such key{hint} (a key of your own: +{key}=VALUE)")
+
+
+def engine_groups_unseen() -> str | None:
+    """Why the engine's config groups are not on Hydra's search path, or None when they are: Hydra did not find the
+    engine's SearchPathPlugin (hydra_plugins/scaleup_searchpath), so every engine group fails to compose, the first
+    with Hydra's `hydra=default: there is no such option`."""
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+    from scaleup.conf import engine_groups
+
+    found = Plugins.instance().discover(SearchPathPlugin)
+    if any(plugin.__module__ == "hydra_plugins.scaleup_searchpath.searchpath" for plugin in found):
+        return None
+    unseen = (
+        f"the engine's config groups ({', '.join(engine_groups())}) are not on Hydra's search path: Hydra did not "
+        "find the engine's plugin hydra_plugins/scaleup_searchpath"
+    )
+    # hydra_plugins is a namespace package that every Hydra plugin adds to: one with an __init__.py hides the others
+    spec = importlib.util.find_spec("hydra_plugins")
+    if spec is not None and spec.origin is not None:
+        return f"{unseen}: {spec.origin} hides it; delete that __init__.py (Hydra's plugins share the name)"
+    return f"{unseen}; reinstall the engine: python -m pip install -c constraints.txt -e ./engine"
 
 
 def added_twice(err: BaseException, overrides: list[str]) -> str | None:

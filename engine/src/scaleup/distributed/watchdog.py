@@ -48,6 +48,7 @@ EXIT_HUNG = 124  # as timeout(1): no progress within strategy.hang_timeout_minut
 EXIT_FAILED = 1  # a rank raised, or died: every rank of the job exits with it
 POLL_SECONDS = 5.0  # at most: how often a rank publishes its place and looks for news (sooner for short bounds)
 GATHER_SECONDS = 5.0  # at least: how long the reporting rank waits for the others' answers
+CONNECT_SECONDS = 5.0  # how long a failing rank tries to reach the job's store before it reports alone
 # A rank's place in the job, in the order every rank passes through them (within one training micro-batch: data,
 # forward, backward, optimizer step); the "end" phases: the rank did its last batch of the loop, and waits for the
 # others in the loop's closing collectives (evaluation batches are uneven across ranks).
@@ -204,9 +205,9 @@ class Watchdog:
         self._store: Any = None  # the watchdog thread's client; the main thread connects its own (`_connect`)
         self._thread = threading.Thread(target=self._run, name="scaleup-watchdog", daemon=True)
 
-    def _connect(self) -> Any:
+    def _connect(self, seconds: float) -> Any:
         host, port = self.address
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.gather + 10))
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=seconds))
         return dist.PrefixStore(self.prefix, store)
 
     def start(self) -> bool:
@@ -215,7 +216,7 @@ class Watchdog:
         if None in self.address:
             return False
         try:
-            self._store = self._connect()
+            self._store = self._connect(self.gather + 10)
         except (RuntimeError, ValueError) as err:
             log.debug(f"no watchdog: the job's store at {':'.join(self.address)} does not answer ({err})")
             return False
@@ -346,14 +347,18 @@ class Watchdog:
         self._ending.acquire()  # where the watchdog thread is ending the process already, wait for its exit here
         self._stopped.set()
         try:
-            self._store = self._connect()  # the main thread's own client
+            # The main thread's own client, quickly or not at all: where the store's host is the rank that is gone
+            # (torchrun's agent on a lost node), the ordinary traceback ends the rank and the agent restarts it. A
+            # closed port is refused at once, where the store's client would retry until its timeout.
+            socket.create_connection((self.address[0], int(self.address[1])), timeout=CONNECT_SECONDS).close()
+            self._store = self._connect(CONNECT_SECONDS)
             if not self._store.check(["failure"]) and communication_error(err):
                 self._lost_peer(err)
             elif self._store.add("failures", 1) == 1:
                 self._store.set("failure", json.dumps(self._record(err)))
                 self._follow_failure(None, own=err, first=True)
             self._follow_failure(None, own=err)
-        except (RuntimeError, dist.DistError):  # the store is gone: the ordinary traceback
+        except (OSError, RuntimeError, dist.DistError):  # the store is gone: the ordinary traceback
             self._ending.release()
 
     def _record(self, err: BaseException) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from test_adopted import write_mnist
 
-from conftest import PROJECT, check, clean_env, config_groups, in_process, read_json, run
+from conftest import ENGINE_CONF, PROJECT, ROOT, check, clean_env, config_groups, in_process, read_json, run
 from scaleup.build import build_model
 from scaleup.config.plain import instantiate_each
 from scaleup.data.datamodule import apply_model_settings
@@ -225,3 +225,42 @@ def test_eval_help_shows_its_config_not_the_training_groups():
         cfg = compose("eval", return_hydra_config=True)
     template = cfg.hydra.help.template
     assert "$CONFIG" in template and "$APP_CONFIG_GROUPS" not in template and "+data.KEY=VALUE" in template
+
+
+# The template's own settings, each said once where it is set: the group files it owns (Lightning's Trainer
+# arguments and Hydra's launchers are documented by their projects), and its sections of the top config.
+OWN_GROUPS = ("lr_schedule/linear", "strategy/ddp", "strategy/fsdp", "loader/default", "init/default", "paths/default")
+OWN_SECTIONS = ("monitor", "checkpoint", "performance")
+
+
+def undocumented(lines: list[str], indent: str = "") -> list[str]:
+    """The keys at `indent` in YAML `lines` with neither a comment on their line nor a comment line just above."""
+    keys = []
+    for i, line in enumerate(lines):
+        key, colon, rest = line.partition(":")
+        if colon and key.startswith(indent) and key[len(indent) :].isidentifier() and key != "defaults":
+            above = lines[i - 1].strip() if i else ""
+            if "#" not in rest and not above.startswith("#"):
+                keys.append(key.strip())
+    return keys
+
+
+def test_every_setting_of_the_templates_own_sections_says_what_it_does():
+    """A setting's type is checked (config/schema.py), its default is its group file's (test_docs checks the
+    reference against it), and what it does is said there too: a comment on its line or just above it."""
+    missing = {
+        option: keys
+        for option in OWN_GROUPS
+        if (keys := undocumented((ENGINE_CONF / f"{option}.yaml").read_text().splitlines()))
+    }
+    top = (ROOT / "configs" / "train.yaml").read_text().splitlines()
+    for section in OWN_SECTIONS:
+        start = top.index(f"{section}:")
+        block = [top[start + 1]]
+        for line in top[start + 2 :]:
+            if line and not line.startswith(" "):
+                break
+            block.append(line)
+        if keys := undocumented(block, indent="  "):
+            missing[section] = keys
+    assert not missing, missing

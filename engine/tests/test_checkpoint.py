@@ -196,3 +196,20 @@ def test_a_sharded_optimizer_state_reads_as_one_process_holds_it(kind, settings,
     )
     for index, state in expected["state"].items():
         assert all(torch.equal(stored["state"][index][name], value) for name, value in state.items()), index
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process writes every shard
+def test_a_sharded_checkpoint_overwritten_with_garbage_is_one_line(tmp_path):
+    """A shard file of the right size holding other bytes (a disk or a copy that garbled it) is refused in one line
+    naming the checkpoint, the file and where, before torch.distributed.checkpoint reads it (its traceback: `Weights
+    only load failed ... Unsupported operand`). The entry points and a resume on 2 processes: test_fsdp.py."""
+    net = DigitsCNN()
+    write_sharded(tmp_path / "last.ckpt", net, torch.optim.SGD(net.parameters(), lr=0.1))
+    shard = tmp_path / "last.ckpt" / "__0_0.distcp"
+    shard.write_bytes(bytes(shard.stat().st_size))
+    with pytest.raises(UserError) as refused:
+        load_checkpoint(tmp_path / "last.ckpt")
+    assert str(refused.value) == (
+        f"sharded checkpoint {tmp_path / 'last.ckpt'} is corrupt: __0_0.distcp has no torch.save data at byte 0, "
+        "where an entry starts; copy the whole directory again, or pass another checkpoint"
+    )

@@ -186,20 +186,24 @@ def test_a_sharded_checkpoint_of_an_optimizer_without_state_evaluates_and_export
     assert_same_weights(torch.load(output, weights_only=True), trained, rtol=0, atol=0)
 
 
-def test_a_sharded_checkpoint_with_a_file_lost_or_cut_is_one_line(fsdp_run, tmp_path):
-    """Copies of the step-13 shards, one without rank 1's file, one with rank 0's cut short: eval, export and a resume
-    on 2 FSDP processes stop in one line naming the checkpoint and the file, before any process group (torch failed
-    inside the load, in a traceback on every rank)."""
-    missing, cut = tmp_path / "missing.ckpt", tmp_path / "cut.ckpt"
-    for copy in (missing, cut):
+def test_a_sharded_checkpoint_with_a_file_lost_cut_or_overwritten_is_one_line(fsdp_run, tmp_path):
+    """Copies of the step-13 shards, one without rank 1's file, one with rank 0's cut short, one with rank 1's
+    overwritten by as many bytes of garbage: eval, export and a resume on 2 FSDP processes stop in one line naming the
+    checkpoint and the file, before any process group (torch failed inside the load, in a traceback on every rank)."""
+    missing, cut, garbage = tmp_path / "missing.ckpt", tmp_path / "cut.ckpt", tmp_path / "garbage.ckpt"
+    for copy in (missing, cut, garbage):
         shutil.copytree(fsdp_run / "steps/at-13.ckpt", copy)
     (missing / "__1_0.distcp").unlink()
     size = (cut / "__0_0.distcp").stat().st_size
     with open(cut / "__0_0.distcp", "r+b") as f:
         f.truncate(size // 2)
+    rank_1 = garbage / "__1_0.distcp"
+    rank_1.write_bytes((bytes(range(256)) * rank_1.stat().st_size)[: rank_1.stat().st_size])
     expected = {
         missing: f"sharded checkpoint {missing} is incomplete: __1_0.distcp is missing; copy the whole directory again",
         cut: f"sharded checkpoint {cut} is incomplete: __0_0.distcp is truncated ({size // 2} of {size} bytes)",
+        garbage: f"sharded checkpoint {garbage} is corrupt: __1_0.distcp has no torch.save data at byte 0, where an "
+        "entry starts; copy the whole directory again",
     }
     jobs = {
         "eval": [],

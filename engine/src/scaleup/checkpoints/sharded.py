@@ -28,6 +28,7 @@ from scaleup.errors import UserError
 METADATA = "meta.pt"  # Lightning's name (lightning.fabric.utilities.load._METADATA_FILENAME)
 SHARDS_METADATA = ".metadata"  # torch.distributed.checkpoint's: where each tensor lies in which file
 PARTIAL, OLD = ".partial", ".old"
+TORCH_SAVE_HEADER = b"PK\x03\x04"  # torch.save writes a zip archive: its first local file header
 
 
 def is_sharded(path: str | Path) -> bool:
@@ -122,9 +123,10 @@ def remove_interrupted(directory: Path) -> list[Path]:
 
 
 def check_complete(path: Path) -> None:
-    """Every file the checkpoint's metadata refers to is there, whole. A copy that lost or cut one is refused in one
-    line before it is read: torch would fail inside the load, in a traceback on every rank."""
-    from scaleup.compat.dcp import stored_file_sizes
+    """Every file the checkpoint's metadata refers to is there, whole, with torch.save's data where each entry starts.
+    A copy that lost or cut one, or one overwritten with other bytes, is refused in one line before it is read: torch
+    would fail inside the load, in a traceback on every rank."""
+    from scaleup.compat.dcp import stored_entry_offsets, stored_file_sizes
 
     fix = "copy the whole directory again, or pass another checkpoint"
     try:
@@ -140,6 +142,15 @@ def check_complete(path: Path) -> None:
                 f"sharded checkpoint {path} is incomplete: {name} is truncated ({file.stat().st_size} of {size} "
                 f"bytes); {fix}"
             )
+    for name, offsets in sorted(stored_entry_offsets(path).items()):
+        with open(path / name, "rb") as f:
+            for offset in offsets:
+                f.seek(offset)
+                if f.read(len(TORCH_SAVE_HEADER)) != TORCH_SAVE_HEADER:
+                    raise UserError(
+                        f"sharded checkpoint {path} is corrupt: {name} has no torch.save data at byte {offset}, "
+                        f"where an entry starts; {fix}"
+                    )
 
 
 def read_sharded(path: str | Path, meta: dict[str, Any], weights: bool = True) -> dict[str, Any]:

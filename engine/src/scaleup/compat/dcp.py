@@ -87,3 +87,24 @@ def stored_file_sizes(path: Any) -> dict[str, int]:
             return {}
         sizes[stored.relative_path] = max(sizes.get(stored.relative_path, 0), stored.offset + stored.length)
     return sizes
+
+
+def stored_entry_offsets(path: Any) -> dict[str, list[int]]:
+    """Where each entry of a torch.distributed.checkpoint directory starts in its file, for the entries stored as
+    torch.save wrote them (no storage transform, such as compression, recorded for it): each starts with torch.save's
+    zip header, which FileSystemReader hands to `torch.load`.
+
+    torch 2.14.1. Reason: as `stored_file_sizes`, FileSystemWriter's own format (`_StorageInfo.offset`,
+    `transform_descriptors`); where a torch stores it otherwise, no entry is listed.
+    Canary: test_checkpoint.py::test_a_sharded_checkpoint_overwritten_with_garbage_is_one_line (and every read of a
+    sharded checkpoint: one whose entries start otherwise is refused).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    offsets: dict[str, list[int]] = {}
+    for stored in FileSystemReader(path).read_metadata().storage_data.values():
+        if not all(hasattr(stored, name) for name in ("relative_path", "offset")):
+            return {}
+        if not getattr(stored, "transform_descriptors", None):
+            offsets.setdefault(stored.relative_path, []).append(stored.offset)
+    return offsets

@@ -6,12 +6,11 @@ after an upgrade, Lightning changed that behaviour: delete the workaround its do
 Private names are imported inside the tests that need them: a name a release removed fails its own canary only.
 """
 
-import inspect
 import multiprocessing
 import os
-import queue
 import signal
 import warnings
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -20,7 +19,6 @@ import torch.distributed as dist
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.plugins.precision import DoublePrecision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -30,9 +28,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from scaleup.callbacks.loop_repairs import UNRESUMABLE_LOADER_WARNING, LoopRepairs
 from scaleup.compat.dcp import read_distributed_checkpoint, stored_file_sizes, stored_tensor_shapes
+from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.compat.loggers import add_summaries
 from scaleup.compat.model_parallel import optimizer_states_keyed_in_group_order
 from scaleup.compat.precision import model_parallel_precision
+from scaleup.distributed.process_group import shut_down_process_group
 
 BATCHES_PER_EPOCH = 4
 
@@ -88,28 +88,44 @@ def test_mid_epoch_resume_warns_for_a_loader_without_state_dict(tmp_path):
         trainer(tmp_path, max_epochs=1).fit(Tiny(), ckpt_path=tmp_path / "step=2.ckpt")
 
 
+class RecordsTheProcessGroup(Tiny):
+    """Tiny, writing into `record_dir` whether its rank's process group is up when its state_dict is taken: in a
+    spawned worker of a run without checkpoints, that is when Lightning collects the worker's results."""
+
+    def __init__(self, record_dir: Path) -> None:
+        super().__init__()
+        self.record_dir = record_dir
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        (self.record_dir / f"rank{self.global_rank}").write_text(str(dist.is_initialized()))
+        return super().state_dict(*args, **kwargs)
+
+
+def process_group_up_at_collection(tmp_path, monkeypatch, strategy: DDPStrategy) -> list[str]:
+    """Fits RecordsTheProcessGroup on 2 spawned CPU processes; whether each rank's process group was up when
+    Lightning collected its results. The weights trained in the workers came back to the main process."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)  # the spawn launcher sets it in this process
+    model = RecordsTheProcessGroup(tmp_path)
+    initial = model.layer.weight.detach().clone()
+    fit = trainer(tmp_path, devices=2, strategy=strategy, max_epochs=1)
+    fit.fit(model)
+    assert fit.state.finished and not torch.equal(model.layer.weight, initial)
+    return [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)]
+
+
+@pytest.mark.slow
 def test_spawn_worker_leaves_the_process_group_up(tmp_path, monkeypatch):
-    """CleanExitLauncher: Lightning's spawn worker function returns with the process group still initialized."""
-    monkeypatch.setenv("LOCAL_RANK", "0")  # the worker function sets it; restored after the test
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # keeps the worker function from changing torch's thread count
-    strategy = DDPStrategy(
-        start_method="spawn", parallel_devices=[torch.device("cpu")], cluster_environment=LightningEnvironment()
-    )
-    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+    """SpawnDDPStrategy's LeaveProcessGroup: Lightning's spawn worker collects its results, and returns, with the
+    process group still up."""
+    assert process_group_up_at_collection(tmp_path, monkeypatch, DDPStrategy(start_method="spawn")) == ["True"] * 2
 
-    strategy._configure_launcher()
-    assert type(strategy.launcher) is _MultiProcessingLauncher
-    assert "return_queue" in inspect.signature(_MultiProcessingLauncher._wrapping_function).parameters
 
-    def worker() -> None:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-
-    try:
-        strategy.launcher._wrapping_function(0, None, worker, (), {}, queue.Queue())
-        assert dist.is_initialized()  # nothing after the worker's function took it down
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+@pytest.mark.slow
+def test_spawn_workers_leave_the_process_group_before_their_results_are_collected(tmp_path, monkeypatch):
+    """ddp_spawn (SpawnDDPStrategy): every worker has left the process group together (its teardown hook) before
+    Lightning collects its results, and the results still reach the main process."""
+    strategy = SpawnDDPStrategy(on_exit=shut_down_process_group)
+    assert process_group_up_at_collection(tmp_path, monkeypatch, strategy) == ["False"] * 2
 
 
 def test_log_hyperparams_with_metrics_adds_a_scalar_point(tmp_path):

@@ -31,10 +31,8 @@ from scaleup.compat.gates import (
     EXACT_EVAL,
     FSDP_OPTIMIZER_KEYS,
     SIGTERM_HANDLER,
-    SPAWN_LAUNCHER,
     require,
 )
-from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.compat.precision import model_parallel_precision
 from scaleup.config.plain import instantiate_each
 from scaleup.config.schema import Checkpointing, Monitor
@@ -145,7 +143,6 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
     require(
         EXACT_EVAL,
         SIGTERM_HANDLER,
-        *([SPAWN_LAUNCHER] if isinstance(strategy, SpawnDDPStrategy) else []),
         *([FSDP_OPTIMIZER_KEYS] if isinstance(strategy, FSDPStrategy) else []),
         *([EMA_DEVICE] if any(isinstance(cb, EMA) for cb in callbacks) else []),
         *([EPOCH_END_RESUME] if config.trainer.max_steps != -1 else []),

@@ -99,12 +99,6 @@ class PrivateUse:
     canary: str
 
 
-SPAWN_EXIT = PrivateUse(
-    "compat/launch.py",
-    "ddp_spawn workers leave the process group together (no gloo abort at the end of a spawned run)",
-    "Lightning's spawn worker function returns with the process group up and has no hook after it",
-    "test_spawn_worker_leaves_the_process_group_up",
-)
 META_REPLAY = PrivateUse(
     "distributed/meta_init.py",
     "strategy=fsdp builds a model on the meta device whose shards hold the eager build's values bit for bit",
@@ -160,11 +154,6 @@ PRIVATE_NAMES = {
         "is set",
         "test_ema_average_is_built_before_the_model_moves_to_its_device",
     ),
-    "_MultiProcessingLauncher": SPAWN_EXIT,
-    "_wrapping_function": SPAWN_EXIT,
-    "_configure_launcher": SPAWN_EXIT,
-    "_launcher": SPAWN_EXIT,
-    "_start_method": SPAWN_EXIT,
     "torch.utils._python_dispatch": META_REPLAY,
     "_schema": META_REPLAY,
     "_apply": META_REPLAY,
@@ -180,13 +169,6 @@ EXACT_EVAL = Workaround(
         Private(f"{RESULT}:_ResultMetric", params=("metadata", "is_tensor")),
         Private(f"{RESULT}:_ResultMetric.compute"),
         Private(f"{RESULT}:_Metadata", params=("fx", "name")),
-    ),
-)
-SPAWN_LAUNCHER = Workaround(
-    "strategy.name=ddp_spawn (CleanExitLauncher)",
-    (
-        Private("lightning.pytorch.strategies.launchers.multiprocessing:_MultiProcessingLauncher._wrapping_function"),
-        Private("lightning.pytorch.strategies:DDPStrategy._configure_launcher"),
     ),
 )
 EMA_DEVICE = Workaround(
@@ -209,4 +191,4 @@ EPOCH_END_RESUME = Workaround(
     "trainer.max_steps (LoopRepairs)",
     (Private("lightning.pytorch.loops.fit_loop:_FitLoop._iteration_based_training"),),
 )
-CORRECTNESS = (EXACT_EVAL, SIGTERM_HANDLER, SPAWN_LAUNCHER, EMA_DEVICE, FSDP_OPTIMIZER_KEYS, EPOCH_END_RESUME)
+CORRECTNESS = (EXACT_EVAL, SIGTERM_HANDLER, EMA_DEVICE, FSDP_OPTIMIZER_KEYS, EPOCH_END_RESUME)

@@ -4,55 +4,47 @@ together, and the template's SIGTERM handler kept in front of Lightning's.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 
 
-@functools.cache
-def _clean_exit_launcher_class() -> type:
-    """Lightning's spawn launcher, whose workers run `on_exit` (leave the process group together) before they exit.
+class LeaveProcessGroup(Callback):
+    """Runs `on_exit` (every rank leaves the process group together) in its `teardown` hook."""
 
-    Lightning 2.6.6. Reason: Lightning's spawn worker function returns with the process group still up and has no
-    hook after it; a worker that exits while its peer still holds gloo connections can abort ("terminate called
-    without an active exception", seen at the end of a spawned test). Subclasses a private Lightning class, so the
-    class is made when a spawn run needs it (gates.SPAWN_LAUNCHER checks it first), under this module's name, which
-    pickle finds through the module's `__getattr__` in the spawned workers too.
-    Canary: test_spawn_worker_leaves_the_process_group_up.
-    """
-    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+    def __init__(self, on_exit: Callable[[], None]) -> None:
+        self.on_exit = on_exit
 
-    class CleanExitLauncher(_MultiProcessingLauncher):
-        def __init__(self, strategy: Any, start_method: str, on_exit: Callable[[], None]) -> None:
-            super().__init__(strategy, start_method=start_method)
-            self.on_exit = on_exit  # a module-level function: spawn pickles it into every worker
-
-        def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-            super()._wrapping_function(*args, **kwargs)
-            self.on_exit()
-
-    CleanExitLauncher.__module__, CleanExitLauncher.__qualname__ = __name__, "CleanExitLauncher"
-    return CleanExitLauncher
-
-
-def __getattr__(name: str) -> Any:
-    if name == "CleanExitLauncher":
-        return _clean_exit_launcher_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.on_exit()
 
 
 class SpawnDDPStrategy(DDPStrategy):
-    """DDPStrategy(start_method="spawn") with the CleanExitLauncher (same Lightning version, reason and canary)."""
+    """DDPStrategy(start_method="spawn") whose workers run `on_exit` (leave the process group together) when a stage
+    ends without an error.
+
+    Lightning 2.6.6. Reason: Lightning's spawn worker returns with the process group still up; a worker that exits
+    while its peer still holds gloo connections can abort ("terminate called without an active exception", seen at
+    the end of a spawned test). `setup`, which runs in each worker, appends a `LeaveProcessGroup` to the Trainer's
+    callbacks: the last one, so its `teardown` comes after every other callback's `on_fit_end` and `teardown` (the
+    LightningModule's `teardown` and the loggers' `finalize` follow, then Lightning collects the worker's results;
+    none of them needs the process group). On an error no teardown hook runs, and the group stays up, as Lightning
+    leaves it. `on_exit` is a module-level function: spawn pickles it with the strategy into every worker.
+    Tests: test_spawn_workers_leave_the_process_group_before_their_results_are_collected; and
+    test_spawn_worker_leaves_the_process_group_up, which fails once Lightning leaves the group itself (then delete
+    LeaveProcessGroup).
+    """
 
     def __init__(self, *, on_exit: Callable[[], None], **kwargs: Any) -> None:
         super().__init__(start_method="spawn", **kwargs)
         self.on_exit = on_exit
 
-    def _configure_launcher(self) -> None:
-        self._launcher = _clean_exit_launcher_class()(self, self._start_method, self.on_exit)
+    def setup(self, trainer: L.Trainer) -> None:
+        super().setup(trainer)
+        trainer.callbacks.append(LeaveProcessGroup(self.on_exit))
 
 
 def keep_sigterm_handler(trainer: L.Trainer, install: Callable[[], None]) -> None:

@@ -271,6 +271,26 @@ def test_the_plan_warns_when_pretrained_batchnorm_statistics_see_another_batch(s
     assert "initial weights were trained with" not in (tmp_path / "c" / "train.log").read_text()
 
 
+def test_a_partial_freeze_bn_warns_of_the_batchnorm_layers_that_still_compute_batch_statistics(tmp_path):
+    """init.freeze_bn with init.module=net.1 keeps that BatchNorm layer in eval mode; net.4 and net.8 still compute
+    statistics over micro-batches of 8: the plan and its warning name them (the warning spoke of BatchNorm as a whole,
+    as if no layer were frozen). With every layer frozen (init.module=net), no BatchNorm warning."""
+    common = ["dry_run=true", "init.freeze_bn=true", "data.global_batch_size=8"]
+    some = in_process([*common, "init.module=net.1", f"hydra.run.dir={tmp_path / 'some'}"])
+    assert (list(some["batchnorm_unfrozen"]), some["batchnorm_frozen"], some["bn_batch_size"]) == (
+        ["net.4", "net.8"],
+        False,
+        8,
+    )
+    assert (
+        "BatchNorm statistics in net.4, net.8 (init.freeze_bn keeps those in net.1 in eval mode) come from 8 samples "
+        "(the micro-batch): the recipe was tuned with 64"
+    ) in (tmp_path / "some" / "train.log").read_text()
+    every = in_process([*common, "init.module=net", f"hydra.run.dir={tmp_path / 'every'}"])
+    assert (list(every["batchnorm_unfrozen"]), every["batchnorm_frozen"]) == ([], True)
+    assert "BatchNorm statistics" not in (tmp_path / "every" / "train.log").read_text()
+
+
 def test_build_optimizer_gives_named_parameters_their_lr_and_leaves_frozen_ones_out():
     """`lr_scales={net.13: 5}`: the head's weight and bias in groups of their own at 5x the base LR, which the LR
     scaling multiplies like every group; a frozen parameter is in no group."""

@@ -26,7 +26,7 @@ from torch import nn
 from scaleup.checkpoints.weights_file import WeightsFile, open_weights
 from scaleup.errors import UserError
 from scaleup.modules import submodule
-from scaleup.observability.rows import log_rows
+from scaleup.observability.rows import log_rows, shown
 from scaleup.plan.checks import BATCH_NORMS
 from scaleup.plan.resolve import Plan
 
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from scaleup.distributed.meta_init import MetaInit
 
 log = logging.getLogger("scaleup")
-SHOWN = 8  # names listed before "... (N in all)"
 
 
 @dataclass(frozen=True)
@@ -59,6 +58,8 @@ class Start:
     frozen: list[str] = field(default_factory=list)
     has_batchnorm: bool = False  # BatchNorm layers in init.module
     every_batchnorm_frozen: bool = False  # init.freeze_bn, and no BatchNorm layer outside init.module
+    # init.freeze_bn with BatchNorm layers outside init.module: those, which still compute batch statistics
+    batchnorm_unfrozen: tuple[str, ...] = ()
     file: WeightsFile | None = None
     matched: Matched | None = None
 
@@ -91,6 +92,7 @@ class Start:
             **start.plan_fields(resumed),
             init_bn_batch_size=trained_with if compare else None,
             batchnorm_frozen=self.every_batchnorm_frozen,
+            batchnorm_unfrozen=self.batchnorm_unfrozen,
         )
 
     def plan_fields(self, resumed: Path | str | None) -> dict[str, Any]:
@@ -129,7 +131,10 @@ class Start:
         if self.frozen:
             rows.append(("frozen", shown(self.frozen)))
         if self.settings.freeze_bn:
-            rows.append(("BatchNorm", "eval mode in training: the weights' running statistics, never updated"))
+            where = f" in {self.label}" if self.batchnorm_unfrozen else ""
+            rows.append(("BatchNorm", f"eval mode in training{where}: the weights' running statistics, never updated"))
+            if self.batchnorm_unfrozen:
+                rows.append(("batch statistics", f"{shown(self.batchnorm_unfrozen)}: BatchNorm outside {self.label}"))
         title = f"initial weights: {self.file.given} ({self.file.kind})" if self.file else "fine-tuning"
         if resumed and self.settings.weights is not None:
             title = f"initial weights: {self.settings.weights}"
@@ -145,9 +150,13 @@ def prepare_start(settings: Init, model: nn.Module) -> Start:
     frozen = freeze(target, settings.freeze)
     if settings.freeze_bn:
         keep_batchnorm_in_eval(target, whole=not settings.module)
+    inside = {id(module) for module in target.modules()}
     norms = [module for module in target.modules() if isinstance(module, BATCH_NORMS)]
-    everywhere = sum(isinstance(module, BATCH_NORMS) for module in model.modules())
-    return Start(settings, frozen, bool(norms), settings.freeze_bn and len(norms) == everywhere)
+    outside = tuple(
+        name for name, module in model.named_modules() if isinstance(module, BATCH_NORMS) and id(module) not in inside
+    )
+    frozen_bn = bool(settings.freeze_bn)
+    return Start(settings, frozen, bool(norms), frozen_bn and not outside, outside if frozen_bn else ())
 
 
 def selected(patterns: Iterable[str | int], name: str) -> bool:
@@ -283,7 +292,3 @@ def load(model: nn.Module, module: str, matched: Matched, file: WeightsFile, rec
                     recording.loaded[f"{where}{name}"] = functools.partial(file.read, key)
             else:
                 tensor.copy_(file.read(key))
-
-
-def shown(names: list[str], limit: int = SHOWN) -> str:
-    return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")

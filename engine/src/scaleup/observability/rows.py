@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 log = logging.getLogger("scaleup")
+SHOWN = 8  # names listed before "... (N in all)"
 
 
 def log_rows(title: str, rows: list[tuple[str, str]]) -> None:
@@ -12,3 +14,8 @@ def log_rows(title: str, rows: list[tuple[str, str]]) -> None:
     width = max((len(name) for name, _ in rows), default=0)
     lines = [f"  {name:<{width}}  {value}" for name, value in rows] or ["  (none)"]
     log.info("\n".join([title, *lines]))
+
+
+def shown(names: Sequence[str], limit: int = SHOWN) -> str:
+    """The first `limit` of `names`, comma-separated, and how many there are in all where there are more."""
+    return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")

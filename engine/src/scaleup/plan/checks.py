@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from scaleup.errors import UserError
-from scaleup.plan.resolve import SMALL_BN_BATCH, Plan
+from scaleup.plan.resolve import SMALL_BN_BATCH, Plan, unfrozen_batchnorm
 
 if TYPE_CHECKING:
     from scaleup.config.schema import Strategy
@@ -109,16 +109,20 @@ def finetune_batchnorm_warning(plan: Plan) -> str | None:
 
 def batchnorm_warning(plan: Plan, norm_key: str | None = None) -> str | None:
     """BatchNorm statistics over fewer than SMALL_BN_BATCH samples, or over another number than the recipe was
-    tuned with (lr_schedule.base_bn_batch_size): either changes the results, so say so, with the fixes."""
+    tuned with (lr_schedule.base_bn_batch_size): either changes the results, so say so, with the fixes. Under an
+    init.freeze_bn that keeps some layers in eval mode, it names the others, which still compute them."""
     bn, tuned, per_device = plan.bn_batch_size, plan.base_bn_batch_size, plan.per_device_batch_size
     if bn is None or plan.batchnorm_frozen or (bn == tuned and bn >= SMALL_BN_BATCH):
         return None
+    where = f" in {unfrozen_batchnorm(plan)}" if plan.batchnorm_unfrozen else ""
     if plan.sync_batchnorm:
-        what = f"BatchNorm statistics come from {bn} samples (SyncBN over {plan.world_size} devices x {per_device})"
+        what = (
+            f"BatchNorm statistics{where} come from {bn} samples (SyncBN over {plan.world_size} devices x {per_device})"
+        )
     elif plan.world_size > 1:
-        what = f"BatchNorm runs unsynced on {plan.world_size} processes with {per_device} samples per device"
+        what = f"BatchNorm{where} runs unsynced on {plan.world_size} processes with {per_device} samples per device"
     else:
-        what = f"BatchNorm statistics come from {bn} samples (the micro-batch)"
+        what = f"BatchNorm statistics{where} come from {bn} samples (the micro-batch)"
     if plan.accumulate_grad_batches > 1:
         what += f", not the {plan.global_batch_size} of an optimizer step (accumulation normalises each micro-batch)"
     problems = [f"the recipe was tuned with {tuned}, so results will differ from it"] if bn != tuned else []

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from scaleup.distributed.clusters import Launcher
 from scaleup.errors import UserError
+from scaleup.observability.rows import shown
 from scaleup.plan.batch import BatchPlan, check_auto_cap, epoch_steps, resolve_batch, run_steps
 from scaleup.plan.lr import LRSchedule, lr_factor
 from scaleup.plan.topology import Topology, resolve_precision
@@ -103,6 +104,8 @@ class Plan:
     init_freeze_bn: bool = False
     init_bn_batch_size: int | None = None  # the BatchNorm batch those weights were trained with, where it matters
     batchnorm_frozen: bool = False  # init.freeze_bn over every BatchNorm layer: eval mode, no batch statistics
+    # init.freeze_bn over some: the BatchNorm layers outside init.module, which still compute batch statistics
+    batchnorm_unfrozen: tuple[str, ...] = ()
     parameters: int | None = None  # the model's parameters (None in a plan of an older version) ...
     trainable_parameters: int | None = None  # ... and those the optimizer trains
     # The module steps its optimizers itself (automatic_optimization=False): every step the plan counts (the LR
@@ -226,8 +229,10 @@ class Plan:
             synced = f" x {self.world_size} devices (SyncBN)" if self.sync_batchnorm else ""
             return f"the probed micro-batch{synced}{tuned}"
         if self.sync_batchnorm:
-            return f"{self.bn_batch_size} = {self.world_size} devices x {self.per_device_batch_size} (SyncBN){tuned}"
-        return f"{self.bn_batch_size} (the per-device micro-batch){tuned}"
+            row = f"{self.bn_batch_size} = {self.world_size} devices x {self.per_device_batch_size} (SyncBN){tuned}"
+        else:
+            row = f"{self.bn_batch_size} (the per-device micro-batch){tuned}"
+        return row + (f"; only in {unfrozen_batchnorm(self)}" if self.batchnorm_unfrozen else "")
 
     def _early_stopping_row(self) -> str:
         return (
@@ -292,7 +297,8 @@ class Plan:
         if self.init_frozen:
             parts.append(f"{self.init_frozen} parameters frozen (init.freeze)")
         if self.init_freeze_bn:
-            parts.append("BatchNorm in eval mode: running statistics fixed (init.freeze_bn)")
+            where = f" in {self.init_module}" if self.batchnorm_unfrozen else ""
+            parts.append(f"BatchNorm{where} in eval mode: running statistics fixed (init.freeze_bn)")
         return "; ".join(parts)
 
     def _lr_row(self) -> str:
@@ -306,6 +312,12 @@ class Plan:
         return f"{scaling}: {groups}"
 
 
+def unfrozen_batchnorm(plan: Plan) -> str:
+    """The BatchNorm layers that still compute batch statistics under init.freeze_bn, which keeps those in
+    init.module in eval mode."""
+    return f"{shown(plan.batchnorm_unfrozen)} (init.freeze_bn keeps those in {plan.init_module} in eval mode)"
+
+
 def known(value: Any) -> str:
     return "unknown" if value is None else str(value)
 
@@ -315,7 +327,7 @@ def mib(count: int) -> str:
 
 
 # The plan's fields that hold tuples (JSON gives them back as lists).
-TUPLES = {"milestones", "sharding_units", "sharding_roots", "sharding_mesh"}
+TUPLES = {"milestones", "sharding_units", "sharding_roots", "sharding_mesh", "batchnorm_unfrozen"}
 
 # What each sync_batchnorm_rule means, as the plan prints it.
 SYNC_BATCHNORM_RULES = {

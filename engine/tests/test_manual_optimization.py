@@ -98,7 +98,8 @@ def test_a_mid_epoch_resume_trains_exactly_the_remaining_batches(gan_run, tmp_pa
 def test_the_equivalence_check_compares_1_and_2_processes_without_accumulation():
     """Lightning cannot accumulate under manual optimization: the check trains 8 batches of 64 on 2 processes and on
     1 with the whole batch, in float64, and the two runs end with the same weights and optimizer state. Before: it
-    crashed ('Automatic gradient accumulation is not supported for manual optimization', exit 2)."""
+    crashed ('Automatic gradient accumulation is not supported for manual optimization', exit 2); then its first
+    line said it compared "1 accumulating 2 micro-batches" too."""
     result = run_command(
         [
             sys.executable,
@@ -110,6 +111,10 @@ def test_the_equivalence_check_compares_1_and_2_processes_without_accumulation()
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
+    assert result.stdout.splitlines()[0] == (
+        "comparing 2 CPU processes and 1 with the whole batch after 8 steps in float64 (manual optimization "
+        "(automatic_optimization=False): Lightning cannot accumulate, so no accumulation run)"
+    )
     difference = re.search(r"2 processes vs 1 with the whole batch: largest relative difference (\S+) ", output)
     assert difference and float(difference[1]) <= 1e-12, output[-3000:]
     assert "no accumulation run" in output and "EQUIVALENT in float64" in output

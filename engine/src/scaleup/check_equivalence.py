@@ -29,6 +29,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -60,6 +61,9 @@ NAMES = {"64-true": "float64", "32-true": "float32"}
 RUNS = {"1": (1, 1), "1x2": (1, 2), "2": (2, 1)}
 # Under manual optimization (automatic_optimization=False) Lightning cannot accumulate: the runs without it.
 MANUAL_RUNS = {name: RUNS[name] for name in ("1", "2")}
+NO_ACCUMULATION = (
+    "manual optimization (automatic_optimization=False): Lightning cannot accumulate, so no accumulation run"
+)
 # The module's import path for the child processes, which cannot import `__main__` (its name under `python -m`).
 MODULE = "scaleup.check_equivalence"
 GENERATORS = "generators.json"  # in each run directory: the generators training drew from (DrawnGenerators)
@@ -259,9 +263,29 @@ def finished_checkpoint(returncode: int, name: str, run_dir: Path) -> dict[str, 
     return last_checkpoint(run_dir)
 
 
-def manual_optimization(returncode: int, run_dir: Path) -> bool:
-    """Whether the module steps its optimizers itself, as the plan of a run that succeeded records it."""
-    return returncode == 0 and json.loads((run_dir / "plan.json").read_text()).get("manual_optimization", False)
+def manual_optimization(proc: subprocess.Popen, run_dir: Path) -> bool:
+    """Whether the module steps its optimizers itself, as the plan that the run writes at its start records it (False
+    where the run ends without one). Known within seconds, before the check says what it compares."""
+    path = run_dir / "plan.json"
+    while True:
+        ended = proc.poll() is not None
+        try:
+            return bool(json.loads(path.read_text()).get("manual_optimization", False))
+        except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or not whole yet
+            if ended:
+                return False
+        time.sleep(0.1)
+
+
+def what_is_compared(runs: dict[str, tuple[int, int]], precision: str) -> str:
+    """The check's first line: the runs it compares, after how many steps, in which precision."""
+    name = NAMES.get(precision, precision)
+    if "1x2" not in runs:
+        return f"comparing 2 CPU processes and 1 with the whole batch after {STEPS} steps in {name} ({NO_ACCUMULATION})"
+    return (
+        f"comparing 2 CPU processes, 1 accumulating 2 micro-batches and 1 with the whole batch after {STEPS} steps "
+        f"in {name}"
+    )
 
 
 def describe(name: str) -> str:
@@ -357,8 +381,7 @@ def manual_verdict(
     accumulation; a difference has either of the causes the accumulation run would tell apart."""
     name = NAMES.get(precision, precision)
     same, line = comparison(state["1"], state["2"], precision, "2 processes vs 1 with the whole batch")
-    why = "manual optimization (automatic_optimization=False): Lightning cannot accumulate, so no accumulation run"
-    lines = [line, why, *held_lines(held)]
+    lines = [line, *held_lines(held)]
     if same:
         return 0, [*lines, f"EQUIVALENT in {name}: moving to more devices changes the speed, not the result"]
     return 1, [
@@ -385,20 +408,15 @@ def main(argv: list[str]) -> int:
         precision = given[-1].split("=", 1)[1]
     else:
         overrides = [f"trainer.precision={precision}", *overrides]
-    print(
-        f"comparing 2 CPU processes, 1 accumulating 2 micro-batches and 1 with the whole batch after {STEPS} steps "
-        f"in {NAMES.get(precision, precision)}",
-        flush=True,
-    )
-
     with tempfile.TemporaryDirectory() as tmp:
         run_dirs = {name: Path(tmp) / name for name in RUNS}
         procs = {name: start_run(*RUNS[name], overrides, run_dirs[name]) for name in RUNS}  # side by side
+        # Known from the module, in the plan a run writes at its start: under manual optimization the accumulation
+        # run is refused at start-up (one line), and the other two are compared. (Waiting for a plan before starting
+        # the accumulation run made the check 50% slower on 2 cores.)
+        runs = MANUAL_RUNS if manual_optimization(procs["1"], run_dirs["1"]) else RUNS
+        print(what_is_compared(runs, precision), flush=True)
         codes = {name: proc.wait() for name, proc in procs.items()}
-        # Known from the module, in the plan of a run: under manual optimization the accumulation run was refused at
-        # start-up (one line), and the other two are compared. (Waiting for a plan before starting the accumulation
-        # run made the check 50% slower on 2 cores.)
-        runs = MANUAL_RUNS if manual_optimization(codes["1"], run_dirs["1"]) else RUNS
         checkpoints = {name: finished_checkpoint(codes[name], name, run_dirs[name]) for name in runs}
         if any(checkpoint is None for checkpoint in checkpoints.values()):
             return 2

@@ -89,6 +89,24 @@ def test_torchrun_reads_what_each_operator_sets(name, monkeypatch):
         assert config.shutdown_timeout < grace  # after SIGTERM, the agent waits for its workers, then the pod goes
 
 
+@pytest.mark.parametrize(
+    ("codes", "passed_on"),
+    [((124, 124), 124), ((143, -signal.SIGTERM), 143), ((124, 1), None), ((124, 143), None), ((1, 1), None)],
+)
+def test_the_torchrun_wrapper_exits_with_the_workers_code_where_every_failed_one_agrees(codes, passed_on, tmp_path):
+    """torchrun's agent exits 1 on any failure of its workers; the wrapper exits 124 where each failed worker exited
+    124 (a hang the watchdog named), 143 where each stopped on SIGTERM, and keeps torchrun's code where they differ
+    or crashed. (On 2 torchrun nodes with a hung rank: test_rank_failures.py.)"""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from scaleup.distributed.torchrun import workers_code
+
+    failures = {
+        rank: ProcessFailure(rank, 1000 + rank, code, str(tmp_path / "none.json")) for rank, code in enumerate(codes)
+    }
+    assert workers_code(ChildFailedError("train.py", failures)) == passed_on
+
+
 def test_more_devices_than_one_process_per_pod_is_one_clear_message(tmp_path, monkeypatch):
     (_, env, _), _ = pytorchjob_pods(load(DEPLOY / "pytorchjob.yaml"))
     for key, value in env.items():

@@ -138,13 +138,15 @@ def torch_step(ckpt: Path) -> int:
     return torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"]
 
 
-def test_a_hung_rank_on_two_torchrun_nodes_is_named(tmp_path):
-    """torchrun --nnodes=2, one process per node (static master address): rank 1 (node 1) hangs; node 0's worker
-    names it and its line, both workers exit 124 (each agent says so) within the bound."""
+def test_a_hung_rank_on_two_torchrun_nodes_is_named_and_each_agent_exits_124(tmp_path):
+    """torchrun --nnodes=2, one process per node (static master address), through the engine's wrapper
+    (`python -m scaleup.distributed.torchrun`): rank 1 (node 1) hangs; node 0's worker names it and its line, both
+    workers exit 124 (each agent says so) within the bound, and so does each agent (torchrun's own exits 1, as on a
+    crash)."""
     run_dir = tmp_path / "run"
     args = [*TINY, "trainer.devices=1", "trainer.num_nodes=2", f"hydra.run.dir={run_dir}"]
     port = free_port()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
+    torchrun = [sys.executable, "-m", "scaleup.distributed.torchrun", "--nnodes=2", "--nproc-per-node=1"]
     torchrun += ["--master-addr=127.0.0.1", f"--master-port={port}", "--monitor-interval=0.2"]
     env = misbehaving("hang", tmp_path / "marks")
     nodes = [
@@ -161,11 +163,13 @@ def test_a_hung_rank_on_two_torchrun_nodes_is_named(tmp_path):
     print(
         f"2 torchrun nodes: named {named:.1f} s after the hang; agents exit {[c for c, _ in ended]} at {seconds:.1f} s"
     )
-    assert all(code != 0 for code, _ in ended) and named < HANG_SECONDS + 4 and seconds < HANG_SECONDS + 15, outputs
+    assert [code for code, _ in ended] == [EXIT_HUNG] * 2, outputs
+    assert named < HANG_SECONDS + 4 and seconds < HANG_SECONDS + 15, outputs
     assert "hang: rank 1 did not reach the point the other ranks wait in" in outputs[0], outputs[0][-3000:]
     assert f"{line_of(SLEEP_LINE)} in training_step" in outputs[0]
-    for output in outputs:  # torchrun's agent: the worker's exit code
+    for output in outputs:  # torchrun's agent: the worker's exit code; the wrapper: its own
         assert re.search(rf"exitcode\s*:\s*{EXIT_HUNG}\b", output), output[-3000:]
+        assert "torchrun: a rank hung (every failed worker exited 124: the watchdog named it above): exit 124" in output
     assert sorted(p.name for p in (run_dir / "hang").iterdir()) == ["rank0.txt", "rank1.txt"]
     assert not [pid for pid in pids(tmp_path / "marks") if alive(pid)]
 

@@ -1,12 +1,16 @@
-"""`python -m scaleup.distributed.torchrun [torchrun's options] train.py ...`: torchrun, exiting 143 on a pre-emption.
+"""`python -m scaleup.distributed.torchrun [torchrun's options] train.py ...`: torchrun, exiting with its workers' code
+where they agree on one that tells what happened: 143 on a pre-emption, 124 on a hang.
 
-torch 2.14. Reason: torchrun's agent exits 1 when its job is pre-empted. Given SIGTERM, it passes the signal on to
-its workers (which stop together, write last.ckpt and exit 143: callbacks/preemption.py), waits for them
-(`--shutdown-timeout`, 30 s by default) and raises SignalException; the agent of another node, whose workers
-stopped with 143 because a peer's were signalled, raises ChildFailedError. Both end in exit 1, which Kubernetes'
-`restartPolicy: ExitCode` (143 restarts the pod, 1-127 fail the job) reads as a failed job. This runs torchrun's
-own `main` in this process (the same agent, the same options) and exits 143 in those two cases instead; any other
-failure keeps torchrun's exit code.
+torch 2.14. Reason: torchrun's agent exits 1 whatever its workers' exit codes. Given SIGTERM, it passes the signal on
+to its workers (which stop together, write last.ckpt and exit 143: callbacks/preemption.py), waits for them
+(`--shutdown-timeout`, 30 s by default) and raises SignalException; the agent of another node, whose workers stopped
+with 143 because a peer's were signalled, raises ChildFailedError. A hang that the watchdog names ends every worker
+with 124 (distributed/watchdog.py), and the agent raises ChildFailedError too. All end in exit 1, which Kubernetes'
+`restartPolicy: ExitCode` (143 restarts the pod, 1-127 fail the job) reads as a failed job, and in which a scheduler
+or a script cannot tell a hang from a crash. This runs torchrun's own `main` in this process (the same agent, the same
+options) and exits 143 where the agent got SIGTERM, and the workers' code where every failed worker ended with the
+same one of 143 (or killed by SIGTERM before its handler was installed) and 124; any other failure keeps torchrun's
+exit code.
 """
 
 from __future__ import annotations
@@ -19,28 +23,44 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from scaleup.callbacks.preemption import EXIT_PREEMPTED
+from scaleup.distributed.watchdog import EXIT_HUNG
+
+# The workers' exit codes passed on, and what each says; a worker killed by SIGTERM counts as EXIT_PREEMPTED.
+PASSED_ON = {
+    EXIT_PREEMPTED: "pre-empted ({how}): exit {code}; resume with ckpt_path=last",
+    EXIT_HUNG: "a rank hung ({how}: the watchdog named it above): exit {code}; resume with ckpt_path=last",
+}
 
 
-def preemption(error: SignalException | ChildFailedError) -> str | None:
-    """How torchrun's run was pre-empted, or None where it was not: its agent got SIGTERM, or every failed worker
-    stopped on it (exit 143 from preemption.py, or killed by the signal before its handler was installed)."""
+def workers_code(error: ChildFailedError) -> int | None:
+    """The exit code every failed worker ended with, where it is one of PASSED_ON, else None."""
+    codes = {EXIT_PREEMPTED if f.exitcode == -signal.SIGTERM else f.exitcode for f in error.failures.values()}
+    return codes.pop() if len(codes) == 1 and codes <= PASSED_ON.keys() else None
+
+
+def outcome(error: SignalException | ChildFailedError) -> tuple[int, str] | None:
+    """(the exit code, how it came about) where torchrun's run ended in a pre-emption or a hang, else None: its agent
+    got SIGTERM, or every failed worker ended with the same code of PASSED_ON."""
     if isinstance(error, SignalException):
-        return "the agent got SIGTERM" if error.sigval == signal.SIGTERM else None
-    if all(failure.exitcode in (EXIT_PREEMPTED, -signal.SIGTERM) for failure in error.failures.values()):
-        return "its workers stopped on SIGTERM"
-    return None
+        return (EXIT_PREEMPTED, "the agent got SIGTERM") if error.sigval == signal.SIGTERM else None
+    code = workers_code(error)
+    if code is None:
+        return None
+    return code, "its workers stopped on SIGTERM" if code == EXIT_PREEMPTED else f"every failed worker exited {code}"
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run torchrun with `argv` (default: this command's arguments); exit 143 where it ended in a pre-emption."""
+    """Run torchrun with `argv` (default: this command's arguments); exit 143 where it ended in a pre-emption, 124
+    where its workers hung."""
     try:
         run.main(argv)
     except (SignalException, ChildFailedError) as error:
-        how = preemption(error)
-        if how is None:
+        ended = outcome(error)
+        if ended is None:
             raise
-        print(f"torchrun: pre-empted ({how}): exit {EXIT_PREEMPTED}; resume with ckpt_path=last", file=sys.stderr)
-        sys.exit(EXIT_PREEMPTED)
+        code, how = ended
+        print(f"torchrun: {PASSED_ON[code].format(how=how, code=code)}", file=sys.stderr)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

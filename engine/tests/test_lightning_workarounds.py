@@ -198,6 +198,27 @@ def test_resume_after_an_epoch_end_checkpoint_leaves_the_epoch_unstarted(tmp_pat
     assert resumed.global_step > 3 * BATCHES_PER_EPOCH  # epoch 1 trained again
 
 
+def test_an_epoch_resumed_from_its_predecessors_last_batch_ends_counted_as_processed_only(tmp_path):
+    """LoopRepairs: resumed from a checkpoint at an epoch's last batch, Lightning does not count the next epoch as
+    started, so the checkpoint at that epoch's end has ready and started one behind processed; resumed from it,
+    plain Lightning trains another number of steps than the run asked for (found by the kill -9 test:
+    test_resume.py::test_kill_9_never_leaves_a_broken_last_checkpoint ended 8 steps short). LoopRepairs counts the
+    epoch as started, and the run ends at its planned step."""
+    trainer(tmp_path, max_epochs=1, callbacks=[save_every(BATCHES_PER_EPOCH, tmp_path)]).fit(Tiny())
+    end = ModelCheckpoint(dirpath=tmp_path, filename="end", save_on_train_epoch_end=True)
+    trainer(tmp_path, max_epochs=2, callbacks=[end]).fit(Tiny(), ckpt_path=tmp_path / f"step={BATCHES_PER_EPOCH}.ckpt")
+    epochs = loops(tmp_path / "end.ckpt")["epoch_progress"]["current"]
+    assert epochs["ready"] == epochs["started"] == epochs["completed"] == epochs["processed"] - 1 == 1
+    steps = {}
+    for name, callbacks in (("plain", []), ("repaired", [LoopRepairs()])):
+        run = trainer(tmp_path / name, max_epochs=3, callbacks=callbacks)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the unresumable-loader warning
+            run.fit(Tiny(), ckpt_path=tmp_path / "end.ckpt")
+        steps[name] = run.global_step
+    assert steps["plain"] != 3 * BATCHES_PER_EPOCH and steps["repaired"] == 3 * BATCHES_PER_EPOCH, steps
+
+
 class Batches(L.Callback):
     """Records (epoch, batch_idx) of every training batch."""
 

@@ -37,7 +37,10 @@ class LoopRepairs(Callback):
       Lightning starts that epoch without counting it as started in `epoch_progress`, so the checkpoint looks like
       the epoch before it and the next resume trains the whole epoch again (measured: 32 steps instead of 24 after
       two such resumes). A checkpoint written inside `on_train_batch_end` always belongs to a started epoch: it is
-      marked so. Canary: test_resume_after_an_epoch_end_checkpoint_leaves_the_epoch_unstarted.
+      marked so. Canary: test_resume_after_an_epoch_end_checkpoint_leaves_the_epoch_unstarted. The checkpoint at
+      such an epoch's end counts it as processed only (ready and started one behind), and a resume from it trains
+      another number of steps than planned: it is marked started too.
+      Canary: test_an_epoch_resumed_from_its_predecessors_last_batch_ends_counted_as_processed_only.
     - A checkpoint written at an epoch's end (last.ckpt is) resumes where that epoch stopped:
       - an epoch that ran to its end, with `max_steps`: `_FitLoop`'s `restarting` setter takes every restored run
         with max_steps for one to continue inside its last epoch (`or self._iteration_based_training()`) and
@@ -103,14 +106,23 @@ class LoopRepairs(Callback):
 
 
 def repair_epoch_progress(checkpoint: dict[str, Any]) -> None:
-    """Mark the epoch of a checkpoint written inside `on_train_batch_end` as started (see LoopRepairs)."""
+    """Mark the epoch of a checkpoint as started where Lightning did not count it (see LoopRepairs): one written
+    inside `on_train_batch_end`, and one written at the end of such an epoch, which Lightning counted as processed
+    only (its ready and started one behind: the next resume would take the epoch for the one before it)."""
     fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
     batches = fit_loop.get("epoch_loop.batch_progress", {}).get("current", {})
     epochs = fit_loop.get("epoch_progress")
+    if not epochs:
+        return
+    current = epochs["current"]
     saved_inside_batch_end = batches.get("completed", 0) < batches.get("ready", 0)
-    if epochs and saved_inside_batch_end and epochs["current"]["ready"] == epochs["current"]["completed"]:
+    uncounted_at_its_end = current["ready"] == current["started"] == current["completed"] == current["processed"] - 1
+    if saved_inside_batch_end and current["ready"] == current["completed"]:
         for counts in (epochs["current"], epochs["total"]):
             counts["ready"] = counts["started"] = counts["completed"] + 1
+    elif uncounted_at_its_end:
+        for counts in (epochs["current"], epochs["total"]):
+            counts["ready"] = counts["started"] = counts["processed"]
 
 
 def _as_list(loaders: Any) -> list[Any]:

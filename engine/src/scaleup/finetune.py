@@ -11,7 +11,6 @@ data order start afresh. A resumed run loads nothing: its checkpoint holds the t
 from __future__ import annotations
 
 import functools
-import logging
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -33,8 +32,6 @@ from scaleup.plan.resolve import Plan
 if TYPE_CHECKING:
     from scaleup.config.schema import Init
     from scaleup.distributed.meta_init import MetaInit
-
-log = logging.getLogger("scaleup")
 
 
 @dataclass(frozen=True)

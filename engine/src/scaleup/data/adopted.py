@@ -12,7 +12,6 @@ loader's own `batch_size` is the global batch: the recipe as it runs on one devi
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import lightning as L
@@ -21,8 +20,6 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from scaleup.data.datamodule import GlobalBatchDataModule, iterable_message
 from scaleup.errors import UserError
-
-log = logging.getLogger(__name__)
 
 SPLITS = {"train": "train_dataloader", "val": "val_dataloader", "test": "test_dataloader"}
 # What the template takes from each of the module's own loaders; the dataset, the sampler and the batch size are
@@ -63,10 +60,9 @@ class AdoptedDataModule(GlobalBatchDataModule):
                     f"data: {name}.{method}() returns a {type(loader).__name__}, not one DataLoader: the template "
                     "takes one loader per split (several evaluation loaders cannot be counted exactly)"
                 )
-            self.loaders[split] = loader
-        for split, loader in self.loaders.items():
             if isinstance(loader.dataset, IterableDataset):
                 raise UserError(iterable_message(f"the {split} split of {name}", loader.dataset))
+            self.loaders[split] = loader
         return {split: loader.dataset for split, loader in self.loaders.items()}
 
     def recipe_batch_size(self) -> int | None:

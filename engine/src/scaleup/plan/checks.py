@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -14,8 +13,6 @@ if TYPE_CHECKING:
     from scaleup.config.schema import Strategy
     from scaleup.config.typed import TrainConfig
     from scaleup.data.datamodule import GlobalBatchDataModule
-
-log = logging.getLogger(__name__)
 
 
 # Every BatchNorm torch has (the layers that compute statistics over the micro-batch)

@@ -23,6 +23,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from scaleup.checkpoints import sharded
 from scaleup.errors import UserError
+from scaleup.observability.rows import shown
 
 # Prefixes other code adds to parameter names: DDP's wrapper and torch.compile's OptimizedModule.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -144,13 +145,9 @@ def load_weights(net: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None
     """
     result = net.load_state_dict(strip_wrapper_prefixes(state_dict), strict=False)
     if result.missing_keys or result.unexpected_keys:
-
-        def show(keys: list[str]) -> str:
-            return ", ".join(keys[:8]) + (f" ... ({len(keys)} in all)" if len(keys) > 8 else "") or "none"
-
         raise UserError(
-            f"the weights do not fit {type(net).__name__}: missing keys: {show(result.missing_keys)}; "
-            f"unexpected keys: {show(result.unexpected_keys)}. Was it trained with another model config?"
+            f"the weights do not fit {type(net).__name__}: missing keys: {shown(result.missing_keys) or 'none'}; "
+            f"unexpected keys: {shown(result.unexpected_keys) or 'none'}. Was it trained with another model config?"
         )
 
 

@@ -30,27 +30,6 @@ from scaleup.observability.step_time import find_straggler, pace_setter, ranks_f
 
 
 @dataclass(frozen=True)
-class Measured:
-    """A run's topology and its step times: compute and data wait in seconds per training batch (the median
-    rank's), exposed communication and the measured step in seconds per optimizer step (the pace-setting rank's)."""
-
-    world_size: int
-    num_nodes: int
-    per_device_batch: int
-    accumulation: int
-    compute: float
-    data_wait: float
-    comm: float | None
-    step: float
-    gradient_bytes: int = 0
-    straggler: int | None = None
-
-    @property
-    def global_batch(self) -> int:
-        return self.world_size * self.accumulation * self.per_device_batch
-
-
-@dataclass(frozen=True)
 class Target:
     """The topology to estimate: M devices in all, on `num_nodes` nodes, with the plan's batch split."""
 
@@ -62,6 +41,19 @@ class Target:
     @property
     def global_batch(self) -> int:
         return self.world_size * self.accumulation * self.per_device_batch
+
+
+@dataclass(frozen=True)
+class Measured(Target):
+    """A run's topology and its step times: compute and data wait in seconds per training batch (the median
+    rank's), exposed communication and the measured step in seconds per optimizer step (the pace-setting rank's)."""
+
+    compute: float
+    data_wait: float
+    comm: float | None
+    step: float
+    gradient_bytes: int = 0
+    straggler: int | None = None
 
 
 @dataclass(frozen=True)
@@ -170,8 +162,7 @@ def target_of(plan: dict[str, Any]) -> Target:
 def estimate_lines(measured: Measured, target: Target, source: str) -> list[str]:
     """The estimate in words, with what it assumes."""
     ms = 1000
-    model = estimate(measured, Target(measured.world_size, measured.num_nodes, measured.per_device_batch,
-                                      measured.accumulation))  # fmt: skip
+    model = estimate(measured, measured)
     result = estimate(measured, target)
     lines = [
         f"speedup estimate from {source}: {measured.world_size} device(s) on {measured.num_nodes} node(s), per-device "

@@ -89,10 +89,10 @@ def straggler_ratio(ranks: list[RankTimes]) -> float:
     return ranks[slowest].compute / others if others > 0 else math.inf
 
 
-def find_straggler(ranks: list[RankTimes], ratio: float = STRAGGLER) -> Straggler | None:
-    """The slowest rank, if its compute per batch is more than `ratio` times the median of the others' and the
+def find_straggler(ranks: list[RankTimes]) -> Straggler | None:
+    """The slowest rank, if its compute per batch is more than STRAGGLER times the median of the others' and the
     communication is measured (the others' wait for it is their communication time beyond the straggler's own)."""
-    if len(ranks) < 2 or any(t.comm is None for t in ranks) or straggler_ratio(ranks) <= ratio:
+    if len(ranks) < 2 or any(t.comm is None for t in ranks) or straggler_ratio(ranks) <= STRAGGLER:
         return None
     slowest = max(range(len(ranks)), key=lambda r: ranks[r].compute)
     others = [t for r, t in enumerate(ranks) if r != slowest]

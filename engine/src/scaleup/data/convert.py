@@ -16,6 +16,7 @@ module applies its own `train_transform` when it loads a sample, drawn per (seed
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -135,15 +136,15 @@ def convert(splits: dict[str, Dataset], out: Path, per_shard: int, workers: int,
     checksums = {}
     context = multiprocessing.get_context("fork")  # the workers inherit the data set instead of rebuilding it
     # A worker dies on the SIGTERM that ends the pool, whatever handler this process had (a training job's).
-    pool = context.Pool(workers, signal.signal, (signal.SIGTERM, signal.SIG_DFL)) if workers > 1 else _InProcess()
-    with pool:
+    pool = context.Pool(workers, signal.signal, (signal.SIGTERM, signal.SIG_DFL)) if workers > 1 else None
+    with pool or contextlib.nullcontext():
         for split, dataset in splits.items():
             if not len(dataset):  # e.g. data.test_size=0: nothing to shard
                 continue
             directory = out / split
             directory.mkdir(parents=True, exist_ok=True)
             tasks = [(split, k, per_shard, str(directory)) for k in range(-(-len(dataset) // per_shard))]
-            written = pool.map(write_shard, tasks, chunksize=1)
+            written = pool.map(write_shard, tasks, chunksize=1) if pool else [write_shard(task) for task in tasks]
             print(f"{split}: {len(written)}/{len(tasks)} shards written", flush=True)
             fields = {tuple(w["fields"]) for w in written}
             if len(fields) != 1:
@@ -152,19 +153,6 @@ def convert(splits: dict[str, Dataset], out: Path, per_shard: int, workers: int,
             (directory / INDEX).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
             checksums[split] = doc["scaleup"]["checksum"]
     return checksums
-
-
-class _InProcess:
-    """The Pool interface, in this process (workers=1)."""
-
-    def __enter__(self) -> _InProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def map(self, fn, tasks, chunksize: int = 1) -> list:
-        return [fn(task) for task in tasks]
 
 
 def build_source(overrides: list[str]) -> tuple[dict[str, Dataset], dict[str, Any]]:

@@ -11,9 +11,10 @@ global generator, which `SeededSamples` seeds per (seed, epoch, index) before ea
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,32 +59,29 @@ def decode(data: torch.Tensor | bytes, name: str) -> torch.Tensor:
         raise ImageDecodeError(f"{name}: not a readable image ({reason}); remove or replace the file") from None
 
 
-def pil_decode(data: torch.Tensor, name: str) -> torch.Tensor:
-    """What torchvision.io does not decode (BMP, TIFF, PPM: ImageFolder's other extensions), through PIL."""
+@contextlib.contextmanager
+def pil_image(data: torch.Tensor, name: str) -> Iterator[Image.Image]:
+    """The encoded image opened with PIL; what PIL cannot read is one ImageDecodeError naming `name` (PIL's own
+    `cannot identify image file <_io.BytesIO object at 0x...>` said in words)."""
     try:
         with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
-            pixels = torch.from_numpy(np.array(image.convert("RGB")))
+            yield image
     except (UnidentifiedImageError, OSError) as err:
-        raise ImageDecodeError(
-            f"{name}: not a readable image ({pil_reason(err)}); remove or replace the file"
-        ) from None
+        reason = "no image format PIL or torchvision knows" if isinstance(err, UnidentifiedImageError) else str(err)
+        raise ImageDecodeError(f"{name}: not a readable image ({reason}); remove or replace the file") from None
+
+
+def pil_decode(data: torch.Tensor, name: str) -> torch.Tensor:
+    """What torchvision.io does not decode (BMP, TIFF, PPM: ImageFolder's other extensions), through PIL."""
+    with pil_image(data, name) as image:
+        pixels = torch.from_numpy(np.array(image.convert("RGB")))
     return pixels.permute(2, 0, 1)  # HWC -> CHW, as torchvision's decoders return it
-
-
-def pil_reason(err: OSError) -> str:
-    """PIL's reason, without its `cannot identify image file <_io.BytesIO object at 0x...>`."""
-    return "no image format PIL or torchvision knows" if isinstance(err, UnidentifiedImageError) else str(err)
 
 
 def image_size(data: torch.Tensor, name: str) -> tuple[int, int]:
     """(height, width) of an encoded JPEG from its header alone, for augmentation drawn before a GPU decodes it."""
-    try:
-        with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
-            kind, (width, height) = image.format, image.size
-    except (UnidentifiedImageError, OSError) as err:
-        raise ImageDecodeError(
-            f"{name}: not a readable image ({pil_reason(err)}); remove or replace the file"
-        ) from None
+    with pil_image(data, name) as image:
+        kind, (width, height) = image.format, image.size
     if kind != "JPEG":
         raise ImageDecodeError(
             f"{name}: a {kind} image, and data.decode_device=cuda decodes JPEGs only: convert it, or use "

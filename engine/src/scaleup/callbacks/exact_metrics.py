@@ -38,7 +38,7 @@ REDUCE_GROUPS = (
 EPOCH_END_HOOKS = ("on_validation_epoch_end", "on_test_epoch_end")
 
 
-def _epoch_tensor_metrics(trainer: L.Trainer, *, synced: bool) -> Iterator[tuple[str, Any]]:
+def _epoch_tensor_metrics(trainer: L.Trainer, *, synced: bool = False) -> Iterator[tuple[str, Any]]:
     """(key, metric) for this epoch's tensor-valued, epoch-level `self.log` values: those Lightning keeps per rank
     (`synced=False`), or those logged with `sync_dist=True` (`synced=True`)."""
     for key, metric in (trainer._results or {}).items():
@@ -52,11 +52,6 @@ def _epoch_tensor_metrics(trainer: L.Trainer, *, synced: bool) -> Iterator[tuple
             and meta.sync.should == synced
         ):
             yield key, metric
-
-
-def _plain_epoch_metrics(trainer: L.Trainer) -> Iterator[tuple[str, Any]]:
-    """(key, metric) for this epoch's plain-tensor, epoch-level `self.log` values that Lightning keeps per rank."""
-    return _epoch_tensor_metrics(trainer, synced=False)
 
 
 def _reducible(metric: Any) -> bool:
@@ -137,7 +132,7 @@ class ExactEvalMetrics(Callback):
     def _reduce(self, trainer: L.Trainer) -> None:
         if trainer.world_size == 1 or not torch.distributed.is_initialized():
             return
-        local = {key: metric for key, metric in _plain_epoch_metrics(trainer) if _reducible(metric)}
+        local = {key: metric for key, metric in _epoch_tensor_metrics(trainer) if _reducible(metric)}
         gathered: list[Any] = [None] * trainer.world_size
         torch.distributed.all_gather_object(gathered, [(key, REDUCTIONS[m.meta.reduce_fx]) for key, m in local.items()])
         keys = sorted(set().union(*gathered))  # (key, reduction): the same list, in the same order, on every rank
@@ -188,7 +183,7 @@ class ExactEvalMetrics(Callback):
     def _silence_sync_dist_advice(self, trainer: L.Trainer) -> None:
         """Lightning advises `sync_dist=True` for these metrics when it first computes them, after the last batch:
         it no longer applies (and would mis-weight uneven ranks)."""
-        for _, metric in _plain_epoch_metrics(trainer):
+        for _, metric in _epoch_tensor_metrics(trainer):
             name = metric.meta.name
             if name not in self._quiet and _reducible(metric):
                 self._quiet.add(name)
@@ -198,7 +193,7 @@ class ExactEvalMetrics(Callback):
         if self._warned or trainer.world_size == 1:
             return
         self._warned = True
-        inexact = sorted({metric.meta.name for _, metric in _plain_epoch_metrics(trainer) if not _reducible(metric)})
+        inexact = sorted({metric.meta.name for _, metric in _epoch_tensor_metrics(trainer) if not _reducible(metric)})
         if inexact and trainer.is_global_zero:
             log.warning(
                 f"NOT EXACT on {trainer.world_size} processes: {', '.join(inexact)} (logged with a plain tensor in "

@@ -81,9 +81,6 @@ class GlobalBatchSampler(Sampler):
         """Skip the first `steps_done` global batches of `epoch` (a mid-epoch checkpoint); later epochs are whole."""
         self._resume_epoch, self._resume_steps = epoch, steps_done
 
-    def _skipped_steps(self) -> int:
-        return self._resume_steps if self.epoch == self._resume_epoch else 0
-
     def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
         indices = self._indices()
         return ((self.epoch, index) for index in indices) if self.with_epoch else indices
@@ -98,7 +95,8 @@ class GlobalBatchSampler(Sampler):
         order = self.epoch_order() if shuffled else None
         # The positions of this rank's slice in one global batch; step s adds s x global batch.
         slice_positions = np.arange(self.rank * self.per_rank, (self.rank + 1) * self.per_rank, dtype=np.int64)
-        for first in range(self._skipped_steps(), self.steps_per_epoch, steps_per_chunk):
+        skipped = self._resume_steps if self.epoch == self._resume_epoch else 0
+        for first in range(skipped, self.steps_per_epoch, steps_per_chunk):
             steps = np.arange(first, min(first + steps_per_chunk, self.steps_per_epoch), dtype=np.int64)
             positions = steps[:, None] * self.global_batch_size + slice_positions
             yield (positions if order is None else order[positions]).ravel()

@@ -354,43 +354,38 @@ def verdict(
     randomness: list[str] | tuple[str, ...] = (),
     held: dict[str, str] | None = None,
 ) -> tuple[int, list[str]]:
-    """(0 equivalent or 1 not, the lines to print) for the last checkpoints of the three RUNS, the user's own
-    generators that training drew from and the global generators that its steps drew from (`DrawnGenerators`), and
-    the layers held (`HeldLayers`)."""
+    """(0 equivalent or 1 not, the lines to print) for the last checkpoints of the RUNS (or the MANUAL_RUNS: 2
+    processes against the whole batch on 1, whose difference has either cause the accumulation run tells apart),
+    the user's own generators that training drew from and the global generators that its steps drew from
+    (`DrawnGenerators`), and the layers held (`HeldLayers`)."""
     name = NAMES.get(precision, precision)
     state = {run: compared_state(checkpoint) for run, checkpoint in checkpoints.items()}
-    if "1x2" not in state:
-        return manual_verdict(state, precision, held or {})
-    split_same, split_line = comparison(state["1x2"], state["2"], precision, "2 processes vs 1 accumulating 2")
-    batch_same, batch_line = comparison(state["1"], state["1x2"], precision, "1 process: whole batch vs 2 x half")
-    lines = [split_line, batch_line, *held_lines(held or {})]
-    if not split_same:
-        return 1, [*lines, f"NOT EQUIVALENT in {name}: {split_advice(drawn)}"]
-    if not batch_same:
-        advice = f"NOT EQUIVALENT in {name}: {whole_batch_advice(randomness)}"
-        if precision != "64-true":
-            advice += " float32 rounding differs between CPUs: confirm in float64 (without --float32) first."
-        return 1, [*lines, advice]
+    if "1x2" in state:
+        rounding = " float32 rounding differs between CPUs: confirm in float64 (without --float32) first."
+        checks = [
+            (state["1x2"], state["2"], "2 processes vs 1 accumulating 2", split_advice(drawn)),
+            (
+                state["1"],
+                state["1x2"],
+                "1 process: whole batch vs 2 x half",
+                whole_batch_advice(randomness) + (rounding if precision != "64-true" else ""),
+            ),
+        ]
+    else:
+        checks = [(state["1"], state["2"], "2 processes vs 1 with the whole batch", MANUAL_ADVICE)]
+    compared = [(*comparison(a, b, precision, what), advice) for a, b, what, advice in checks]
+    lines = [line for _, line, _ in compared] + held_lines(held or {})
+    for same, _, advice in compared:
+        if not same:
+            return 1, [*lines, f"NOT EQUIVALENT in {name}: {advice}"]
     return 0, [*lines, f"EQUIVALENT in {name}: moving to more devices changes the speed, not the result"]
 
 
-def manual_verdict(
-    state: dict[str, dict[str, torch.Tensor]], precision: str, held: dict[str, str]
-) -> tuple[int, list[str]]:
-    """The verdict of the MANUAL_RUNS: 2 processes against the whole batch on 1, the one comparison left without
-    accumulation; a difference has either of the causes the accumulation run would tell apart."""
-    name = NAMES.get(precision, precision)
-    same, line = comparison(state["1"], state["2"], precision, "2 processes vs 1 with the whole batch")
-    lines = [line, *held_lines(held)]
-    if same:
-        return 0, [*lines, f"EQUIVALENT in {name}: moving to more devices changes the speed, not the result"]
-    return 1, [
-        *lines,
-        f"NOT EQUIVALENT in {name}: the whole batch on 1 process and its halves on 2 give other weights or optimizer "
-        "state. Check each loss is a mean over the device's batch and nothing divides by a global count; look for "
-        "randomness of your own (docs/randomness.md) and for a hand-made all_reduce that does not divide by the "
-        "world size",
-    ]
+MANUAL_ADVICE = (
+    "the whole batch on 1 process and its halves on 2 give other weights or optimizer state. Check each loss is a "
+    "mean over the device's batch and nothing divides by a global count; look for randomness of your own "
+    "(docs/randomness.md) and for a hand-made all_reduce that does not divide by the world size"
+)
 
 
 def main(argv: list[str]) -> int:

@@ -18,9 +18,10 @@ import pytest
 import torch
 from pydantic import Field
 
-from conftest import ROOT, TESTS, check, in_process, run_command
+from conftest import ROOT, TESTS, check, engine_section, in_process, run_command
 from scaleup.config.schema import validate_config
 from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error
+from scaleup.trainer import check_trainer_arguments
 from user_modules import SCHEDULER_REFUSED
 
 QUIET = [
@@ -502,10 +503,19 @@ WRONG_VALUES = {
         ["trainer.overfit_batches=abc"],
         "trainer.overfit_batches=abc must be an integer >= 0 or a number in [0, 1]",
     ),
+    # ... and those passed to lightning.Trainer as they are: Lightning's own message, also in a dry run for more
+    # devices than the machine has
     "max time": (
         "train.py",
         ["trainer.max_time=12h"],
-        'trainer.max_time=12h must be null, "DD:HH:MM:SS" or a mapping such as {hours: 12}',
+        "trainer.max_time=12h: `Timer(duration='12h')` is not a valid duration. Expected a string in the format "
+        "DD:HH:MM:SS.",
+    ),
+    "clip algorithm, dry run": (
+        "train.py",
+        ["trainer.gradient_clip_algorithm=max", "trainer.devices=8", "dry_run=true"],
+        "trainer.gradient_clip_algorithm=max: `gradient_clip_algorithm` max is invalid. Allowed algorithms: "
+        "['value', 'norm'].",
     ),
     # data and model keys, from their constructors' type hints: plain ones (int, float, Literal[...], tuple[...])...
     "width 1.5": ("train.py", ["model.net.width=1.5"], "model.net.width=1.5 must be an integer"),
@@ -858,23 +868,19 @@ def complete(tmp_path_factory) -> Callable[[dict[str, Any], str], dict[str, Any]
             "model.optimizer.nesterov=maybe must be true or false",
         ),
         (
-            {"trainer": {"min_epochs": -1, "log_every_n_steps": 0, "check_val_every_n_epoch": 0}},
+            {
+                "trainer": {
+                    "log_every_n_steps": 0,
+                    "limit_train_batches": 0,
+                    "fast_dev_run": -1,
+                    "gradient_clip_val": -1,
+                }
+            },
             "train",
-            "trainer.min_epochs=-1 must be an integer >= 0 or null; "
-            "trainer.log_every_n_steps=0 must be an integer >= 1, auto or null; "
-            "trainer.check_val_every_n_epoch=0 must be an integer >= 1 or null",
-        ),
-        (
-            {"trainer": {"num_sanity_val_steps": -2, "limit_train_batches": 0, "limit_val_batches": -1}},
-            "train",
-            f"trainer.num_sanity_val_steps=-2 must be an integer >= -1 or null; trainer.limit_train_batches=0 must be "
-            f"{EPOCH_SHARE}; trainer.limit_val_batches=-1 must be an integer >= 0, a number in [0, 1] or null",
-        ),
-        (
-            {"trainer": {"gradient_clip_val": -1, "gradient_clip_algorithm": "max", "fast_dev_run": -1}},
-            "train",
-            "trainer.gradient_clip_val=-1 must be a number >= 0 or null; trainer.gradient_clip_algorithm=max must be "
-            "norm, value or null; trainer.fast_dev_run=-1 must be true, false or an integer >= 0",
+            f"trainer.log_every_n_steps=0 must be an integer >= 1, auto or null; trainer.limit_train_batches=0 must be "
+            f"{EPOCH_SHARE}; trainer.fast_dev_run=-1 must be true, false or an integer >= 0; "
+            "trainer.gradient_clip_val=-1 must be a number >= 0 or null (below 0 the clipping would turn the gradients "
+            "around)",
         ),
         (
             {"trainer": {"enable_progress_bar": "abc"}},
@@ -977,6 +983,33 @@ ACCEPTED = [
 @pytest.mark.parametrize("config", ACCEPTED)
 def test_schema_accepts(config, complete):
     validate_config(complete(config, "train"))
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"limit_val_batches": -1},
+            "trainer.limit_val_batches=-1: You have passed invalid value -1 for limit_val_batches, it has to be in "
+            "[0.0, 1.0] or an int.",
+        ),
+        (
+            {"val_check_interval": 0.5, "max_time": {"hourz": 1}},
+            "trainer.max_time={hourz: 1}: 'hourz' is an invalid keyword argument for __new__()",
+        ),
+        (  # refused together only: the message names both
+            {"barebones": True},
+            "trainer: `Trainer(barebones=True, enable_progress_bar=True)` was passed. The progress bar can impact raw "
+            "speed so it is disabled in barebones mode.",
+        ),
+    ],
+)
+def test_a_trainer_value_lightning_refuses_is_its_message_in_one_line(values, message):
+    """The `trainer.*` keys the engine does not read pass to lightning.Trainer as they are: Lightning's own check,
+    run before anything is built, names the key it refuses."""
+    with pytest.raises(UserError) as raised:
+        check_trainer_arguments(engine_section("trainer/default", **values))
+    assert str(raised.value) == message
 
 
 @pytest.mark.slow  # the entry points' interpreter

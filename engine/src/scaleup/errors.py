@@ -72,7 +72,8 @@ def _chain(err: BaseException | None, *, implicit: bool) -> Iterator[BaseExcepti
         err = err.__cause__ or (err.__context__ if implicit else None)
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """The first line of `err`'s message, or its type's name where it has none."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
@@ -93,10 +94,10 @@ def as_user_error(err: BaseException) -> UserError | None:
             return UserError(f"{key} has no value (it is ??? in the config): pass {key}=<value>")
         if isinstance(link, OmegaConfBaseException):
             where = f" (at {link.full_key})" if link.full_key else ""
-            return UserError(f"the config does not resolve{where}: {_first_line(link)}")
+            return UserError(f"the config does not resolve{where}: {first_line(link)}")
         if isinstance(link, OSError) and link.filename is not None:
             return UserError(
-                f"{link.filename}: {link.strerror or _first_line(link)}; check that path in your overrides "
+                f"{link.filename}: {link.strerror or first_line(link)}; check that path in your overrides "
                 "(a directory to write into must be creatable, a file to read must exist and be readable)"
             )
     return None
@@ -146,7 +147,7 @@ def config_errors(section: str) -> Iterator[None]:
             raise
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ is not None else err
         if isinstance(cause, ValueError | TypeError | MisconfigurationException) and not raised_in_users_code(cause):
-            raise UserError(f"{section}: {_first_line(cause)}") from err
+            raise UserError(f"{section}: {first_line(cause)}") from err
         raise
 
 

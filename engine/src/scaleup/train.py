@@ -34,7 +34,7 @@ from scaleup.plan.make import make_plan
 from scaleup.plan.resolve import Plan
 from scaleup.plan.topology import resolve_topology
 from scaleup.search.trial import in_search
-from scaleup.trainer import build_trainer
+from scaleup.trainer import build_trainer, check_trainer_arguments
 
 log = logging.getLogger("scaleup")
 
@@ -45,6 +45,7 @@ ignore_unresumable_loader_warning()
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Plan the run, print and save the plan, then fit, test on the best checkpoint and summarise."""
     config = train_config(cfg)  # every value's type and range, before the seed and the topology read theirs
+    check_trainer_arguments(config.trainer)  # and the values passed to lightning.Trainer as they are, by Lightning
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     topology = resolve_topology(config.trainer, dry_run=config.dry_run)
     check_outputs(config)  # before an epoch is trained, or data downloaded, for nothing

@@ -4,18 +4,22 @@ topology; and what the jobs read back from them (`TrainerJob`)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
     ProgressBar,
     RichProgressBar,
 )
+from lightning.pytorch.utilities.rank_zero import rank_zero_module
 
 from scaleup.callbacks.ema import EMA
 from scaleup.callbacks.exact_metrics import ExactEvalMetrics
@@ -35,12 +39,12 @@ from scaleup.compat.gates import (
 )
 from scaleup.compat.precision import model_parallel_precision
 from scaleup.config.plain import instantiate_each
-from scaleup.config.schema import Checkpointing, Monitor
+from scaleup.config.schema import Checkpointing, Monitor, TrainerArgs, render
 from scaleup.config.typed import TrainConfig, values
 from scaleup.data.seeding import StepSeed
 from scaleup.distributed.clusters import cluster_plugins
 from scaleup.distributed.fsdp import FSDPStrategy
-from scaleup.errors import config_errors
+from scaleup.errors import UserError, config_errors, first_line
 from scaleup.observability.quiet import quiet
 from scaleup.plan.batch_probe import AutoBatchSize
 from scaleup.plan.progress import StopAtPlannedSteps
@@ -117,6 +121,52 @@ def template_callbacks(config: TrainConfig, plan: Plan, run_dir: Path) -> list[L
         PerformanceSettings(plan.tf32, plan.channels_last),
         *([StopAtPlannedSteps(plan.total_steps)] if plan.manual_optimization else []),
     ]
+
+
+# What build_trainer passes from the topology and the plan in place of the config's values (auto resolved, checked
+# by the plan), and the Trainer that check_trainer_arguments constructs in their place.
+PLANNED = (
+    *("accelerator", "devices", "num_nodes", "sync_batchnorm", "precision", "accumulate_grad_batches"),
+    "log_every_n_steps",
+)
+PROBE = {"accelerator": "cpu", "devices": 1, "num_nodes": 1, "logger": False, "callbacks": []}
+
+
+def check_trainer_arguments(settings: TrainerArgs) -> None:
+    """Refuse a `trainer.*` value that lightning.Trainer refuses, before anything is built or written: one UserError
+    `trainer.<key>=<value>: <Lightning's message>` (`trainer: <message>` where no key alone is refused).
+
+    Lightning checks its arguments when a Trainer is constructed, and a run builds its Trainer after the data and the
+    plan, a dry run never: so one is constructed here with the config's arguments on one CPU process (10-15 ms),
+    the topology and the plan's keys left to the plan (a dry run plans for devices this machine may not have). Its
+    process-wide settings (`deterministic`, `benchmark`) are the run's own, set before the data and the model are
+    built rather than after.
+    """
+    given = {name: value for name, value in values(settings).items() if name not in PLANNED}
+    refused = trainer_refusal(given)
+    if refused is None:
+        return
+    for name, value in given.items():
+        alone = trainer_refusal({name: value})
+        if alone is not None:
+            raise UserError(f"trainer.{name}={render(value)}: {first_line(alone)}") from alone
+    raise UserError(f"trainer: {first_line(refused)}") from refused
+
+
+def trainer_refusal(arguments: dict[str, Any]) -> Exception | None:
+    """What constructing a lightning.Trainer with `arguments` on one CPU process raises, or None. Quiet: no log line
+    or warning (the run's own Trainer says them), no cluster detected (a launcher's environment would be read)."""
+    drop = logging.Filter("nothing")  # refuses every record, whose logger is never named `nothing`
+    rank_zero_module.log.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            L.Trainer(**{**PROBE, "plugins": [LightningEnvironment()], **arguments})
+    except Exception as err:
+        return err
+    finally:
+        rank_zero_module.log.removeFilter(drop)
+    return None
 
 
 def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> TrainerJob:

@@ -2,7 +2,8 @@
 
 Two sources of types:
 - the sections the template itself reads (`seed`, `trainer`, `lr_schedule`, `strategy`, `loader`, the batch keys
-  of `data`, `model.optimizer`, ...): the pydantic models below, one per section;
+  of `data`, `model.optimizer`, ...): the pydantic models below, one per section (of `trainer`, the keys the engine
+  reads: lightning.Trainer checks the others itself, trainer.check_trainer_arguments);
 - the constructors the config builds (each `_target_` under `data`, `model`, `callbacks` and `logger`: the data
   module, the LightningModule, its net and optimizer, callbacks, loggers): their own type hints, plain ones (`int`,
   `float`, `Literal[...]`, `tuple[int, int]`) and, where a hint carries one, a range (`Annotated[int, Field(ge=1)]`),
@@ -50,11 +51,7 @@ PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[float, Field(ge=0)]
-Fraction = Annotated[float, Field(ge=0, le=1)]
 BelowOne = Annotated[float, Field(ge=0, lt=1)]  # momentum, Adam's betas
-# Lightning's Timer and time-based validation: "DD:HH:MM:SS" or timedelta's keyword arguments.
-Duration = Annotated[str, Field(pattern=r"^\s*\d+:\d\d:\d\d:\d\d\s*$")] | dict[str, NonNegative]
-BatchLimit = NonNegativeInt | Fraction  # a count of batches, or a share of them
 
 Accelerator = Literal["auto", "cpu", "gpu", "cuda"]
 Devices = Annotated[
@@ -237,7 +234,10 @@ class Optimizer(Section):
 
 
 class TrainerArgs(ClosedSection):
-    """lightning.Trainer's arguments as scaleup/conf/trainer/default.yaml lists them."""
+    """The lightning.Trainer arguments the engine reads before Lightning sees them: the topology and what the plan
+    resolves, the run's length, and the progress bar (trainer.py); and a value Lightning takes that would train
+    wrong. Every other `trainer.*` key passes to lightning.Trainer as it is, checked by Lightning itself when the
+    job starts (trainer.check_trainer_arguments)."""
 
     accelerator: Accelerator
     devices: Devices
@@ -247,42 +247,24 @@ class TrainerArgs(ClosedSection):
     precision: Precision
     sync_batchnorm: bool | Literal["auto"] | None
     accumulate_grad_batches: PositiveInt | None
+    # The plan's steps: a run of none would train nothing (Lightning takes 0).
     max_epochs: PositiveInt | Literal[-1] | None = Field(
         description="an integer >= 1 (or -1 for no limit, null for Lightning's default); 0 would train nothing"
     )
-    min_epochs: NonNegativeInt | None
     max_steps: PositiveInt | Literal[-1] = Field(
         description="an integer >= 1 (or -1 for no limit); 0 would train nothing"
     )
-    min_steps: NonNegativeInt | None
-    max_time: Duration | None = Field(description='null, "DD:HH:MM:SS" or a mapping such as {hours: 12}')
-    gradient_clip_val: NonNegative | None
-    gradient_clip_algorithm: Literal["norm", "value"] | None
     log_every_n_steps: PositiveInt | Literal["auto"] | None
-    val_check_interval: PositiveInt | Annotated[float, Field(gt=0, le=1)] | Duration | None = Field(
-        description='null, an integer >= 1 (batches), a number in (0, 1] (of an epoch), or a time ("DD:HH:MM:SS")'
-    )
-    check_val_every_n_epoch: PositiveInt | None
-    num_sanity_val_steps: Annotated[int, Field(ge=-1)] | None
     limit_train_batches: PositiveInt | Annotated[float, Field(gt=0, le=1)] | None = Field(
         description="null, an integer >= 1 (batches) or a number in (0, 1] (of the epoch); 0 would train nothing"
     )
-    limit_val_batches: BatchLimit | None
-    limit_test_batches: BatchLimit | None
-    limit_predict_batches: BatchLimit | None
-    overfit_batches: BatchLimit
+    overfit_batches: NonNegativeInt | Annotated[float, Field(ge=0, le=1)]  # batches, or a share of them
     fast_dev_run: bool | NonNegativeInt
-    reload_dataloaders_every_n_epochs: NonNegativeInt
-    deterministic: bool | Literal["warn"] | None
-    benchmark: bool | None
-    inference_mode: bool
-    detect_anomaly: bool
-    profiler: Literal["simple", "advanced", "pytorch", "xla"] | None
-    barebones: bool
     enable_progress_bar: bool | None
-    enable_model_summary: bool | None
-    enable_autolog_hparams: bool
-    model_registry: str | None
+    # Lightning takes a negative value, and torch's clip_grad_norm_ then turns every gradient around.
+    gradient_clip_val: NonNegative | None = Field(
+        description="a number >= 0 or null (below 0 the clipping would turn the gradients around)"
+    )
 
     @classmethod
     def known_keys(cls, section: Mapping[str, Any]) -> list[str]:

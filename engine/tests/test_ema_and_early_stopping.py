@@ -11,6 +11,7 @@ from torch.utils.data import default_collate
 
 from conftest import EXACT, TOLERANCE, assert_same_weights, in_process, read_json
 from scaleup.build import build_model
+from scaleup.callbacks.ema import EMA, on_training_device
 from scaleup.checkpoints.io import load_checkpoint, load_weights
 from scaleup.errors import UserError
 
@@ -46,6 +47,33 @@ def uninterrupted(tmp_path_factory):
         ]
     )
     return run_dir
+
+
+@pytest.mark.parametrize(("accelerator", "device"), [("cpu", "cpu"), ("gpu", "cuda")])
+def test_the_ema_is_given_the_training_devices_type(accelerator, device):
+    """Each EMA entry, a subclass's too, is built with the training device's type as `device` (on a GPU: each rank's
+    own, which Lightning sets before callbacks' setup); given none, Lightning builds the average where the model is
+    in setup, on the CPU (canary test_ema_average_is_built_before_the_model_moves_to_its_device). A device the config
+    names is kept; other callbacks get none. On a GPU: test_gpu.py::test_ema_averages_on_the_gpu."""
+    ema = {"_target_": "scaleup.callbacks.ema.EMA", "decay": 0.9}
+    group = {
+        "ema": ema,
+        "subclass": {"_target_": f"{__name__}.OwnEMA"},
+        "named": {**ema, "device": "cpu"},
+        "other": {"_target_": "lightning.pytorch.callbacks.EarlyStopping", "monitor": "val/loss"},
+    }
+    given = on_training_device(group, accelerator)
+    assert {name: entry.get("device") for name, entry in given.items()} == {
+        "ema": device,
+        "subclass": device,
+        "named": "cpu",
+        "other": None,
+    }
+    assert group["ema"] == {"_target_": "scaleup.callbacks.ema.EMA", "decay": 0.9}  # the stored config unchanged
+
+
+class OwnEMA(EMA):
+    """A project's own EMA."""
 
 
 def early_stopping_state(checkpoint):

@@ -4,6 +4,7 @@ still imports, so a broken import fails on any machine).
 - SyncBatchNorm really syncs: 2 processes with a global batch of 64 keep the running statistics of that batch;
 - `16-mixed` trains with a gradient scaler whose state is checkpointed; `bf16-mixed` computes in bfloat16;
 - (FSDP on 2 GPUs, with mixed precision and CPU offload: engine/tests/test_fsdp.py);
+- `callbacks=ema` keeps its average on the GPU;
 - `model.compile=true` compiles on CUDA and keeps plain parameter names;
 - the loaders pin host memory when the Trainer runs on a GPU;
 - a steady-state training step never waits for the GPU (torch's sync debug mode raises on any host sync).
@@ -96,6 +97,17 @@ def test_mixed_precision_trains_in_its_dtype(precision, dtype, tmp_path):
         assert scaler["scale"] > 0 and "_growth_tracker" in scaler  # float16 gradients are scaled, and resumable
     else:
         assert not scaler  # bfloat16 has float32's range: no scaler
+
+
+@needs_gpus(1)
+def test_ema_averages_on_the_gpu(tmp_path):
+    """callbacks=ema keeps its average on the training GPU: last.ckpt's averaged weights (`state_dict`) are CUDA
+    tensors, as the training weights are; built where the model is in Lightning's setup, they would be CPU tensors
+    and every step would copy all weights across."""
+    in_process(["callbacks=[default,ema]", "trainer.max_epochs=1", *QUIET, f"hydra.run.dir={tmp_path}"])
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)  # each tensor where it was saved
+    assert {value.device.type for value in last["state_dict"].values()} == {"cuda"}
+    assert {value.device.type for value in last["current_model_state"].values()} == {"cuda"}
 
 
 @needs_gpus(1)

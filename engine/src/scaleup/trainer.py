@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities.rank_zero import rank_zero_module
 
-from scaleup.callbacks.ema import EMA
+from scaleup.callbacks.ema import EMA, on_training_device
 from scaleup.callbacks.exact_metrics import ExactEvalMetrics
 from scaleup.callbacks.loop_repairs import LoopRepairs
 from scaleup.callbacks.lr_scaling import LRScaling
@@ -176,7 +176,7 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
     callbacks = template_callbacks(config, plan, run_dir)
     best = callbacks[[type(cb) for cb in callbacks].index(ModelCheckpoint)]  # the first: the best epoch
     with config_errors("callbacks"):
-        callbacks += instantiate_each(config.callbacks)
+        callbacks += instantiate_each(on_training_device(config.callbacks, topology.accelerator))
     # Lightning refuses a progress bar it was told not to show; and given none, it adds its TQDM bar, which redraws
     # after every step: the default one instead.
     if not config.trainer.enable_progress_bar:

@@ -9,6 +9,7 @@ weights without knowing about it.
 
 from __future__ import annotations
 
+import pkgutil
 from typing import Any
 
 import lightning as L
@@ -16,22 +17,38 @@ from lightning.pytorch.callbacks import EMAWeightAveraging
 
 
 class EMA(EMAWeightAveraging):
-    """EMAWeightAveraging with two fixes for how this template runs it.
+    """EMAWeightAveraging, testing the averaged weights of a checkpoint after `fit` too. Lightning 2.6.6. Reason:
+    Lightning swaps the training weights back in from `current_model_state` whenever its average still exists,
+    which it does after `fit`. Canary: test_ema_testing_a_checkpoint_after_fit_loads_the_training_weights.
 
-    - The average lives on the training device. Lightning 2.6.6. Reason: Lightning builds the average in `setup`,
-      before the strategy moves the model to its device, on `pl_module.device` unless the private `_device` is
-      set; by default it would stay on the CPU and every step would copy all weights across.
-      Canary: test_ema_average_is_built_before_the_model_moves_to_its_device.
-    - Testing a checkpoint after `fit` tests the averaged weights. Lightning 2.6.6. Reason: Lightning swaps the
-      training weights back in from `current_model_state` whenever its average still exists, which it does after
-      `fit`. Canary: test_ema_testing_a_checkpoint_after_fit_loads_the_training_weights.
+    Its average lives on the training device given as `device` (`on_training_device`).
     """
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._device is None:
-            self._device = trainer.strategy.root_device
-        super().setup(trainer, pl_module, stage)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         if trainer.state.fn == "fit":  # resume: restore the average and the training weights
             super().on_load_checkpoint(trainer, pl_module, checkpoint)
+
+
+def on_training_device(callbacks: dict[str, Any] | None, accelerator: str) -> dict[str, Any]:
+    """The callbacks group with the training device's type as `device` of each EMA entry that names none.
+
+    Lightning builds the average in `setup`, before the strategy moves the model, on `pl_module.device` (the CPU)
+    unless given a device; there every step would copy all weights across. A type with no index is each rank's own
+    GPU: Lightning sets the rank's current GPU (`strategy.setup_environment`) before callbacks' `setup`.
+    Canary: test_ema_average_is_built_before_the_model_moves_to_its_device.
+    """
+    device = "cuda" if accelerator == "gpu" else "cpu"
+    return {
+        name: {"device": device, **entry} if builds_ema(entry) else entry for name, entry in (callbacks or {}).items()
+    }
+
+
+def builds_ema(entry: Any) -> bool:
+    """Whether a callbacks entry builds an EMA (an unknown `_target_` is left to Hydra's own message)."""
+    if not isinstance(entry, dict) or "_target_" not in entry:
+        return False
+    try:
+        target = pkgutil.resolve_name(entry["_target_"])  # quietly: hydra's get_class logs an ERROR first
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(target, type) and issubclass(target, EMA)

@@ -147,13 +147,6 @@ PRIVATE_NAMES = {
         "Lightning keys index i of the optimizer state to the module's i-th parameter, not the param groups' order",
         "test_model_parallel_rekeys_optimizer_state_by_module_order",
     ),
-    "_device": PrivateUse(
-        "callbacks/ema.py",
-        "callbacks=ema keeps the average on the training device (no copy of every weight per step)",
-        "EMAWeightAveraging builds its average in setup, before the model moves, on pl_module.device unless _device "
-        "is set",
-        "test_ema_average_is_built_before_the_model_moves_to_its_device",
-    ),
     "torch.utils._python_dispatch": META_REPLAY,
     "_schema": META_REPLAY,
     "_apply": META_REPLAY,

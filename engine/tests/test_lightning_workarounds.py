@@ -6,9 +6,11 @@ after an upgrade, Lightning changed that behaviour: delete the workaround its do
 Private names are imported inside the tests that need them: a name a release removed fails its own canary only.
 """
 
+import gc
 import multiprocessing
 import os
 import signal
+import time
 import warnings
 from pathlib import Path
 
@@ -478,21 +480,27 @@ class FailsInValidation(Tiny):
     val_dataloader = train_dataloader
 
 
-def workers_after_a_failed_validation(tmp_path, callbacks=()) -> list:
-    """The worker processes the loaders still hold after validation failed inside fit."""
+def workers_after_a_failed_validation(tmp_path, callbacks=()) -> tuple[L.Trainer, list]:
+    """The Trainer, and the processes its fit started that still run, right after validation failed inside fit."""
     run = trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=list(callbacks))
+    before = set(multiprocessing.active_children())
     with pytest.raises(ValueError, match="a bad batch"):
         run.fit(FailsInValidation())
-    iterators = [loader._iterator for loader in (run.train_dataloader, run.val_dataloaders)]
-    return [w for iterator in iterators if iterator is not None for w in iterator._workers if w.is_alive()]
+    return run, [worker for worker in multiprocessing.active_children() if worker not in before]
 
 
 def test_an_error_leaves_persistent_loader_workers_running(tmp_path):
-    workers = workers_after_a_failed_validation(tmp_path)
+    _, workers = workers_after_a_failed_validation(tmp_path)
     assert len(workers) == 2  # the training loader's
-    for worker in workers:  # what the garbage collector would stop, seconds late
+    for worker in workers:  # what the garbage collector would stop, 5 s late each
         worker.terminate()
 
 
-def test_loader_workers_stop_stops_them_when_the_error_comes(tmp_path):
-    assert workers_after_a_failed_validation(tmp_path, [LoopRepairs()]) == []
+def test_loop_repairs_stops_them_when_the_error_comes(tmp_path):
+    """No loader worker runs once fit has raised, and dropping the Trainer then waits for none (5 s each)."""
+    run, workers = workers_after_a_failed_validation(tmp_path, [LoopRepairs()])
+    assert workers == []
+    started = time.perf_counter()
+    del run
+    gc.collect()
+    assert time.perf_counter() - started < 1

@@ -59,11 +59,11 @@ class LoopRepairs(Callback):
       checkpoint over later, when it is final.
       Canary: test_resume_with_another_accumulation_keeps_the_micro_batch_count.
 
-    After an error in fit, validate or test, Lightning's teardown resets the failing loop's loaders only: an error in
-    validation inside fit leaves the training loader's persistent workers running, and the garbage collector later
-    makes torch wait 5 s per worker: a job run in-process after a failed one (a test, a notebook, a search) stalls.
-    Torch has no public way to stop persistent workers: they are shut down here (a loader without `_iterator` is
-    left as it is). Canary: test_an_error_leaves_persistent_loader_workers_running.
+    After an error, Lightning tears down the failing loop only: an error in validation inside fit leaves the training
+    loader's persistent workers running, and the garbage collector later makes torch wait 5 s per worker: a job run
+    in-process after a failed one (a test, a notebook, a search) stalls. The fit loop is torn down here too, as
+    Lightning tears it down after a fit that ends well: its loaders' workers stop (`CombinedLoader.reset`).
+    Canary: test_an_error_leaves_persistent_loader_workers_running.
     """
 
     def __init__(self) -> None:
@@ -97,12 +97,7 @@ class LoopRepairs(Callback):
         self._checkpoint = None
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        held = (trainer.train_dataloader, trainer.val_dataloaders, trainer.test_dataloaders)
-        for loader in (item for loaders in held for item in _as_list(loaders)):
-            # Only a multi-process iterator has workers to shut down.
-            if (shut_down := getattr(getattr(loader, "_iterator", None), "_shutdown_workers", None)) is not None:
-                shut_down()
-                loader._iterator = None
+        trainer.fit_loop.teardown()  # once more where Lightning tore it down (an error in training): a no-op
 
 
 def repair_epoch_progress(checkpoint: dict[str, Any]) -> None:
@@ -123,15 +118,6 @@ def repair_epoch_progress(checkpoint: dict[str, Any]) -> None:
     elif uncounted_at_its_end:
         for counts in (epochs["current"], epochs["total"]):
             counts["ready"] = counts["started"] = counts["processed"]
-
-
-def _as_list(loaders: Any) -> list[Any]:
-    """The loaders of a stage, as Lightning holds them: one, a list or a dict of them, or None."""
-    if loaders is None:
-        return []
-    if isinstance(loaders, dict):
-        return list(loaders.values())
-    return list(loaders) if isinstance(loaders, list | tuple) else [loaders]
 
 
 def epoch_end(checkpoint: dict[str, Any]) -> str:

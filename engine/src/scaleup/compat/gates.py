@@ -106,12 +106,6 @@ META_REPLAY = PrivateUse(
     "operation writes only in OpOverload._schema; torchmetrics moves its states only in Module._apply",
     "test_the_replayed_build_equals_the_ordinary_build_bit_for_bit",
 )
-LOADER_WORKERS = PrivateUse(
-    "callbacks/loop_repairs.py",
-    "an error inside fit leaves no persistent loader worker running (a job run in-process after it would stall)",
-    "torch has no public way to stop a DataLoader's persistent workers",
-    "test_an_error_leaves_persistent_loader_workers_running",
-)
 EXACT_METRICS = PrivateUse(
     "callbacks/exact_metrics.py",
     "validation and test metrics of a plain self.log on N processes equal those on one",
@@ -139,8 +133,6 @@ PRIVATE_NAMES = {
         "with max_steps, Lightning re-enters a finished epoch (or drops the rest of one that max_steps cut short)",
         "test_max_steps_resume_from_an_epoch_end_reenters_the_finished_epoch",
     ),
-    "_iterator": LOADER_WORKERS,
-    "_shutdown_workers": LOADER_WORKERS,
     "_rekey_optimizer_state_if_needed": PrivateUse(
         "compat/model_parallel.py",
         "strategy=fsdp resumes a one-file checkpoint whose optimizer has several param groups",

@@ -8,6 +8,8 @@ downloaded: all of them in one interpreter (engine/tests/entry_point_cases.py), 
 """
 
 import json
+import os
+import runpy
 import sys
 from collections.abc import Callable
 from enum import Enum
@@ -1010,6 +1012,28 @@ def test_a_trainer_value_lightning_refuses_is_its_message_in_one_line(values, me
     with pytest.raises(UserError) as raised:
         check_trainer_arguments(engine_section("trainer/default", **values))
     assert str(raised.value) == message
+
+
+def test_a_run_composes_its_config_as_hydra_does_and_no_more(monkeypatch, tmp_path):
+    """`python train.py` leaves the composition to @hydra.main: a mistake in the overrides is one line from Hydra's
+    own composition (raised, not reported, until the job starts), not from composing the config once before it."""
+    import scaleup.train
+    from scaleup.config import project
+
+    composed, seen = [], []
+    compose, train = project.compose_project, scaleup.train.train
+    monkeypatch.setattr(
+        project, "compose_project", lambda *args, **kwargs: composed.append(args) or compose(*args, **kwargs)
+    )
+    monkeypatch.setattr(
+        scaleup.train, "train", lambda cfg: seen.append(os.environ.get("HYDRA_FULL_ERROR")) or train(cfg)
+    )
+    overrides = ["dry_run=true", f"paths.data_dir={tmp_path}/data", f"hydra.run.dir={tmp_path}/run"]
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *overrides])
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    assert composed == [] and (tmp_path / "run" / "plan.json").exists()
+    # Hydra raised rather than reported while it composed; the job, and the processes it starts, see none of that.
+    assert seen == [None] and "HYDRA_FULL_ERROR" not in os.environ
 
 
 @pytest.mark.slow  # the entry points' interpreter

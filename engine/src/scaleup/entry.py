@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from scaleup.distributed.run_dir import register_resolvers
 from scaleup.engine_pin import warn_if_another_engine
-from scaleup.errors import exit_on_user_error, one_line_composition_errors
+from scaleup.errors import exit_on_user_error, job_started, one_line_composition_errors
 
 # Each job's function, imported when it runs (eval.py need not import the training code).
 JOBS = {"train": "scaleup.train:train", "eval": "scaleup.evaluate:evaluate", "export": "scaleup.export:export"}
@@ -38,6 +38,7 @@ def main(job: str, configs: str | Path) -> None:
     run = exit_on_user_error(job_function(job))
 
     def start(cfg: DictConfig) -> Any:
+        job_started()  # the config composed: Hydra reports the job's own errors as usual
         warn_if_another_engine(configs.parent)  # the project's pyproject.toml, beside its configs/
         return run(cfg)
 

@@ -300,38 +300,64 @@ def grammar_error(err: OverrideParseException) -> str:
     )
 
 
+FULL_ERROR = "HYDRA_FULL_ERROR"  # "1": Hydra raises what fails instead of reporting it (its run_and_report)
+_composing = False  # whether FULL_ERROR is one_line_composition_errors', until the job starts
+
+
 def one_line_composition_errors(config_dir: Path, config_name: str) -> Callable[[Callable], Callable]:
-    """Decorate an `@hydra.main` entry point: a mistake in the overrides that Hydra finds while it composes the
-    config, before the job starts (so before `exit_on_user_error`), ends in one line and exit code 2 instead of
-    Hydra's message. Composes the config once first; with Hydra's own flags (`--multirun`, `--cfg` ...) Hydra
-    reports as usual."""
+    """Decorate an `@hydra.main` entry point whose task function calls `job_started` first: a mistake in the
+    overrides that Hydra finds while it composes the config, before the job starts (so before `exit_on_user_error`),
+    ends in one line and exit code 2 instead of Hydra's message.
+
+    Only Hydra composes the config (a composition of the engine's before it cost 0.1 s a run): until the job starts,
+    HYDRA_FULL_ERROR=1 makes Hydra raise what fails instead of reporting it, and a mistake is turned into its line
+    here (composing again for the closest key: only then). From the job's start on, Hydra reports the job's own
+    errors as usual, a bug with its traceback. With Hydra's own flags (`--multirun`, `--cfg` ...), or a
+    HYDRA_FULL_ERROR of the user's, Hydra reports as usual."""
 
     def decorate(hydra_main: Callable) -> Callable:
         @functools.wraps(hydra_main)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            global _composing
             overrides = sys.argv[1:]
-            if not args and not kwargs and not any(arg.startswith("-") for arg in overrides):
-                exit_on_composition_error(config_dir, config_name, overrides)
-            return hydra_main(*args, **kwargs)
+            if args or kwargs or any(arg.startswith("-") for arg in overrides) or FULL_ERROR in os.environ:
+                return hydra_main(*args, **kwargs)
+            os.environ[FULL_ERROR], _composing = "1", True
+            try:
+                return hydra_main()
+            except Exception as err:
+                if not _composing:  # the job's own, which Hydra raises under a debugger
+                    raise
+                job_started()
+                exit_on_composition_error(err, config_dir, config_name, overrides)
+                return hydra_main()  # no mistake of the overrides: Hydra composes again and reports what fails
+            finally:
+                job_started()
 
         return wrapper
 
     return decorate
 
 
-def exit_on_composition_error(config_dir: Path, config_name: str, overrides: list[str]) -> None:
-    """Compose `config_name` with `overrides`; on an unknown key or group option, `error: <message>`, exit 2."""
+def job_started() -> None:
+    """The task function's first call under `one_line_composition_errors`: the config is composed, and Hydra reports
+    the job's errors as usual again; the processes the job starts (a launcher's ranks) inherit no HYDRA_FULL_ERROR."""
+    global _composing
+    if _composing:
+        del os.environ[FULL_ERROR]
+        _composing = False
+
+
+def exit_on_composition_error(err: Exception, config_dir: Path, config_name: str, overrides: list[str]) -> None:
+    """On an unknown key or group option behind Hydra's composition error `err` (composing `config_name` with
+    `overrides`), `error: <message>` and exit 2."""
     from scaleup.config.project import compose_project  # it imports this module
 
     def composed(given: list[str]) -> DictConfig:
         return compose_project(config_name, given, configs=config_dir)
 
-    try:
-        composed(overrides)
-    except Exception as err:
-        user_error = composition_error(err, composed, overrides, job=config_name)
-        if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
-            return  # Hydra reports it
+    user_error = composition_error(err, composed, overrides, job=config_name)
+    if user_error is not None:
         print(f"error: {user_error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
 

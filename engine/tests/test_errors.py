@@ -94,7 +94,8 @@ CASES = [
         "indivisible batch",
         "train",
         ["data.global_batch_size=100", "trainer.accelerator=cpu", "trainer.devices=3", "dry_run=true"],
-        "data.global_batch_size=100 does not divide into 3 device(s)",
+        "data.global_batch_size=100 does not divide into 3 device(s) x 1 accumulation step(s) = 3 equal per-device "
+        "batches; choose a global batch that is a multiple of 3 (e.g. 99)",
     ),
     ("both batch sizes", "train", ["data.per_device_batch_size=8"], "set exactly one of data.global_batch_size"),
     ("batch above data", "train", ["data.global_batch_size=4096"], "larger than the training set (1257 samples)"),

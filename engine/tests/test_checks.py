@@ -1,12 +1,22 @@
 """Start-up pitfall checks and the DDP options, on the functions that decide them."""
 
-from datetime import timedelta
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed import DistStoreError
 from torch.utils.data import DataLoader
 
 from conftest import batches, engine_section, performance, train_config
+from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.distributed.launch import build_strategy
 from scaleup.errors import UserError
 from scaleup.plan.checks import check_config, own_train_loader_warning, pitfall_warnings
@@ -80,16 +90,86 @@ def test_config_mistakes_are_refused():
         check_config(train_config(), plan(accelerator="cpu", devices=1, precision="16-mixed"))
 
 
-def test_ddp_options_reach_the_strategy():
+@pytest.fixture
+def ddp_in_this_process() -> Iterator[None]:
+    """Undoes what a DDP start in this process leaves: the process group, the variables Lightning sets
+    (MASTER_PORT, LOCAL_RANK, ...) and torch's thread count."""
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(threads)
+
+
+class DDPModule(Callback):
+    """Keeps what the DistributedDataParallel that Lightning wrapped the model in was built with."""
+
+    built: dict[str, Any] | None = None  # stays None where training ran in another process
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        ddp = trainer.strategy.model
+        self.built = {
+            "bucket_cap_mb": ddp.bucket_bytes_cap / 2**20,
+            "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+            "static_graph": ddp.static_graph,
+            "find_unused_parameters": ddp.find_unused_parameters,
+        }
+
+
+def quiet_trainer(strategy: DDPStrategy, devices: int, **kwargs: Any) -> Trainer:
+    """A CPU Trainer with `strategy` that writes and prints nothing of its own (no logger, checkpoint, bar)."""
+    return Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def test_ddp_options_reach_the_ddp_module(ddp_in_this_process):
+    """A step on one CPU process with the strategy the ddp config gives: the DistributedDataParallel module Lightning
+    builds has the config's bucket size, graph and gradient options. Rank 0 is this process (popen: the script's
+    own process trains; spawn would train in a child, and the callback here would see nothing)."""
     strategy, name = build_strategy(engine_section("strategy/ddp", **DDP_OPTIONS), world_size=8, multirun=False)
-    assert name == "ddp" and isinstance(strategy, DDPStrategy)
-    assert strategy._timeout == timedelta(minutes=90) and strategy._start_method == "popen"
-    assert strategy._ddp_kwargs == {k: v for k, v in DDP_OPTIONS.items() if k != "timeout_minutes"}
+    assert name == "ddp" and type(strategy) is DDPStrategy
+    ddp = DDPModule()
+    quiet_trainer(strategy, devices=1, max_steps=1, callbacks=[ddp]).fit(BoringModel())
+    assert ddp.built == {key: value for key, value in DDP_OPTIONS.items() if key != "timeout_minutes"}
+
+
+def test_ddp_timeout_is_how_long_a_rank_waits_for_the_others(ddp_in_this_process):
+    """strategy.timeout_minutes=0.01: rank 0 of 2, alone, gives up on its peer after 0.6 s (in a thread: without the
+    config's timeout it would wait torch's 30 minutes)."""
+    options = {**DDP_OPTIONS, "timeout_minutes": 0.01}
+    strategy, _ = build_strategy(engine_section("strategy/ddp", **options), world_size=2, multirun=False)
+    trainer = quiet_trainer(strategy, devices=2)
+    refused = []
+
+    def rank_zero_alone() -> None:
+        try:
+            trainer.strategy.setup_environment()  # what each rank runs as fit starts: joins the process group
+        except DistStoreError as error:
+            refused.append(str(error))
+
+    waiting = threading.Thread(target=rank_zero_alone, daemon=True)
+    start = time.monotonic()
+    waiting.start()
+    waiting.join(timeout=10)
+    assert not waiting.is_alive(), "rank 0 still waits for its peer after 10 s"
+    assert time.monotonic() - start >= 0.6 and refused and "1/2 clients joined" in refused[0], refused
 
 
 def test_sweeps_spawn_and_single_process_stays_plain():
+    """The start method has no public accessor on Lightning's strategy: a sweep gets the engine's spawn strategy
+    (its spawned runs: test_lightning_workarounds' SpawnDDPStrategy tests, test_search)."""
     strategy, name = build_strategy(engine_section("strategy/ddp", **DDP_OPTIONS), world_size=2, multirun=True)
-    assert name == "ddp_spawn" and strategy._start_method == "spawn"
+    assert name == "ddp_spawn" and isinstance(strategy, SpawnDDPStrategy)
     assert build_strategy(engine_section("strategy/ddp", **DDP_OPTIONS), world_size=1, multirun=False) == (
         "auto",
         "auto",

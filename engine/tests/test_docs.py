@@ -272,7 +272,7 @@ def test_every_readme_section_cited_elsewhere_exists():
     readme = (ROOT / "README.md").read_text()
     sections = set(re.findall(r"^#+ (.+)$", readme, re.MULTILINE)) | set(re.findall(r"\*\*([^*]+)\*\*", readme))
     cited = re.compile(r'README, "([^"]+)"(?:: \*\*([^*]+)\*\*)?')
-    files = [*CONFIGS.rglob("*.yaml"), *(ROOT / "src").rglob("*.py"), *DOCS[1:]]
+    files = [*CONFIGS.rglob("*.yaml"), *(ROOT / "src").rglob("*.py"), *DOCS[1:], ROOT / "pyproject.toml"]
     stale = [
         f"{path.relative_to(ROOT)}: {name}"
         for path in files

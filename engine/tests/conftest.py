@@ -89,17 +89,6 @@ def batches(**values: Any) -> Any:
     return section(DataBatches, {key: digits[key] for key in DataBatches.model_fields} | values)
 
 
-def train_config(*overrides: str) -> Any:
-    """The test project's train config with `overrides`, checked and typed as a run reads it (no run directory)."""
-    from scaleup.config.project import compose_project
-    from scaleup.config.typed import train_config as checked
-    from scaleup.distributed.run_dir import register_resolvers
-
-    register_resolvers()
-    where = ["paths.output_dir=/tmp/scaleup-out", *overrides]
-    return checked(compose_project("train", where, configs=PROJECT / "configs", hydra=False))
-
-
 def performance() -> Any:
     """The `performance` section as a run has it (the test project's configs/train.yaml)."""
     from scaleup.config.schema import Performance

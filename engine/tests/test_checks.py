@@ -15,11 +15,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed import DistStoreError
 from torch.utils.data import DataLoader
 
-from conftest import batches, engine_section, performance, train_config
+from conftest import batches, engine_section, performance
 from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.distributed.launch import build_strategy
-from scaleup.errors import UserError
-from scaleup.plan.checks import check_config, own_train_loader_warning, pitfall_warnings
+from scaleup.plan.checks import own_train_loader_warning, pitfall_warnings
 from scaleup.plan.resolve import build_plan
 from scaleup.plan.topology import Topology
 from testbed.data import DigitsDataModule
@@ -83,11 +82,6 @@ def test_warmup_longer_than_the_run_warns_only_where_the_lr_ramps():
     assert "the warmup (45 steps) is longer than the run (30 steps)" in warnings_for(ramping)
     # At the base batch there is no warmup (0 steps): nothing to warn about, however long warmup_epochs is.
     assert warnings_for(plan(warmup_epochs=3)) == ""
-
-
-def test_config_mistakes_are_refused():
-    with pytest.raises(UserError, match="16-mixed needs a GPU"):
-        check_config(train_config(), plan(accelerator="cpu", devices=1, precision="16-mixed"))
 
 
 @pytest.fixture

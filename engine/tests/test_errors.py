@@ -293,8 +293,9 @@ def test_launcher_and_config_disagree(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(Exception) as raised:
         in_process(["trainer.accelerator=cpu", "trainer.devices=2", f"hydra.run.dir={tmp_path}"])
-    assert "torchrun started 4 process(es) but trainer.devices x trainer.num_nodes = 2 x 1 = 2" in str(
-        as_user_error(raised.value)
+    assert str(as_user_error(raised.value)) == (
+        "torchrun started 4 process(es) but trainer.devices x trainer.num_nodes = 2 x 1 = 2; make them equal "
+        "(e.g. trainer.devices=4 trainer.num_nodes=1)"
     )
 
 

@@ -125,13 +125,9 @@ def test_slurm_task_count_mismatch_is_one_clear_message(tmp_path, monkeypatch):
     for name, value in slurm_env(0).items():
         if name.startswith("SLURM_"):
             monkeypatch.setenv(name, value)
-    message = (
-        "SLURM started 2 process(es) but trainer.devices x trainer.num_nodes = 1 x 1 = 1; make them equal "
-        "(e.g. trainer.devices=2 trainer.num_nodes=1)"
-    )
-    with pytest.raises(UserError) as raised:
+    # srun's task count is the launcher's; the message is test_errors' (test_launcher_and_config_disagree)
+    with pytest.raises(UserError, match=r"^SLURM started 2 process\(es\) but "):
         in_process([*QUICK, "trainer.devices=1", f"paths.log_dir={tmp_path}"])
-    assert str(raised.value) == message
 
 
 @pytest.mark.parametrize(

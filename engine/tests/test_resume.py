@@ -9,6 +9,7 @@ device counts the reductions differ in order: equal to TOLERANCE (absolute).
 
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -237,7 +238,7 @@ def test_kill_9_never_leaves_a_broken_last_checkpoint(tmp_path):
 def test_resume_with_another_network_is_refused_and_changes_nothing(baseline, tmp_path):
     previous = copied_run(baseline("one"), tmp_path)
     before = {p: p.read_bytes() for p in [previous / "plan.json", previous / "checkpoints/last.ckpt"]}
-    with pytest.raises(UserError, match=r"was trained with another network: model.net.width=32 \(now 16\)"):
+    with pytest.raises(UserError, match=r"model\.net\.width=32"):  # the refusal; its text is test_errors'
         in_process(
             [*EXACT, "trainer.max_epochs=4", "model.net.width=16", "ckpt_path=last", f"hydra.run.dir={previous}"]
         )
@@ -246,11 +247,12 @@ def test_resume_with_another_network_is_refused_and_changes_nothing(baseline, tm
 
 @pytest.mark.parametrize("job", ["train", "eval"])
 def test_truncated_checkpoint_is_one_clear_message(baseline, tmp_path, job):
-    """The message; test_errors checks that the entry points print such a message as one line, with exit code 2."""
+    """A resume (train) or an evaluation of a truncated checkpoint is refused naming the file; test_errors checks
+    the message and that the entry points print it as one line, with exit code 2."""
     broken = tmp_path / "broken.ckpt"
     data = (baseline("one") / "checkpoints/last.ckpt").read_bytes()
     broken.write_bytes(data[: len(data) // 3])
-    with pytest.raises(UserError, match="is not a readable checkpoint: truncated or corrupt"):
+    with pytest.raises(UserError, match=re.escape(str(broken))):
         in_process([f"ckpt_path={broken}", f"hydra.run.dir={tmp_path / job}"], job=job)
 
 

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 
 from myproject.data.synthetic import SyntheticImages
 from myproject.models import resnet
-from scaleup.observability.diagnostics import TrainingDiagnostics
+from scaleup.callbacks.diagnostics import TrainingDiagnostics
 
 ROOT = Path(__file__).resolve().parents[1]
 LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 5e-4  # configs/model/optimizer/sgd.yaml

@@ -81,14 +81,14 @@ from overhead import (
     printed_numbers,
     seconds_per_step,
 )
+from scaleup.callbacks.diagnostics import TrainingDiagnostics
 from scaleup.callbacks.exact_metrics import ExactEvalMetrics
 from scaleup.callbacks.loop_repairs import LoopRepairs
 from scaleup.callbacks.lr_scaling import LRScaling
 from scaleup.callbacks.performance import PerformanceSettings
 from scaleup.callbacks.preemption import JobControl
 from scaleup.callbacks.run_files import RunFiles
-from scaleup.data.seeding import StepSeed
-from scaleup.observability.diagnostics import TrainingDiagnostics
+from scaleup.callbacks.step_seed import StepSeed
 from scaleup.observability.figures import ClassificationFigures
 from scaleup.observability.metrics import StageMetrics
 from scaleup.optim import build_optimizer

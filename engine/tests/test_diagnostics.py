@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from scaleup.observability.diagnostics import TrainingDiagnostics, compute_dtype, loader_workers_needed
+from scaleup.callbacks.diagnostics import TrainingDiagnostics, compute_dtype, loader_workers_needed
 from scaleup.observability.figures import ClassificationFigures
 
 

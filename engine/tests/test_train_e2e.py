@@ -130,8 +130,9 @@ def test_missing_checkpoint_is_one_clear_message(tmp_path, job):
 
 
 def test_a_default_run_attaches_few_engine_callbacks_in_their_fixed_order(tmp_path):
-    """At most 8 of the engine's callbacks on a default run (the default callbacks config included), in the order
-    scaleup.trainer.template_callbacks states, the config's after them and the SIGTERM stop after those."""
+    """At most 8 of the engine's callbacks on a default run (the default callbacks config included), all in
+    scaleup.callbacks, in the order scaleup.trainer.template_callbacks states, the config's after them and the
+    SIGTERM stop after those."""
     census = tmp_path / "callbacks.json"
     in_process(["trainer.max_steps=1", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}",
                 f"+callbacks.census={{_target_:user_modules.CallbackCensus,path:'{census}'}}"])  # fmt: skip
@@ -139,6 +140,7 @@ def test_a_default_run_attaches_few_engine_callbacks_in_their_fixed_order(tmp_pa
     # ClassificationFigures is the module's own choice (the example's configure_callbacks), not the engine's
     engine = [name for name in names if name.startswith("scaleup.") and not name.endswith(".ClassificationFigures")]
     assert len(engine) == 8, engine  # 7 of the machinery's, and the default callbacks config's diagnostics
+    assert all(name.startswith("scaleup.callbacks.") for name in engine), engine  # one package holds them
 
     def at(name: str) -> list[int]:
         return [i for i, found in enumerate(names) if found.endswith(f".{name}")]

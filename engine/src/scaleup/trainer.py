@@ -28,6 +28,7 @@ from scaleup.callbacks.lr_scaling import LRScaling
 from scaleup.callbacks.performance import PerformanceSettings, set_tf32
 from scaleup.callbacks.preemption import JobControl, exit_when_stopped
 from scaleup.callbacks.run_files import RunFiles
+from scaleup.callbacks.step_seed import StepSeed
 from scaleup.checkpoints.io import AtomicCheckpointIO, remove_interrupted_writes
 from scaleup.compat.gates import (
     EMA_DEVICE,
@@ -41,7 +42,6 @@ from scaleup.compat.precision import model_parallel_precision
 from scaleup.config.plain import instantiate_each
 from scaleup.config.schema import Checkpointing, Monitor, TrainerArgs, render
 from scaleup.config.typed import TrainConfig, values
-from scaleup.data.seeding import StepSeed
 from scaleup.distributed.clusters import cluster_plugins
 from scaleup.distributed.fsdp import FSDPStrategy
 from scaleup.errors import UserError, config_errors, first_line

@@ -6,7 +6,7 @@ Training draws random numbers in two places, and each is seeded from what it wor
   (`SeededSamples`);
 - in-model randomness (dropout, stochastic depth, noise), in the forward pass: the same generators (torch's on
   the CPU and on the process's GPU) are seeded, before each micro-batch, from (seed, optimizer step, the
-  micro-batch's offset in the global batch) (`StepSeed`).
+  micro-batch's offset in the global batch) (`scaleup.callbacks.step_seed.StepSeed`).
 
 Both are pure functions of the data's position, so 1 device and N devices, any number of loader workers, and a
 run resumed anywhere draw the same numbers; ranks and workers still draw different numbers for different
@@ -20,13 +20,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-
-from scaleup.plan.batch import resolve_batch
-from scaleup.plan.progress import steps_done
 
 # Distinct first keys keep the two families of streams apart: sample 5 of epoch 3 and step 3 at offset 5
 # must not draw the same numbers.
@@ -111,49 +107,3 @@ def micro_batch_offset(rank: int, accumulation: int, micro_batch: int, per_devic
     """Where a micro-batch starts in its global batch: rank r holds the r-th contiguous slice of accumulation x
     per-device samples (GlobalBatchSampler), cut in order into micro-batches of per-device samples."""
     return (rank * accumulation + micro_batch) * per_device
-
-
-class StepSeed(L.Callback):
-    """Before each training micro-batch, seeds the generators from (seed, optimizer step, the micro-batch's
-    offset in the global batch), so dropout and other in-model randomness draw the same numbers for the same
-    samples at the same step, whatever the split over devices and accumulation, and after a resume.
-
-    Replaces one seed per rank at the start of training, which made masks depend on the rank and a resumed run
-    draw a fresh stream. `seed_everything(seed)` before the model is built still gives every rank the same
-    initial weights.
-    """
-
-    def __init__(self, seed: int, global_batch_size: int) -> None:
-        self.seed, self.global_batch_size = seed, global_batch_size
-        self._step: int | None = None
-        self._micro_batch = 0
-        self._stream = mixed_seed(seed, MODEL)  # the keys every step shares, mixed once
-        self._rank_offset = self._per_device = 0
-        self._gpu_generator: torch.Generator | None = None
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # The topology is fixed for the fit (and settled by now, also by AutoBatchSize): read from the Trainer's
-        # properties once, not at every step.
-        batch = resolve_batch(self.global_batch_size, None, trainer.world_size, trainer.accumulate_grad_batches)
-        self._per_device = batch.per_device
-        self._rank_offset = micro_batch_offset(trainer.global_rank, batch.accumulation, 0, batch.per_device)
-        # The process's GPU generator itself: `torch.cuda.manual_seed` looks it up through a lazy-init queue.
-        device = pl_module.device
-        if device.type == "cuda":
-            index = torch.cuda.current_device() if device.index is None else device.index
-            self._gpu_generator = torch.cuda.default_generators[index]
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        # Counted from the plan's step (the optimizer step; the global batch under manual optimization) rather than
-        # from batch_idx: a checkpoint always falls between two steps, so after a resume the first micro-batch is a
-        # step's first, whatever Lightning's batch counters say.
-        step = steps_done(trainer)
-        self._micro_batch = self._micro_batch + 1 if step == self._step else 0
-        self._step = step
-        offset = self._rank_offset + self._micro_batch * self._per_device  # micro_batch_offset
-        seed = mixed_seed(step, offset, start=self._stream)
-        seed_host_generators(seed)
-        if self._gpu_generator is not None:
-            self._gpu_generator.manual_seed(seed)

@@ -340,8 +340,9 @@ def one_line_composition_errors(config_dir: Path, config_name: str) -> Callable[
 
 
 def job_started() -> None:
-    """The task function's first call under `one_line_composition_errors`: the config is composed, and Hydra reports
-    the job's errors as usual again; the processes the job starts (a launcher's ranks) inherit no HYDRA_FULL_ERROR."""
+    """The first call of the task function (or of the search's sweeper) under `one_line_composition_errors`: the
+    config is composed, and Hydra reports errors as usual again (the engine's own checks of a HYDRA_FULL_ERROR the
+    user set see none); the processes the job starts (a launcher's ranks) inherit no HYDRA_FULL_ERROR."""
     global _composing
     if _composing:
         del os.environ[FULL_ERROR]

@@ -11,6 +11,7 @@ import json
 import os
 import runpy
 import sys
+import zipfile
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -45,12 +46,23 @@ def paths(tmp_path_factory) -> dict[str, str]:
     for size in (5_000, 50_000):  # cut here, torch's zip reader fails with an OSError (EINVAL), not a RuntimeError
         (tmp / f"cut{size}.ckpt").write_bytes(ckpt.read_bytes()[:size])
     torch.save({"net.0.weight": torch.zeros(1)}, tmp / "state_dict.pt")
+    (tmp / "changed.ckpt").write_bytes(with_a_byte_changed_in_its_largest_tensor(ckpt))
     (tmp / "exists.pt").write_bytes(b"")
     # text torch's weights-only unpickler fails on with a KeyError (101: "e") and with an IndexError
     (tmp / "notes.txt").write_text("hello world\n")
     (tmp / "notes.yaml").write_text("epoch: 3\n")
     (tmp / "empty").mkdir()
     return {"tmp": str(tmp), "ckpt": str(ckpt)}
+
+
+def with_a_byte_changed_in_its_largest_tensor(ckpt: Path) -> bytes:
+    """The bytes of `ckpt` with one byte of its largest tensor changed: torch.load reads it without complaint."""
+    data = bytearray(ckpt.read_bytes())
+    with zipfile.ZipFile(ckpt) as archive:
+        entry = max(archive.infolist(), key=lambda info: info.file_size)
+    start = entry.header_offset + 30 + len(entry.filename.encode()) + len(entry.extra)  # after the local header
+    data[start + entry.file_size // 2] ^= 0xFF
+    return bytes(data)
 
 
 # (id, job, overrides, a piece of the expected message). {tmp} and {ckpt} are filled in from `paths`.
@@ -205,6 +217,12 @@ CASES = [
     ("eval without checkpoint", "eval", [], "ckpt_path has no value (it is ??? in the config): pass ckpt_path="),
     ("truncated checkpoint", "eval", ["ckpt_path={tmp}/truncated.ckpt"], "is not a readable checkpoint"),
     ("checkpoint cut at 5 kB", "eval", ["ckpt_path={tmp}/cut5000.ckpt"], "cut5000.ckpt is not a readable checkpoint"),
+    (
+        "checkpoint with a changed byte",
+        "eval",
+        ["ckpt_path={tmp}/changed.ckpt"],
+        "{tmp}/changed.ckpt is not a readable checkpoint: corrupt (",
+    ),
     (
         "checkpoint cut at 50 kB to resume",
         "train",

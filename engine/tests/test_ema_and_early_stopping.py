@@ -51,14 +51,16 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize(("accelerator", "device"), [("cpu", "cpu"), ("gpu", "cuda")])
 def test_the_ema_is_given_the_training_devices_type(accelerator, device):
-    """Each EMA entry, a subclass's too, is built with the training device's type as `device` (on a GPU: each rank's
-    own, which Lightning sets before callbacks' setup); given none, Lightning builds the average where the model is
-    in setup, on the CPU (canary test_ema_average_is_built_before_the_model_moves_to_its_device). A device the config
-    names is kept; other callbacks get none. On a GPU: test_gpu.py::test_ema_averages_on_the_gpu."""
+    """Each EMA entry (the engine's, Lightning's, a subclass) is built with the training device's type as `device`
+    (on a GPU: each rank's own, which Lightning sets before callbacks' setup); given none, Lightning builds the
+    average where the model is in setup, on the CPU (canary:
+    test_ema_average_is_built_before_the_model_moves_to_its_device). A device the config names is kept; other
+    callbacks get none. On a GPU: test_gpu.py::test_ema_averages_on_the_gpu."""
     ema = {"_target_": "scaleup.callbacks.ema.EMA", "decay": 0.9}
     group = {
         "ema": ema,
         "subclass": {"_target_": f"{__name__}.OwnEMA"},
+        "lightnings": {"_target_": "lightning.pytorch.callbacks.EMAWeightAveraging"},
         "named": {**ema, "device": "cpu"},
         "other": {"_target_": "lightning.pytorch.callbacks.EarlyStopping", "monitor": "val/loss"},
     }
@@ -66,6 +68,7 @@ def test_the_ema_is_given_the_training_devices_type(accelerator, device):
     assert {name: entry.get("device") for name, entry in given.items()} == {
         "ema": device,
         "subclass": device,
+        "lightnings": device,
         "named": "cpu",
         "other": None,
     }

@@ -13,7 +13,7 @@ import pkgutil
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import EMAWeightAveraging
+from lightning.pytorch.callbacks import EMAWeightAveraging, WeightAveraging
 
 
 class EMA(EMAWeightAveraging):
@@ -30,7 +30,8 @@ class EMA(EMAWeightAveraging):
 
 
 def on_training_device(callbacks: dict[str, Any] | None, accelerator: str) -> dict[str, Any]:
-    """The callbacks group with the training device's type as `device` of each EMA entry that names none.
+    """The callbacks group with the training device's type as `device` of each weight-averaging entry (the engine's
+    EMA, Lightning's EMAWeightAveraging or WeightAveraging, a subclass of one) that names none.
 
     Lightning builds the average in `setup`, before the strategy moves the model, on `pl_module.device` (the CPU)
     unless given a device; there every step would copy all weights across. A type with no index is each rank's own
@@ -38,17 +39,17 @@ def on_training_device(callbacks: dict[str, Any] | None, accelerator: str) -> di
     Canary: test_ema_average_is_built_before_the_model_moves_to_its_device.
     """
     device = "cuda" if accelerator == "gpu" else "cpu"
-    return {
-        name: {"device": device, **entry} if builds_ema(entry) else entry for name, entry in (callbacks or {}).items()
-    }
+    given = callbacks or {}
+    return {name: {"device": device, **entry} if averages_weights(entry) else entry for name, entry in given.items()}
 
 
-def builds_ema(entry: Any) -> bool:
-    """Whether a callbacks entry builds an EMA (an unknown `_target_` is left to Hydra's own message)."""
+def averages_weights(entry: Any) -> bool:
+    """Whether a callbacks entry builds a Lightning WeightAveraging (an unknown `_target_` is left to Hydra's own
+    message)."""
     if not isinstance(entry, dict) or "_target_" not in entry:
         return False
     try:
         target = pkgutil.resolve_name(entry["_target_"])  # quietly: hydra's get_class logs an ERROR first
     except (ImportError, AttributeError, ValueError):
         return False
-    return isinstance(target, type) and issubclass(target, EMA)
+    return isinstance(target, type) and issubclass(target, WeightAveraging)

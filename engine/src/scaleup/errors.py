@@ -186,7 +186,7 @@ def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except Exception as err:
             user_error = as_user_error(err)
-            if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            if user_error is None or tracebacks_asked():
                 raise
             if in_search():
                 raise user_error from err
@@ -337,6 +337,12 @@ def one_line_composition_errors(config_dir: Path, config_name: str) -> Callable[
         return wrapper
 
     return decorate
+
+
+def tracebacks_asked() -> bool:
+    """Whether the user set HYDRA_FULL_ERROR=1 to see the traceback behind a user error too (not
+    `one_line_composition_errors`, which sets it while Hydra composes)."""
+    return os.environ.get(FULL_ERROR) == "1" and not _composing
 
 
 def job_started() -> None:

@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from scaleup.config.schema import SECTIONS, validate_config
-from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error, composition_error
+from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error, composition_error, tracebacks_asked
 
 
 def sweep_jobs(config: DictConfig) -> tuple[list[list[str]], set[str]]:
@@ -100,7 +100,7 @@ def job_mistake(config_name: str, overrides: list[str], num: int) -> UserError |
             dry_run(cfg)
     except Exception as err:
         user_error = composition_error(err, composed, overrides, job=config_name) or as_user_error(err)
-        if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if user_error is None or tracebacks_asked():
             raise
         return user_error
     return None

@@ -43,6 +43,7 @@ from scaleup.errors import (
     composition_error,
     new_directories,
     remove_refused_run,
+    tracebacks_asked,
 )
 
 if TYPE_CHECKING:
@@ -237,7 +238,7 @@ def main(argv: list[str]) -> int:
         start(job, options, run_dir)
     except Exception as err:
         user_error = as_user_error(err)
-        if user_error is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if user_error is None or tracebacks_asked():
             raise
         remove_refused_run(created)  # what the workers wrote before they refused (plan.json, the log, Ray's records)
         print(f"error: {user_error}", file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ import torch
 from conftest import kill_writer_at_random
 from scaleup.build import build_model
 from scaleup.checkpoints.io import (
+    atomic_safetensors_save,
     atomic_torch_save,
     find_checkpoint,
     load_checkpoint,
@@ -108,6 +109,22 @@ def test_atomic_save_replaces_whole_file_and_leaves_no_temp(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # permissions like torch.save's, not mkstemp's 0600
+
+
+def test_a_safetensors_file_of_tied_weights_loads_each_name(tmp_path):
+    """An embedding tied to the output layer (one tensor under two names), a transposed view: the safetensors format
+    takes neither as it is; each name is written as its own tensor, and the file is whole, with no temporary left."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    shared = torch.randn(5, 3)
+    state = {"embed.weight": shared, "head.weight": shared, "proj.weight": torch.randn(3, 4).t()}
+    path = tmp_path / "net.safetensors"
+    atomic_safetensors_save(state, path)
+    loaded = load_file(path)
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert safe_open(str(path), framework="pt").metadata() == {"format": "pt"}
+    assert [p.name for p in tmp_path.iterdir()] == ["net.safetensors"]
 
 
 def write_forever(path: pathlib.Path, saved_once) -> None:

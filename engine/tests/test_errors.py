@@ -269,12 +269,59 @@ CASES = [
         ["init.weights={ckpt}", "model.net.width=8", "init.skip=[fc]"],
         "init.skip=fc names no tensor of net (e.g. 0.weight, 1.weight, 1.bias, 1.running_mean ... (20 in all))",
     ),
+    (
+        "initial weights with a changed byte",  # memory-mapped, and still checked: it would train to NaN
+        "train",
+        ["init.weights={tmp}/changed.ckpt", "dry_run=true"],
+        "{tmp}/changed.ckpt is not a readable checkpoint: corrupt (",
+    ),
+    (
+        "initial weights empty",
+        "train",
+        ["init.weights={tmp}/exists.pt", "dry_run=true"],
+        "{tmp}/exists.pt is not a readable checkpoint: the file is empty (0 bytes)",
+    ),
+    (
+        "initial weights prefix read as a number",
+        "train",
+        ["init.weights={ckpt}", "init.prefix=13.", "dry_run=true"],
+        "init.prefix=13.0 must be a key prefix of the file as a string (quote a number: \"init.prefix='13.'\") or null",
+    ),
+    (
+        "a new head frozen",
+        "train",
+        ["init.weights={ckpt}", "model.net.width=8", "init.skip=[13]", "init.freeze=[3,13]", "dry_run=true"],
+        "init.freeze=[3,13] freezes 13.weight, 13.bias of net, which init.weights does not fill (init.skip leaves them "
+        "as built): they would keep their random values; leave them out of init.freeze",
+    ),
     ("frozen nothing", "train", ["init.freeze=[backbone]"], "init.freeze=backbone names no parameter (e.g. 0.weight"),
+    (
+        "frozen everything",
+        "train",
+        ["init.freeze=['.*']", "dry_run=true"],
+        "init.freeze=[.*] freezes every parameter of the model (94,186 in 11 tensors): nothing would train; name only "
+        "what stays fixed, e.g. all but the last module: init.freeze=[0,1,3,4,7,8]",
+    ),
+    (
+        "resumed with another freeze",
+        "train",
+        ["ckpt_path={ckpt}", "model.net.width=8", "init.freeze=[0]"],
+        "{ckpt} trained 6,274 parameters (init.freeze=[]), this run would train 6,202 (init.freeze=[0]), and the "
+        "optimizer's state is for those it trained: resume with init.freeze=[], or start a new run from its weights: "
+        "init.weights={ckpt}",
+    ),
     (
         "initial weights module",
         "train",
         ["init.module=backbone", "init.freeze=[0]"],
         "ImageClassifier has no submodule 'backbone'; its children are net, metrics: pass init.module=<one of them>",
+    ),
+    (
+        "initial weights module inside the network",
+        "train",
+        ["init.module=net.99", "init.freeze=[0]"],
+        "ImageClassifier.net has no submodule '99'; its children are 0, 1, 2, 3, 4, 5, 6, 7 ... (14 in all): pass "
+        "init.module=net.<one of them>",
     ),
     # output locations
     (

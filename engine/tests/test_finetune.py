@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torchvision
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
 
 from conftest import (
     QUICK,
@@ -31,7 +33,7 @@ from conftest import (
 from scaleup.checkpoints.io import load_checkpoint
 from scaleup.checkpoints.weights_file import open_weights
 from scaleup.errors import UserError
-from scaleup.finetune import load, match, prepare_start
+from scaleup.finetune import NOT_HERE, load, match, prepare_start
 from testbed.models import ImageClassifier
 
 DIGITS_NET = {"_target_": "testbed.models.DigitsCNN", "num_classes": 10, "in_channels": 1}
@@ -89,9 +91,10 @@ def tuned(source, tmp_path_factory) -> Path:
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save on one process, as meant
 def test_every_kind_of_weights_file_loads_the_same_weights(source, tmp_path):
-    """The export, a plain state_dict in torch's old file format, this template's checkpoint (`net.` keys), another
-    Lightning project's (`model._orig_mod.`), a DDP module's state_dict (`module.`), a timm training checkpoint (with
-    its pickled argparse arguments) and this template's sharded checkpoint: the same tensors, bit for bit."""
+    """The export, a plain state_dict in torch's old file format, this template's checkpoint (`net.` keys; by its run
+    directory too, which names the checkpoint taken), another Lightning project's (`model._orig_mod.`), a DDP module's
+    state_dict (`module.`), a timm training checkpoint (with its pickled argparse arguments), a safetensors file (by
+    its content, whatever its name) and this template's sharded checkpoint: the same tensors, bit for bit."""
     exported = torch.load(source / "net.pt", weights_only=True)
     torch.save(exported, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
     net = {f"net.{k}": v for k, v in exported.items()}
@@ -106,16 +109,21 @@ def test_every_kind_of_weights_file_loads_the_same_weights(source, tmp_path):
     sharded = tmp_path / "sharded.ckpt"
     dcp.save({"state_dict": net}, checkpoint_id=sharded, no_dist=True)
     torch.save({"global_step": 19, "epoch": 0}, sharded / "meta.pt")  # Lightning's meta.pt beside the shards
+    save_file(exported, tmp_path / "model.safetensors")
+    save_file({f"model.{k}": v for k, v in exported.items()}, tmp_path / "pytorch_weights.bin")
+    (best,) = (source / "checkpoints").glob("best-*.ckpt")
 
     kinds = {
         source / "net.pt": "a state_dict",
         tmp_path / "old.pt": "a state_dict",
         source / "checkpoints" / "last.ckpt": "a checkpoint of this template (step 19), its state_dict",
-        source: "a checkpoint of this template (step 19), its state_dict",  # a run directory: its best checkpoint
+        source: f"a checkpoint of this template (step 19), its state_dict, from {best}",  # a run directory: its best
         tmp_path / "other.ckpt": "a Lightning checkpoint, its state_dict",
         tmp_path / "ddp.pt": "a state_dict",
         tmp_path / "timm.pth.tar": "a timm checkpoint (digits_cnn), its state_dict",
         sharded: "a sharded checkpoint of this template (step 19)",
+        tmp_path / "model.safetensors": "a safetensors file",
+        tmp_path / "pytorch_weights.bin": "a safetensors file",
     }
     for path, kind in kinds.items():
         assert open_weights(str(path)).kind == kind
@@ -134,8 +142,6 @@ def test_torchvision_weights_load_from_the_hub_cache_with_a_new_head(tmp_path, m
     """torchvision's ResNet-18 ImageNet weights by name, through torchvision's loader, from torch's hub cache (here
     a file of torchvision's own ResNet-18 with 1000 classes; nothing is downloaded): into a 10-class ResNet-18, the
     head's two tensors differ in shape, refused in one line until init.skip names them."""
-    import torchvision
-
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
     (tmp_path / "hub" / "checkpoints").mkdir(parents=True)
     imagenet = torchvision.models.resnet18().state_dict()
@@ -162,6 +168,17 @@ def test_torchvision_weights_load_from_the_hub_cache_with_a_new_head(tmp_path, m
     for key, value in model.net.state_dict().items():
         expected = head[key.removeprefix("fc.")] if key.startswith("fc.") else imagenet[key]
         assert torch.equal(value, expected), key
+
+
+def test_a_cut_safetensors_file_is_one_line(source, tmp_path):
+    """safetensors checks its header against the file's size: a file cut short is refused when it is opened."""
+    save_file(torch.load(source / "net.pt", weights_only=True), tmp_path / "model.safetensors")
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes((tmp_path / "model.safetensors").read_bytes()[:-100])
+    with pytest.raises(UserError) as refused:
+        open_weights(str(cut))
+    # the rest is safetensors' own words, which differ between its versions
+    assert str(refused.value).startswith(f"{cut} is not a readable safetensors file (Error while deserializing header")
 
 
 @pytest.mark.slow
@@ -230,9 +247,13 @@ def test_the_plan_shows_where_the_weights_came_from_and_what_was_left_new(source
 def test_a_fine_tuned_run_evaluates_and_exports(tuned, tmp_path):
     metrics = in_process([f"ckpt_path={tuned}", f"hydra.run.dir={tmp_path}"], job="eval")
     assert metrics["test/acc"] == read_json(tuned / "metrics.json")["test/acc"]
-    in_process([f"ckpt_path={tuned}", f"output_path={tmp_path / 'net.pt'}", f"hydra.run.dir={tmp_path}"], job="export")
+    for name in ("net.pt", "net.safetensors"):
+        in_process([f"ckpt_path={tuned}", f"output_path={tmp_path / name}", f"hydra.run.dir={tmp_path}"], job="export")
     net = instantiate(OmegaConf.load(tuned / "config.yaml").model.net)
-    net.load_state_dict(torch.load(tmp_path / "net.pt", weights_only=True))  # strict
+    exported = torch.load(tmp_path / "net.pt", weights_only=True)
+    net.load_state_dict(exported)  # strict
+    net.load_state_dict(load_file(tmp_path / "net.safetensors"))  # strict
+    assert_same_weights(load_file(tmp_path / "net.safetensors"), exported, rtol=0, atol=0)
 
 
 def test_a_resumed_fine_tuning_run_continues_from_its_checkpoint_not_the_initial_weights(tuned, tmp_path):
@@ -249,6 +270,22 @@ def test_a_resumed_fine_tuning_run_continues_from_its_checkpoint_not_the_initial
     assert f"{gone}: not loaded, the run resumes from its checkpoint (its trained weights)" in log
     plan = read_json(run_dir / "plan.json")
     assert (plan["init_weights"], plan["init_loaded"], plan["init_tensors"]) == (str(gone), None, None)
+    # what init.freeze_bn sets in the plan is set after the resume compares plans: not a change
+    assert f"resuming from {run_dir}/checkpoints/last.ckpt; changed since: total_steps 19 -> 38\n" in log
+
+
+def test_a_dry_run_plans_without_a_weights_file_that_is_not_on_this_machine(tmp_path):
+    """A dry run on a laptop plans a cluster's run whose weights file is on the cluster: the plan says the file was
+    not checked; the run itself refuses a file that is not there (test_errors: 'initial weights missing')."""
+    elsewhere = "/cluster/weights/net.pt"
+    plan = in_process(
+        ["dry_run=true", f"init.weights={elsewhere}", "init.skip=[13]", "init.freeze=[0]", f"hydra.run.dir={tmp_path}"]
+    )
+    assert (plan["init_weights"], plan["init_weights_kind"], plan["init_loaded"]) == (elsewhere, NOT_HERE, None)
+    assert plan["init_frozen"] == 1
+    log = (tmp_path / "train.log").read_text()
+    assert f"initial weights: {elsewhere}\n  not checked  {NOT_HERE}\n" in log
+    assert f"  initial weights       {elsewhere}: {NOT_HERE}; 1 parameters frozen (init.freeze)\n" in log
 
 
 def test_the_plan_warns_when_pretrained_batchnorm_statistics_see_another_batch(source, tmp_path):
@@ -327,6 +364,40 @@ def test_a_file_that_fits_under_two_prefixes_needs_init_prefix_and_its_other_ten
     assert_same_weights(loaded_net(path, prefix="student."), exported, rtol=0, atol=0)
     matched = match(open_weights(path), fresh().net, settings(weights=path, prefix="student."))
     assert matched.unused == [*teacher, "loss.weight"] and matched.prefix == "student."
+
+
+def test_the_key_prefix_is_judged_by_names_and_shapes(source, tmp_path):
+    """A file whose names fit the network under two prefixes, with its shapes under one only (a wider teacher beside
+    the student): the student loads without init.prefix. torchvision's ResNet-18 into the digits CNN fits by names
+    under its downsample blocks (0.weight, 1.weight, ...) and by no shape: another architecture, in one line, also
+    into net.0 (a convolution: `weight` under every prefix)."""
+    exported = torch.load(source / "net.pt", weights_only=True)
+    wider = fresh({**DIGITS_NET, "width": 16}).net.state_dict()
+    path = tmp_path / "distilled.ckpt"
+    torch.save(
+        {
+            "state_dict": {
+                **{f"teacher.{k}": v for k, v in wider.items()},
+                **{f"student.{k}": v for k, v in exported.items()},
+            }
+        },
+        path,
+    )
+    assert_same_weights(loaded_net(path), exported, rtol=0, atol=0)
+
+    resnet = tmp_path / "resnet18.pt"
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), resnet)
+    for module, example in (
+        ("net", "layer2.0.downsample.0.weight is [128, 64, 1, 1], 0.weight of net [32, 1, 3, 3]"),
+        ("net.0", "conv1.weight is [64, 3, 7, 7], weight of net.0 [32, 1, 3, 3]"),
+    ):
+        with pytest.raises(UserError) as refused:
+            loaded_net(resnet, module=module)
+        assert str(refused.value) == (
+            f"init.weights={resnet}: another architecture: no tensor of it fits {module} by name and shape (e.g. "
+            f"{example}); build the network it is for (model.net), or load it into the submodule it fits "
+            "(init.module)"
+        )
 
 
 def test_frozen_batchnorm_stays_in_eval_mode_after_lightning_converts_it_to_syncbatchnorm():

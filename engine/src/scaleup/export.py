@@ -1,4 +1,5 @@
-"""The export job behind `python export.py`: one network's weights as a plain state_dict."""
+"""The export job behind `python export.py`: one network's weights as a plain state_dict, in torch.save's format or,
+for an output_path ending in .safetensors, in the safetensors format."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from scaleup.build import build_model
-from scaleup.checkpoints.io import atomic_torch_save, find_checkpoint, load_checkpoint, load_weights
+from scaleup.checkpoints.io import (
+    atomic_safetensors_save,
+    atomic_torch_save,
+    find_checkpoint,
+    load_checkpoint,
+    load_weights,
+)
 from scaleup.config.plain import lookup
 from scaleup.config.stored import stored_run
 from scaleup.config.typed import export_config
@@ -27,7 +34,8 @@ def config_at(model_cfg: dict[str, Any], path: str) -> dict[str, Any] | None:
 
 def export(cfg: DictConfig) -> Path:
     """Rebuild the LightningModule from the checkpoint's config, load every weight strictly, and save the state_dict
-    of `model.<config.module>` alone: keys without the module's prefix, loadable into the bare network."""
+    of `model.<config.module>` alone: keys without the module's prefix, loadable into the bare network; a safetensors
+    file where output_path ends in .safetensors."""
     config = export_config(cfg)
     output = Path(config.output_path)
     if output.is_dir():
@@ -41,7 +49,8 @@ def export(cfg: DictConfig) -> Path:
     model = build_model(model_cfg, precision=stored.plan.precision)  # float64 weights stay float64
     load_weights(model, checkpoint["state_dict"])  # every key fits, or the error names those that do not
     net = submodule(model, config.module)
-    atomic_torch_save(net.state_dict(), output)
+    safetensors = output.suffix == ".safetensors"
+    (atomic_safetensors_save if safetensors else atomic_torch_save)(net.state_dict(), output)
     net_cfg = config_at(model_cfg, config.module)
     owner = f"{type(net).__module__}.{type(net).__qualname__}"
     build = (
@@ -52,6 +61,13 @@ def export(cfg: DictConfig) -> Path:
     log.info(
         f"wrote {output} ({len(net.state_dict())} tensors of .{config.module}). Load it with:\n"
         f"  net = {build}"
-        f"  net.load_state_dict(torch.load('{output}', weights_only=True))"
+        f"  net.load_state_dict({read_back(output, safetensors)})"
     )
     return output
+
+
+def read_back(output: Path, safetensors: bool) -> str:
+    """The expression that reads the exported file back as a state_dict."""
+    if safetensors:
+        return f"safetensors.torch.load_file('{output}')"
+    return f"torch.load('{output}', weights_only=True)"

@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
-from scaleup.checkpoints.weights_file import WeightsFile, open_weights
+from scaleup.checkpoints.weights_file import MissingWeights, WeightsFile, open_weights
 from scaleup.errors import UserError
 from scaleup.modules import submodule
 from scaleup.observability.rows import log_rows, shown
@@ -32,6 +32,9 @@ from scaleup.plan.resolve import Plan
 if TYPE_CHECKING:
     from scaleup.config.schema import Init
     from scaleup.distributed.meta_init import MetaInit
+
+# init.weights in a dry run on a machine without the file (a laptop planning a cluster's run).
+NOT_HERE = "not on this machine: a dry run plans without it, the run reads it where it runs"
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,9 @@ class Start:
             return plan
         start = self
         if self.settings.weights is not None and resumed is None:
-            file = open_weights(self.settings.weights)
-            start = replace(
-                self, file=file, matched=match(file, model.get_submodule(self.settings.module), self.settings)
-            )
+            start = self.opened(model, dry_run)
             if not dry_run:
-                load(model, self.settings.module, start.matched, file, recording)
+                load(model, self.settings.module, start.matched, start.file, recording)
         if rank_zero_only.rank == 0:
             start.report(resumed)
         trained_with = self.settings.bn_batch_size or (start.file.bn_batch_size if start.file else None)
@@ -92,6 +92,24 @@ class Start:
             batchnorm_unfrozen=self.batchnorm_unfrozen,
         )
 
+    def opened(self, model: nn.Module, dry_run: bool) -> Start:
+        """This start with init.weights open and matched to the module (one line where a tensor it leaves as built is
+        frozen). A dry run plans without a file that is not on this machine: the run reads it where it runs."""
+        try:
+            file = open_weights(self.settings.weights)
+        except MissingWeights:
+            if dry_run:
+                return self
+            raise
+        matched = match(file, model.get_submodule(self.settings.module), self.settings)
+        if random := [name for name in self.frozen if name in matched.left_new or name in matched.mismatched]:
+            raise UserError(
+                f"init.freeze={listed(self.settings.freeze)} freezes {shown(random)} of {self.label}, which "
+                "init.weights does not fill (init.skip leaves them as built): they would keep their random values; "
+                "leave them out of init.freeze"
+            )
+        return replace(self, file=file, matched=matched)
+
     def plan_fields(self, resumed: Path | str | None) -> dict[str, Any]:
         """The plan's init fields: the file and its kind, the module, its tensors loaded from the file and left as
         built (none loaded when the run resumes), the frozen parameters, init.freeze_bn."""
@@ -101,6 +119,8 @@ class Start:
             "init_frozen": len(self.frozen),
             "init_freeze_bn": bool(self.settings.freeze_bn),
         }
+        if self.settings.weights is not None and self.file is None and resumed is None:
+            fields.update(init_weights_kind=NOT_HERE)
         if self.file is not None and self.matched is not None and resumed is None:
             fields.update(
                 init_weights=str(self.file.given),
@@ -115,6 +135,8 @@ class Start:
         """One block before training: what was taken from the file, what stays as built and why, what of the file
         was not used, what is frozen."""
         rows = [("not loaded", f"the run resumes from {resumed} (its trained weights)")] if resumed else []
+        if self.settings.weights is not None and self.file is None and not resumed:
+            rows.append(("not checked", NOT_HERE))
         if self.file is not None and self.matched is not None:
             matched = self.matched
             taken = f"its keys under {matched.prefix!r}" if matched.prefix else "its keys as they are"
@@ -133,7 +155,7 @@ class Start:
             if self.batchnorm_unfrozen:
                 rows.append(("batch statistics", f"{shown(self.batchnorm_unfrozen)}: BatchNorm outside {self.label}"))
         title = f"initial weights: {self.file.given} ({self.file.kind})" if self.file else "fine-tuning"
-        if resumed and self.settings.weights is not None:
+        if self.settings.weights is not None and self.file is None:
             title = f"initial weights: {self.settings.weights}"
         log_rows(title, rows)
 
@@ -145,6 +167,8 @@ def prepare_start(settings: Init, model: nn.Module) -> Start:
         return Start(settings)
     target = submodule(model, settings.module, key="init.module")
     frozen = freeze(target, settings.freeze)
+    if frozen and not any(parameter.requires_grad for parameter in model.parameters()):
+        raise UserError(everything_frozen(settings.freeze, target, frozen))
     if settings.freeze_bn:
         keep_batchnorm_in_eval(target, whole=not settings.module)
     inside = {id(module) for module in target.modules()}
@@ -154,6 +178,22 @@ def prepare_start(settings: Init, model: nn.Module) -> Start:
     )
     frozen_bn = bool(settings.freeze_bn)
     return Start(settings, frozen, bool(norms), frozen_bn and not outside, outside if frozen_bn else ())
+
+
+def everything_frozen(patterns: list[str | int], target: nn.Module, frozen: list[str]) -> str:
+    """One line: init.freeze leaves nothing of the model to train (torch would fail at the first backward pass)."""
+    count = sum(target.get_parameter(name).numel() for name in frozen)
+    owners = list(dict.fromkeys(name.rpartition(".")[0] or name for name in frozen))
+    example = f", e.g. all but the last module: init.freeze={listed(owners[:-1])}" if len(owners) > 1 else ""
+    return (
+        f"init.freeze={listed(patterns)} freezes every parameter of the model ({count:,} in {len(frozen)} tensors): "
+        f"nothing would train; name only what stays fixed{example}"
+    )
+
+
+def listed(patterns: Iterable[str | int]) -> str:
+    """A list of names as typed on the command line: [0,1,fc]."""
+    return f"[{','.join(map(str, patterns))}]"
 
 
 def selected(patterns: Iterable[str | int], name: str) -> bool:
@@ -220,31 +260,60 @@ def not_filled(file: WeightsFile, settings: Init, refused: list[str], mismatched
 
 
 def best_prefix(file: WeightsFile, wanted: Mapping[str, tuple[int, ...]], module: str) -> str:
-    """The prefix of the file's keys under which most of them are names of the module (`model.`, `net.`, `module.`,
-    `_orig_mod.`, ... or none). Between prefixes that fit as many, the one ending in the module's own name wins;
-    where that does not decide, init.prefix must."""
-    counts: Counter[str] = Counter()
-    for key in file.shapes:
-        parts = key.split(".")
-        for i in range(len(parts)):
-            if ".".join(parts[i:]) in wanted:
-                counts["".join(f"{part}." for part in parts[:i])] += 1
-    if not counts:
+    """The prefix of the file's keys under which most of them are tensors of the module by name and shape (`model.`,
+    `net.`, `module.`, `_orig_mod.`, ... or none). Between prefixes that fit as many, the one ending in the module's
+    own name wins; where that does not decide, init.prefix must. Names that fit with no shape that does are another
+    architecture's weights, refused in one line."""
+    label = module or "the LightningModule"
+    by_name, by_shape, example = prefix_counts(file, wanted)
+    if not by_name:
         raise UserError(
             f"init.weights={file.given}: none of its {len(file.shapes)} tensors ({shown(list(file.shapes), 3)}) is "
-            f"a tensor of {module or 'the LightningModule'} ({shown(list(wanted), 3)}): name the module they are "
-            "for with init.module, or the file's key prefix with init.prefix"
+            f"a tensor of {label} ({shown(list(wanted), 3)}): name the module they are for with init.module, or the "
+            "file's key prefix with init.prefix"
         )
-    most = max(counts.values())
-    best = [prefix for prefix, count in counts.items() if count == most]
+    if not by_shape:
+        key, name = example
+        raise UserError(
+            f"init.weights={file.given}: another architecture: no tensor of it fits {label} by name and shape (e.g. "
+            f"{key} is {list(file.shapes[key][0])}, {name} of {label} {list(wanted[name])}); build the network it is "
+            "for (model.net), or load it into the submodule it fits (init.module)"
+        )
+    most = max(by_shape.values())
+    best = [prefix for prefix, count in by_shape.items() if count == most]
     if len(best) > 1 and module:
         best = [prefix for prefix in best if prefix.endswith(f"{module}.")] or best
     if len(best) > 1:
         raise UserError(
-            f"init.weights={file.given}: its tensors fit {module or 'the LightningModule'} under several key "
-            f"prefixes ({', '.join(repr(p) for p in sorted(best))}): choose one with init.prefix=<prefix>"
+            f"init.weights={file.given}: its tensors fit {label} under several key prefixes "
+            f"({', '.join(repr(p) for p in sorted(best))}): choose one with init.prefix=<prefix>"
         )
     return best[0]
+
+
+def prefix_counts(
+    file: WeightsFile, wanted: Mapping[str, tuple[int, ...]]
+) -> tuple[Counter[str], Counter[str], tuple[str, str]]:
+    """For each prefix of the file's keys, how many of its keys are then names of the module, and how many also have
+    the module's shape (BatchNorm's step counter, a scalar under every BatchNorm's name, tells no architecture apart:
+    not counted); and an example for a message, a (key, name) that fits by name: the first of another shape."""
+    by_name: Counter[str] = Counter()
+    by_shape: Counter[str] = Counter()
+    fits, other_shape = [], []
+    for key, (shape, _) in file.shapes.items():
+        parts = key.split(".")
+        for i in range(len(parts)):
+            name = ".".join(parts[i:])
+            if name not in wanted:
+                continue
+            prefix = "".join(f"{part}." for part in parts[:i])
+            by_name[prefix] += 1
+            fits.append((key, name))
+            if tuple(shape) != wanted[name]:
+                other_shape.append((key, name))
+            elif not name.endswith("num_batches_tracked"):
+                by_shape[prefix] += 1
+    return by_name, by_shape, (other_shape or fits or [("", "")])[0]
 
 
 def freeze(target: nn.Module, patterns: list[str | int]) -> list[str]:

@@ -6,15 +6,27 @@ from __future__ import annotations
 from torch import nn
 
 from scaleup.errors import UserError
+from scaleup.observability.rows import shown
 
 
 def submodule(model: nn.Module, path: str, key: str = "module") -> nn.Module:
-    """`model.<path>` for a dotted attribute path ('' for the model itself), or a UserError naming the module's
-    children and the config key (`key`) that picks one."""
+    """`model.<path>` for a dotted attribute path ('' for the model itself), or a UserError naming the children of the
+    deepest module on the path that is there, and the config key (`key`) that picks one."""
     try:
         return model.get_submodule(path)
     except AttributeError:
-        children = ", ".join(name for name, _ in model.named_children())
+        owner, found = model, []
+        for part in path.split("."):
+            children = dict(owner.named_children())
+            if part not in children:
+                break
+            owner = children[part]
+            found.append(part)
+        where = ".".join([type(model).__name__, *found])
+        names = list(dict(owner.named_children()))
+        if not names:
+            raise UserError(f"{where} has no submodules: pass {key}={'.'.join(found)} or a module above it") from None
+        above = "".join(f"{name}." for name in found)
         raise UserError(
-            f"{type(model).__name__} has no submodule {path!r}; its children are {children}: pass {key}=<one of them>"
+            f"{where} has no submodule {part!r}; its children are {shown(names)}: pass {key}={above}<one of them>"
         ) from None

@@ -11,7 +11,7 @@ import os
 import pickle
 import uuid
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -99,17 +99,21 @@ def load_checkpoint(path: str | Path, weights: bool = True) -> dict[str, Any]:
 
 def read_file(path: str | Path, mmap: bool = False) -> Any:
     """What `torch.save` wrote to `path` (a local file or a URL), read with `weights_only=True` on CPU. A file that
-    torch.save did not write, not whole, or (a local file read whole) with a byte changed, is one line. Only
-    torch.load's own failures are translated: an error anywhere else is a bug and keeps its traceback.
+    torch.save did not write, not whole, empty, or (a local file) with a byte changed, is one line. Only torch.load's
+    own failures are translated: an error anywhere else is a bug and keeps its traceback.
 
     `mmap`: a local file in torch.save's zip format is memory-mapped, its tensors read from disk only as they are
-    used (other files, and URLs, are read whole)."""
+    used (other files, and URLs, are read whole); its CRCs are checked all the same."""
     mapped = mmap and not is_url(path) and zipfile.is_zipfile(path)
     with get_filesystem(path).open(str(path), "rb") if is_url(path) else open(path, "rb") as f:
+        if not f.read(1):  # torch.load's own error says nothing here: an EOFError without a message
+            raise UserError(f"{path} is not a readable checkpoint: the file is empty (0 bytes)")
+        f.seek(0)
         try:
             if mapped:
-                return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-            loaded = torch.load(f, map_location="cpu", weights_only=True)
+                loaded = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            else:
+                loaded = torch.load(f, map_location="cpu", weights_only=True)
         # torch's weights-only unpickler fails on many text files with a KeyError or an IndexError instead
         except (pickle.UnpicklingError, LookupError) as err:
             if "Unsupported global" in str(err):  # a class or function the file wants imported
@@ -133,7 +137,8 @@ def read_file(path: str | Path, mmap: bool = False) -> Any:
 def damaged_entry(path: str | Path) -> str | None:
     """The first entry of the zip torch.save wrote at `path` whose bytes fail their CRC-32, or None (also for a file
     in torch's older, non-zip format). torch.load checks no CRC: a byte changed inside a tensor loads as another
-    number. Reading the file again for it costs about 0.2 s per 500 MB (it is in the page cache by then)."""
+    number. Reading the file (again) for it costs about 0.2 s per 500 MB from the page cache; a memory-mapped file
+    read here first is in the page cache when its tensors are copied."""
     if not zipfile.is_zipfile(path):
         return None
     with zipfile.ZipFile(path) as archive:
@@ -165,7 +170,28 @@ def load_weights(net: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename over it.
+    """`torch.save(obj)` to `path`, atomically (`atomic_write`)."""
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+def atomic_safetensors_save(state_dict: Mapping[str, torch.Tensor], path: str | Path) -> None:
+    """A state_dict as a safetensors file (the format of the Hugging Face hub), atomically (`atomic_write`). The
+    format takes no two tensors over the same memory: a tensor tied to one before it (a shared embedding and output
+    layer) is written as a copy, so each name loads on its own."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in state_dict.items():
+        storage = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.clone() if storage in seen and tensor.numel() else tensor.contiguous()
+        seen.add(storage)
+    # format=pt: what Hugging Face's loaders look for to read the file as PyTorch weights
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` fills a temporary file beside `path`; it is fsynced, then renamed over `path`.
 
     A rename within one directory is atomic: a crash leaves either the old file or the new one, never half
     of one. (Lightning's own `_atomic_save` stages the file in $TMPDIR, which is a copy, not a rename, when
@@ -173,12 +199,13 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A unique name beside the target; created like any file (umask applies), unlike mkstemp's private 0600.
+    # A unique name beside the target; created like any file (umask applies), unlike mkstemp's private 0600, and
+    # created here, so that `write` never writes through a file or a link that was there.
     tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        with open(tmp, "xb") as f:
-            torch.save(obj, f)
-            f.flush()
+        open(tmp, "xb").close()
+        write(tmp)
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         sharded.put_in_place(tmp, path)  # over a sharded checkpoint (a directory) too
     except BaseException:
@@ -192,7 +219,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
 
 
 def remove_interrupted_writes(directory: str | Path) -> list[Path]:
-    """Delete temporary files that a killed `atomic_torch_save` left behind (never a finished checkpoint)."""
+    """Delete temporary files that a killed `atomic_write` left behind (never a finished checkpoint)."""
     if not Path(directory).is_dir():
         return []
     stale = list(Path(directory).glob(".*.tmp"))

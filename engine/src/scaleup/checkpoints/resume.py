@@ -97,6 +97,7 @@ def resume_point(
     check_same_network(path, checkpoint, stored_model(checkpoint, project_packages(config.plain)), config.model, model)
     previous = stored_plan(checkpoint)  # None: not trained by scaleup's train.py
     check_same_global_batch(path, previous, step, plan)
+    check_same_trainable(path, checkpoint, previous, plan, config.init.freeze)
     check_same_order(path, checkpoint, step, datamodule, plan)
     stopped_early = early_stop_reason(checkpoint)
     if ckpt_path == "last" and (step == plan.total_steps or stopped_early):
@@ -155,6 +156,23 @@ def check_same_global_batch(path: Path | str, previous: Plan | None, step: int, 
     )
 
 
+def check_same_trainable(
+    path: Path | str, checkpoint: dict[str, Any], previous: Plan | None, plan: Plan, freeze: list[str | int]
+) -> None:
+    """The optimizer's state is per parameter it trained: a resume that trains others (another init.freeze) would
+    give it to the wrong ones (torch refuses most such states inside fit, with a traceback)."""
+    if previous is None or previous.trainable_parameters in (None, plan.trainable_parameters):
+        return
+    then = checkpoint["scaleup"].get("config", {}).get("init", {}).get("freeze", [])
+    listed = [f"[{','.join(map(str, patterns))}]" for patterns in (then, freeze)]
+    fix = f"resume with init.freeze={listed[0]}" if then != freeze else "resume with the same parameters frozen"
+    raise UserError(
+        f"{path} trained {previous.trainable_parameters:,} parameters (init.freeze={listed[0]}), this run would "
+        f"train {plan.trainable_parameters:,} (init.freeze={listed[1]}), and the optimizer's state is for those it "
+        f"trained: {fix}, or start a new run from its weights: init.weights={path}"
+    )
+
+
 def check_same_order(
     path: Path | str, checkpoint: dict[str, Any], step: int, datamodule: L.LightningDataModule, plan: Plan
 ) -> None:
@@ -196,7 +214,8 @@ def shown(value: Any) -> str:
 
 
 # What a resume does not compare: the launch (a restarted torchrun counts up), the initial weights (a resume loads
-# none), the split sizes, and the code of the SyncBN rule (its setting and outcome are compared).
+# none), the split sizes, the code of the SyncBN rule (its setting and outcome are compared), and the fields of the
+# plan that init.* sets after this comparison (finetune.Start.begin).
 NOT_COMPARED = (
     "dataset_sizes",
     "sync_batchnorm_rule",
@@ -211,6 +230,9 @@ NOT_COMPARED = (
     "init_left_as_built",
     "init_frozen",
     "init_freeze_bn",
+    "init_bn_batch_size",
+    "batchnorm_frozen",
+    "batchnorm_unfrozen",
 )
 
 

@@ -2,15 +2,17 @@
 tensors, each tensor read on its own when it is loaded.
 
 Accepted: a plain state_dict (`torch.save(net.state_dict(), ...)`, this template's export, torchvision's and timm's
-published weight files), a checkpoint that holds one (this template's or another Lightning project's `.ckpt`, timm's
-training checkpoint, a torchvision reference script's `{"model": ...}`), this template's sharded checkpoint (a
-directory), and torchvision's weights by name (`torchvision:ResNet18_Weights.IMAGENET1K_V1`), read through
-torchvision's own loader from torch's hub cache. Every file is read with `weights_only=True`: one that would import
-or call anything is refused, as a checkpoint is.
+published weight files), a safetensors file (the format of the Hugging Face hub and of timm's weights), a checkpoint
+that holds one (this template's or another Lightning project's `.ckpt`, timm's training checkpoint, a torchvision
+reference script's `{"model": ...}`), this template's sharded checkpoint (a directory), and torchvision's weights by
+name (`torchvision:ResNet18_Weights.IMAGENET1K_V1`), read through torchvision's own loader from torch's hub cache.
+Every file of torch.save's is read with `weights_only=True`: one that would import or call anything is refused, as a
+checkpoint is; a safetensors file holds no pickle at all.
 
 One tensor at a time: a file is memory-mapped (its tensors are read from disk as they are copied, into the page
-cache that a node's ranks share), a sharded checkpoint reads one entry per call, so a rank that fills its shards from
-it holds no more than one whole tensor of its own.
+cache that a node's ranks share; a file of torch.save's is read once whole before, for its CRCs), a sharded
+checkpoint reads one entry per call, so a rank that fills its shards from it holds no more than one whole tensor of
+its own.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import argparse
 import os
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.error import URLError
 from urllib.parse import urlparse
 
 import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from scaleup.checkpoints import sharded
 from scaleup.checkpoints.io import exists, find_checkpoint, is_url, read_file
@@ -48,9 +51,13 @@ class WeightsFile:
     bn_batch_size: int | None = None  # samples per BatchNorm statistic in the run that wrote it (this template's)
 
 
+class MissingWeights(UserError):
+    """init.weights names nothing on this machine (a dry run plans without it: the run reads it where it runs)."""
+
+
 def open_weights(given: str) -> WeightsFile:
     """The weights `init.weights` names: a file, a run directory (its best checkpoint), a sharded checkpoint, or
-    `torchvision:<weights>`."""
+    `torchvision:<weights>`. Where the file taken is not the one named (a directory, a glob), its kind says which."""
     if given.startswith(TORCHVISION):
         return torchvision_weights(given)
     try:
@@ -58,13 +65,17 @@ def open_weights(given: str) -> WeightsFile:
     except UserError as err:  # the same forms as ckpt_path, named as this key
         raise UserError(str(err).replace("ckpt_path=", "init.weights=")) from None
     if not exists(path):
-        raise UserError(f"init.weights={given}: no such file or directory")
+        raise MissingWeights(f"init.weights={given}: no such file or directory")
     if not is_url(path) and sharded.is_sharded(path):
-        return sharded_weights(given, Path(path))
-    with torch.serialization.safe_globals([argparse.Namespace]):  # timm stores its arguments: plain values
-        loaded = read_file(path, mmap=True)
-    state, kind = state_dict_in(loaded, given)
-    return WeightsFile(given, kind, shapes_of(state), state.__getitem__, stored_bn_batch(loaded))
+        file = sharded_weights(given, Path(path))
+    elif is_safetensors(path):
+        file = safetensors_weights(given, path)
+    else:
+        with torch.serialization.safe_globals([argparse.Namespace]):  # timm stores its arguments: plain values
+            loaded = read_file(path, mmap=True)
+        state, kind = state_dict_in(loaded, given)
+        file = WeightsFile(given, kind, shapes_of(state), state.__getitem__, stored_bn_batch(loaded))
+    return file if Path(str(path)) == Path(given) else replace(file, kind=f"{file.kind}, from {path}")
 
 
 def state_dict_in(loaded: Any, given: str) -> tuple[Mapping[str, torch.Tensor], str]:
@@ -105,6 +116,43 @@ def stored_bn_batch(loaded: Any) -> int | None:
 
 def shapes_of(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype]]:
     return {name: (tensor.shape, tensor.dtype) for name, tensor in state.items()}
+
+
+def is_safetensors(path: str | Path) -> bool:
+    """Whether `path` holds the safetensors format: a header size (8 bytes, little-endian) that the file has room for,
+    then the header, a JSON object. (A file of torch.save's starts with a zip's or a pickle's bytes.)"""
+    filesystem = get_filesystem(path)
+    with filesystem.open(str(path), "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") + 8 <= filesystem.size(str(path))
+
+
+def safetensors_weights(given: str, path: str | Path) -> WeightsFile:
+    """A safetensors file: its names, shapes and dtypes from its header; a local file memory-mapped, a URL read whole.
+    It holds tensors and a header of strings, no pickle: nothing in it can run code. (It has no checksum: a byte
+    changed inside a tensor cannot be told from the file, unlike a file of torch.save's.)"""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load
+
+    kind = "a safetensors file"
+    try:
+        if is_url(path):
+            with get_filesystem(path).open(str(path), "rb") as f:
+                state = load(f.read())
+            return WeightsFile(given, kind, shapes_of(state), state.__getitem__)
+        handle = safe_open(str(path), framework="pt")  # its header checked against the file's size: not cut short
+    except SafetensorError as err:
+        raise UserError(f"{path} is not a readable safetensors file ({err})") from None
+    names = handle.keys()  # in the file's order
+    shapes = {name: (torch.Size(handle.get_slice(name).get_shape()), stored_dtype(handle, name)) for name in names}
+    return WeightsFile(given, kind, shapes, handle.get_tensor)
+
+
+def stored_dtype(handle: Any, name: str) -> torch.dtype:
+    """A safetensors tensor's dtype, as torch's, without reading its data: from an empty slice of it (a scalar: read,
+    one number)."""
+    stored = handle.get_slice(name)
+    return (stored[:0] if stored.get_shape() else handle.get_tensor(name)).dtype
 
 
 def sharded_weights(given: str, path: Path) -> WeightsFile:
@@ -148,7 +196,7 @@ def torchvision_weights(given: str) -> WeightsFile:
     try:
         state = weights.get_state_dict(progress=False, weights_only=True)
     except (URLError, OSError) as err:
-        raise UserError(
+        raise MissingWeights(
             f"init.weights={given}: {cached} is not there and {weights.url} cannot be fetched ({err}); copy the file "
             "there from a machine that can, or pass its path as init.weights"
         ) from None

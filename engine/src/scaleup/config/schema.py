@@ -201,7 +201,9 @@ class Init(ClosedSection):
         description="null (from scratch), a weights file, a checkpoint or run directory, or torchvision:<weights>"
     )
     module: str = Field(description="a submodule of the LightningModule (net, net.backbone), or '' for all of it")
-    prefix: str | None
+    prefix: str | None = Field(
+        description="a key prefix of the file as a string (quote a number: \"init.prefix='13.'\") or null"
+    )
     skip: list[str | int] = Field(description="a list of tensor or module names (fc, 13) or regular expressions")
     freeze: list[str | int] = Field(description="a list of parameter or module names (fc, 13) or regular expressions")
     freeze_bn: bool

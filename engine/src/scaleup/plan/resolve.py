@@ -287,8 +287,9 @@ class Plan:
     def _initial_weights_row(self) -> str:
         """Where the weights came from and how many of the module's tensors they set; or that a resume loads none."""
         parts = []
-        if self.init_weights and self.init_loaded is None:
-            parts.append(f"{self.init_weights}: not loaded, the run resumes from its checkpoint (its trained weights)")
+        if self.init_weights and self.init_loaded is None:  # a resume, or a dry run without the file (its kind says)
+            why = self.init_weights_kind or "not loaded, the run resumes from its checkpoint (its trained weights)"
+            parts.append(f"{self.init_weights}: {why}")
         elif self.init_weights:
             parts.append(
                 f"{self.init_weights} ({self.init_weights_kind}) into {self.init_module or 'the LightningModule'}: "

@@ -501,7 +501,9 @@ def test_the_rows_made_from_the_launch_sharding_and_initial_weights_fields():
         "net.pt (a state_dict) into net: 18 of 20 tensors loaded, 2 left as built; 6 parameters frozen "
         "(init.freeze); BatchNorm in eval mode: running statistics fixed (init.freeze_bn)"
     )
-    resumed = dict(replace(plan, init_loaded=None, init_frozen=0, init_freeze_bn=False).rows())["initial weights"]
+    # a resume opens no file: no kind, nothing loaded
+    resumed = replace(plan, init_weights_kind="", init_loaded=None, init_frozen=0, init_freeze_bn=False)
+    resumed = dict(resumed.rows())["initial weights"]
     assert resumed == "net.pt: not loaded, the run resumes from its checkpoint (its trained weights)"
 
 

@@ -70,9 +70,10 @@ class Start:
     def begin(
         self, plan: Plan, model: nn.Module, recording: MetaInit | None, *, resumed: Path | str | None, dry_run: bool
     ) -> Plan:
-        """Open init.weights and match its tensors to the module (a tensor left as built that init.skip does not name
-        is refused in one line), load them (not in a dry run), show what was loaded and what not (rank 0), and return
-        the plan with its row and the BatchNorm batch the weights were trained with. A resumed run opens no file."""
+        """Open init.weights and match its tensors to the module (a tensor left as built that init.skip does not name,
+        or that init.freeze freezes, is refused in one line), load them (not in a dry run), show what was loaded and
+        what not (rank 0), and return the plan with its row and the BatchNorm batch the weights were trained with. A
+        resumed run opens no file; a dry run plans without one that is not on this machine."""
         if self.settings.weights is None and not self.frozen and not self.settings.freeze_bn:
             return plan
         start = self

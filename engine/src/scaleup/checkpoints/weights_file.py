@@ -143,8 +143,10 @@ def safetensors_weights(given: str, path: str | Path) -> WeightsFile:
         handle = safe_open(str(path), framework="pt")  # its header checked against the file's size: not cut short
     except SafetensorError as err:
         raise UserError(f"{path} is not a readable safetensors file ({err})") from None
-    names = handle.keys()  # in the file's order
-    shapes = {name: (torch.Size(handle.get_slice(name).get_shape()), stored_dtype(handle, name)) for name in names}
+    shapes = {
+        name: (torch.Size(handle.get_slice(name).get_shape()), stored_dtype(handle, name))
+        for name in handle.keys()  # noqa: SIM118 (a safe_open handle cannot be iterated)
+    }
     return WeightsFile(given, kind, shapes, handle.get_tensor)
 
 

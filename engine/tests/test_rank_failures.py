@@ -231,3 +231,73 @@ def test_a_process_stuck_after_sigterm_exits_143_after_the_grace_period(tmp_path
     assert code == 143 and HANG_SECONDS <= seconds < HANG_SECONDS + 5, job.output()[-3000:]
     assert f"got SIGTERM {HANG_SECONDS} s ago and reached no next step: exiting 143" in job.output()
     assert SLEEP_LINE in (run_dir / "hang" / "rank0.txt").read_text()
+
+
+WORKER_SLEEP = "a loader worker's hang"
+
+
+def test_a_hang_in_a_loader_worker_names_its_line_writes_its_stack_and_leaves_no_process(tmp_path):
+    """Rank 1's training split blocks in `__getitem__` inside its DataLoader workers (2 workers, each after 40 samples):
+    rank 0 names rank 1 and the worker's line (not the entry script's), the worker's stack is in
+    hang/rank1-worker<K>.txt, every rank exits 124, and no process of the job is left: the ranks and the blocked
+    workers, by pid."""
+    run_dir, marks = tmp_path / "run", tmp_path / "marks"
+    data = ["data._target_=user_modules.MisbehavingDigits", "data.num_workers=2"]
+    job = train(
+        [*TINY, *data, "trainer.devices=2", f"hydra.run.dir={run_dir}"],
+        misbehaving("hang_in_data", marks, step=40),
+        tmp_path,
+    )
+    job.wait_until_reached()
+    code, seconds = job.finish()
+    output = job.output()
+    workers = [int(path.read_text()) for path in marks.glob("worker*.pid")]
+    print(f"a loader worker's hang: every process gone {seconds:.1f} s after it, exit {code}, workers {workers}")
+    assert code == EXIT_HUNG, output[-3000:]
+    assert "hang: rank 1 did not reach the point the other ranks wait in" in output, output[-3000:]
+    assert f"{line_of(WORKER_SLEEP)} in __getitem__ (DataLoader worker pid " in output, output[-3000:]
+    assert "train.py:" not in output[output.index("hang: rank 1") :]
+    dumps = sorted((run_dir / "hang").glob("rank1-worker*.txt"))
+    assert dumps and any(f"line {line_of(WORKER_SLEEP).split(':')[1]} in __getitem__" in p.read_text() for p in dumps)
+    time.sleep(0.5)  # a killed worker's exit is reaped by init once its parent is gone
+    assert workers and not [pid for pid in workers + pids(marks) if alive(pid)]
+
+
+def test_every_rank_slow_at_the_same_point_is_warned_once_and_the_job_finishes(tmp_path):
+    """Every rank sleeps twice the hang bound at step 3, outside any collective: a slow job, not a hung one. Rank 0
+    says so once, and the job finishes with exit 0 (the slow bound is strategy.timeout_minutes, 30)."""
+    env = misbehaving("slow", tmp_path / "marks", step=3) | {"MISBEHAVE_SECONDS": str(2 * HANG_SECONDS)}
+    job = train([*TINY, "trainer.devices=2", f"hydra.run.dir={tmp_path / 'run'}"], env, tmp_path)
+    job.wait_until_reached()
+    code, seconds = job.finish(120)
+    output = job.output()
+    print(f"every rank slow for {2 * HANG_SECONDS} s: exit {code} {seconds:.1f} s after the stall began")
+    assert code == 0, output[-3000:]
+    assert output.count("slow: no progress for") == 1 and "hang:" not in output, output[-3000:]
+
+
+def test_a_rank_hung_in_on_fit_start_is_named_when_the_process_group_times_out_first(tmp_path):
+    """strategy.timeout_minutes (12 s) below the hang bound (18 s): a warning at start-up. Rank 1 sleeps in
+    on_fit_start while rank 0 waits in Lightning's barrier; the barrier times out first, and the hang is named as the
+    watch names it: rank 1, its on_fit_start line, every rank's stack, failure.json, exit 124, no process left."""
+    run_dir, marks = tmp_path / "run", tmp_path / "marks"
+    bounds = ["strategy.timeout_minutes=0.2", "strategy.hang_timeout_minutes=0.3"]
+    job = train(
+        [*TINY, *bounds, "trainer.devices=2", f"hydra.run.dir={run_dir}"],
+        misbehaving("hang_on_fit_start", marks),
+        tmp_path,
+    )
+    job.wait_until_reached()
+    code, seconds = job.finish(90)
+    output = job.output()
+    print(f"a hang in on_fit_start, process group timeout 12 s: exit {code}, {seconds:.1f} s after it")
+    assert code == EXIT_HUNG, output[-3000:]
+    assert "strategy.timeout_minutes=0.2 is below strategy.hang_timeout_minutes=0.3" in output
+    assert "hang: rank 1 did not reach the point the other ranks wait in" in output, output[-3000:]
+    assert "a collective timed out: strategy.timeout_minutes=0.2" in output
+    assert f"{line_of('on_fit_start' + chr(39) + 's hang')} in on_fit_start" in output, output[-3000:]
+    assert read_json(run_dir / "failure.json") | {"message": ""} == {
+        "what": "hang", "ranks": [1], "exit_code": EXIT_HUNG, "message": ""
+    }  # fmt: skip
+    assert sorted(p.name for p in (run_dir / "hang").iterdir()) == ["rank0.txt", "rank1.txt"]
+    assert not [pid for pid in pids(marks) if alive(pid)]

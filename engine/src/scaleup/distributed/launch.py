@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,6 +21,8 @@ from scaleup.plan.topology import Topology
 if TYPE_CHECKING:
     from scaleup.config.schema import Strategy
     from scaleup.distributed.meta_init import MetaInit
+
+log = logging.getLogger("scaleup")
 
 _RESTART_STORE: Any = None  # rank 0's store for a restarted torchrun attempt, alive as long as the process
 
@@ -109,6 +112,8 @@ def build_strategy(
     """
     name = strategy.name
     timeout = timedelta(minutes=float(strategy.timeout_minutes))
+    if world_size > 1:
+        warn_if_collectives_time_out_first(strategy)
     # meta_init: how the job builds the model (build.py); hang_timeout_minutes: the watchdog's (callbacks/preemption.py)
     engine_keys = ("name", "timeout_minutes", "hang_timeout_minutes", "meta_init")
     options = {key: value for key, value in values(strategy).items() if key not in engine_keys}
@@ -139,6 +144,20 @@ def build_strategy(
     if name == "ddp_spawn":
         return SpawnDDPStrategy(on_exit=shut_down_process_group, timeout=timeout, **options), name
     return DDPStrategy(start_method="popen", timeout=timeout, **options), name
+
+
+def warn_if_collectives_time_out_first(strategy: Strategy) -> None:
+    """A process-group timeout below the hang bound: a rank waiting for a hung one fails in its collective before the
+    hang watch would name it (it is named then, from the timeout), and a slow step has less time than the bound."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    hang = strategy.hang_timeout_minutes
+    if hang and strategy.timeout_minutes < hang and rank_zero_only.rank == 0:
+        log.warning(
+            f"strategy.timeout_minutes={strategy.timeout_minutes:g} is below strategy.hang_timeout_minutes={hang:g}: "
+            "collectives time out before the hang watch's bound; set timeout_minutes above it (the time a slow step, "
+            "a compile or a checkpoint may take)"
+        )
 
 
 def check_launcher(topology: Topology) -> None:

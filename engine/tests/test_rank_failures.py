@@ -301,3 +301,31 @@ def test_a_rank_hung_in_on_fit_start_is_named_when_the_process_group_times_out_f
     }  # fmt: skip
     assert sorted(p.name for p in (run_dir / "hang").iterdir()) == ["rank0.txt", "rank1.txt"]
     assert not [pid for pid in pids(marks) if alive(pid)]
+
+
+def test_a_rank_hung_in_its_set_up_is_named_before_the_rendezvous_times_out(tmp_path):
+    """Rank 1 blocks in its DataModule's set-up (before the Trainer; rank 0 waits in the rendezvous), hang bound 3 s,
+    strategy.timeout_minutes 0.3 (18 s): rank 0 says at the hang bound that the job is slow, not hung (a set-up has
+    the longer bound); before the rendezvous would fail, rank 1 is named with its line and stack, failure.json names
+    it, every rank exits 124 (no DistStoreError traceback) and no process of the job is left."""
+    run_dir, marks = tmp_path / "run", tmp_path / "marks"
+    bounds = ["strategy.timeout_minutes=0.3", "strategy.hang_timeout_minutes=0.05"]
+    data = "data._target_=user_modules.MisbehavingDigits"
+    job = train(
+        [*TINY, *bounds, data, "trainer.devices=2", f"hydra.run.dir={run_dir}"],
+        misbehaving("hang_in_setup", marks),
+        tmp_path,
+    )
+    job.wait_until_reached()
+    code, seconds = job.finish(90)
+    output = job.output()
+    print(f"a hang in rank 1's set-up, rendezvous timeout 18 s: exit {code}, {seconds:.1f} s after it")
+    assert code == EXIT_HUNG, output[-3000:]
+    assert "slow: no progress for" in output and "DistStoreError" not in output, output[-3000:]
+    assert "Traceback" not in output and "recvValue failed" not in output, output[-3000:]
+    assert "hang: rank 1 did not reach the point the other ranks wait in" in output, output[-3000:]
+    assert "the rendezvous fails at strategy.timeout_minutes=0.3" in output
+    assert f"{line_of('a set-up' + chr(39) + 's hang')} in build_splits" in output, output[-3000:]
+    assert read_json(run_dir / "failure.json")["ranks"] == [1]
+    assert "a set-up's hang" in (run_dir / "hang" / "rank1.txt").read_text()
+    assert not [pid for pid in [*pids(marks), job.proc.pid] if alive(pid)]

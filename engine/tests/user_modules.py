@@ -328,12 +328,16 @@ class BlockingSamples(torch.utils.data.Dataset):
 
 class MisbehavingDigits(DigitsDataModule):
     """The suite's digits, whose training split blocks on rank MISBEHAVE_RANK after MISBEHAVE_STEP samples (per
-    loader process) where MISBEHAVE=hang_in_data (engine/tests/test_rank_failures.py). The rank is the launcher's
-    LOCAL_RANK (one node)."""
+    loader process) where MISBEHAVE=hang_in_data, or whose set-up blocks there where MISBEHAVE=hang_in_setup
+    (engine/tests/test_rank_failures.py). The rank is the launcher's LOCAL_RANK (one node)."""
 
     def build_splits(self) -> dict[str, torch.utils.data.Dataset]:
         splits = super().build_splits()
         rank = int(os.environ.get("LOCAL_RANK", 0))
+        if os.environ.get("MISBEHAVE") == "hang_in_setup" and rank == misbehaving_rank():
+            Path(os.environ["MISBEHAVE_DIR"], f"rank{rank}.pid").write_text(str(os.getpid()))
+            Path(os.environ["MISBEHAVE_DIR"], "reached").touch()
+            time.sleep(10**6)  # a set-up's hang
         if os.environ.get("MISBEHAVE") == "hang_in_data" and rank == misbehaving_rank():
             splits["train"] = BlockingSamples(splits["train"], int(os.environ["MISBEHAVE_STEP"]))
         return splits

@@ -26,7 +26,15 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from scaleup.compat.launch import keep_sigterm_handler
-from scaleup.distributed.watchdog import Children, Progress, Watchdog, dump_stacks, exit_now, report
+from scaleup.distributed.watchdog import (
+    Children,
+    Progress,
+    Watchdog,
+    dump_stacks,
+    exit_now,
+    report,
+    set_up_watch,
+)
 
 log = logging.getLogger("scaleup")
 
@@ -120,8 +128,10 @@ class JobControl(Callback):
         self.path = f"{str(dirpath).rstrip('/')}/last.ckpt" if dirpath is not None else None  # a local path or a URL
         self.hang_seconds = 60 * hang_timeout_minutes if hang_timeout_minutes else None
         self.collective_seconds = 60 * timeout_minutes if timeout_minutes else None
-        self.progress = Progress()
-        self.watchdog: Watchdog | None = None
+        # A watch started before the set-up (distributed/launch.py) goes on here: the set-up is done.
+        self.watchdog: Watchdog | None = set_up_watch()
+        self.progress = self.watchdog.progress if self.watchdog is not None else Progress()
+        self.progress.enter("start")
         self._overdue: threading.Timer | None = None  # ends a rank that does not stop after SIGTERM
         self.requested = False
         self._trainer: L.Trainer | None = None
@@ -184,6 +194,12 @@ class JobControl(Callback):
         procs = getattr(trainer.strategy.launcher, "procs", None) or []
         first = trainer.global_rank - trainer.local_rank + 1
         children = Children({first + i: proc for i, proc in enumerate(procs) if isinstance(proc, subprocess.Popen)})
+        if self.watchdog is not None and self.watchdog.rank == trainer.global_rank:
+            self.watchdog.take_over(children)
+            self.watchdog.workers.register()
+            return
+        if self.watchdog is not None:  # a launcher whose ranks the set-up's watch read wrong: a watch of its own
+            self.watchdog.stop()
         watchdog = Watchdog(
             self.progress,
             rank=trainer.global_rank,

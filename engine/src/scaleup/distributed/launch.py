@@ -6,6 +6,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import DDPStrategy
@@ -158,6 +159,34 @@ def warn_if_collectives_time_out_first(strategy: Strategy) -> None:
             "collectives time out before the hang watch's bound; set timeout_minutes above it (the time a slow step, "
             "a compile or a checkpoint may take)"
         )
+
+
+def watch_the_set_up(strategy: Strategy, topology: Topology, run_dir: Path, *, multirun: bool) -> None:
+    """Where the launcher re-runs the script in every process (Lightning's, torchrun, srun), start this rank's hang
+    watch before its set-up (the data, the model, the plan; distributed/watchdog.py): a rank that hangs there while
+    the others wait in the rendezvous is named, with its stack, before the rendezvous times out. Spawned processes
+    (ddp_spawn, a sweep's) run no set-up of their own: their watch starts with the Trainer's."""
+    spawned = launched_world_size() is None and (strategy.name == "ddp_spawn" or multirun)
+    if topology.world_size == 1 or spawned or not strategy.hang_timeout_minutes:
+        return
+    from scaleup.distributed.watchdog import watch_the_set_up as start
+
+    start(
+        rank=launched_rank(topology),
+        world_size=topology.world_size,
+        run_dir=run_dir,
+        hang_seconds=60 * strategy.hang_timeout_minutes,
+        collective_seconds=60 * strategy.timeout_minutes,
+    )
+
+
+def launched_rank(topology: Topology) -> int:
+    """This process's global rank, as the launcher set it: torchrun's (and a PyTorchJob's, one process per pod)
+    RANK, SLURM's task, or Lightning's launcher's node and local rank."""
+    for name in ("RANK", "SLURM_PROCID"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return int(os.environ.get("NODE_RANK", 0)) * topology.devices + int(os.environ.get("LOCAL_RANK", 0))
 
 
 def check_launcher(topology: Topology) -> None:

@@ -62,10 +62,15 @@ EXIT_FAILED = 1  # a rank raised, or died: every rank of the job exits with it
 POLL_SECONDS = 5.0  # at most: how often a rank publishes its place and looks for news (sooner for short bounds)
 GATHER_SECONDS = 5.0  # at least: how long the reporting rank waits for the others' answers
 CONNECT_SECONDS = 5.0  # how long a failing rank tries to reach the job's store before it reports alone
-# A rank's place in the job, in the order every rank passes through them (within one training micro-batch: data,
+# A rank's place in the job, in the order every rank passes through them (the set-up: the data, the model and the
+# plan, before the Trainer, watched only where the launcher re-runs the script; start: the rendezvous and the hooks
+# before the first batch) (within one training micro-batch: data,
 # forward, backward, optimizer step); the "end" phases: the rank did its last batch of the loop, and waits for the
 # others in the loop's closing collectives (evaluation batches are uneven across ranks).
-PHASES = ("start", "data", "forward", "backward", "optimizer step", "validation", "validation end", "test", "test end")
+PHASES = (
+    *("set-up", "start", "data", "forward", "backward", "optimizer step"),
+    *("validation", "validation end", "test", "test end"),
+)
 WORKER_DUMP_SECONDS = 1.0  # at most: how long a rank waits for one DataLoader worker's stack
 # What a rank's main thread does, told by the innermost frame of its stack in one of these (parts of paths): work
 # with a bound of its own (a compile, checkpoint I/O), or a wait in a collective (the rendezvous included).
@@ -80,12 +85,12 @@ class Progress:
     """Where this rank is in the job: written by the training loop's hooks (plain attribute writes), read by the
     watchdog thread. `ticks` counts the hooks reached: while it changes, the rank makes progress."""
 
-    def __init__(self) -> None:
+    def __init__(self, phase: str = "start") -> None:
         self.ticks = 0
         self.micro_batches = 0  # training micro-batches done
         self.evaluations = 0  # validation and test loops done
         self.eval_batches = 0  # batches done in the current evaluation
-        self.phase = "start"
+        self.phase = phase
 
     def enter(self, phase: str) -> None:
         """This rank is now in `phase` (one of PHASES)."""
@@ -119,6 +124,8 @@ def describe(place: dict[str, Any]) -> str:
         return f"in {phase} (batch {place['batch']})"
     if phase.endswith(" end"):
         return f"at the {phase} (its last batch done)"
+    if phase == "set-up":
+        return "in its set-up (data, model and plan, before the process group)"
     return f"in {phase} of training micro-batch {place['micro_batch']}" if phase != "start" else "before training"
 
 
@@ -264,12 +271,10 @@ def waited_for(places: dict[int, dict[str, Any]]) -> list[int]:
     return [rank for rank in behind if places[rank].get("doing") != "waiting"] or behind
 
 
-def slow_stall(places: dict[int, dict[str, Any]], world_size: int) -> bool:
+def slow_stall(places: dict[int, dict[str, Any]]) -> bool:
     """Whether a stall is slowness, not a hang: every rank at the same point with none waiting in a collective, or
     each rank the others wait for busy with work of its own bound (before its first step ends: set-up, restore,
-    compile; checkpoint I/O) or found slow already. A rank that published no place yet counts as hung."""
-    if len(places) < world_size:
-        return False
+    compile; checkpoint I/O) or found slow already. `places`: every rank's."""
     if len({str(record["order"]) for record in places.values()}) == 1 and all(
         record.get("doing") != "waiting" for record in places.values()
     ):
@@ -278,6 +283,25 @@ def slow_stall(places: dict[int, dict[str, Any]], world_size: int) -> bool:
         not places[rank].get("warm") or places[rank].get("doing") == "own work" or places[rank].get("slow")
         for rank in waited_for(places)
     )
+
+
+_SET_UP_WATCH: Watchdog | None = None  # this process's watch started before its set-up, until JobControl takes it
+
+
+def watch_the_set_up(**settings: Any) -> None:
+    """Start this rank's watch before its set-up (the data, the model, the plan), where the launcher re-runs the
+    script in every rank: a rank that hangs there, while the others wait for it in the rendezvous, is named too.
+    `settings`: Watchdog's, but the progress and the children."""
+    global _SET_UP_WATCH
+    _SET_UP_WATCH = Watchdog(Progress("set-up"), children=Children(), **settings)
+    _SET_UP_WATCH.start(before_the_store=True)
+
+
+def set_up_watch() -> Watchdog | None:
+    """The watch `watch_the_set_up` started in this process, once: JobControl takes it over."""
+    global _SET_UP_WATCH
+    watch, _SET_UP_WATCH = _SET_UP_WATCH, None
+    return watch
 
 
 def exit_now(code: int) -> None:
@@ -358,7 +382,7 @@ class Watchdog:
         self.gather = max(GATHER_SECONDS, 3 * self.interval)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's agent's store outlives a restart
         self.prefix = f"scaleup/watchdog/{attempt}/"
-        self.address = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+        self.address = ("", "")  # the job's store, read from the environment when it is reached (`_reach`)
         self.host = socket.gethostname()
         self._ending = threading.Lock()  # held by the thread that ends the process: the main thread or the watchdog
         self._stopped = threading.Event()
@@ -370,18 +394,34 @@ class Watchdog:
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=seconds))
         return dist.PrefixStore(self.prefix, store)
 
-    def start(self) -> bool:
-        """Connect to the job's store and start watching; False where there is no store to meet in (no
-        MASTER_ADDR/MASTER_PORT, or nothing answers there)."""
-        if None in self.address:
+    def _reach(self) -> bool:
+        """Connect to the job's store at MASTER_ADDR:MASTER_PORT; False where there is none (yet), or nothing answers
+        there (a port that refuses is tried first: the store's client would retry, and log, until its timeout)."""
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if host is None or port is None:
             return False
+        self.address = (host, port)
         try:
+            socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS).close()
             self._store = self._connect(self.gather + 10)
-        except (RuntimeError, ValueError) as err:
-            log.debug(f"no watchdog: the job's store at {':'.join(self.address)} does not answer ({err})")
+        except (OSError, RuntimeError, ValueError) as err:
+            log.debug(f"the watch: the job's store at {host}:{port} does not answer ({err})")
+            return False
+        return True
+
+    def start(self, before_the_store: bool = False) -> bool:
+        """Connect to the job's store and start watching; False where there is no store to meet in (no
+        MASTER_ADDR/MASTER_PORT, or nothing answers there). `before_the_store`: start now, and meet the others in
+        the store once it answers (rank 0 starts it in the rendezvous, after the set-up)."""
+        if not before_the_store and not self._reach():
             return False
         self._thread.start()
         return True
+
+    def take_over(self, children: Children) -> None:
+        """The Trainer's set-up (JobControl) takes over a watch started before the set-up: the processes the
+        launcher started, now known."""
+        self.children = children
 
     def stop(self) -> None:
         """Stop watching (the job ended)."""
@@ -397,6 +437,8 @@ class Watchdog:
     def _run(self) -> None:
         ticks, published = -1, None
         while not self._stopped.wait(self.interval):
+            if self._store is None and not self._reach():
+                continue
             now = time.monotonic()
             if self.progress.ticks != ticks:
                 ticks, self._since, self._slow = self.progress.ticks, now, False
@@ -419,12 +461,24 @@ class Watchdog:
         """This rank made no progress within the hang bound: whether that is a hang (see `slow_stall`), or slowness
         that may go on up to the slow bound (rank 0 says so once)."""
         if not self._slow:
-            if not slow_stall(self._places(), self.world_size):
+            places = self._places()
+            if len(places) < self.world_size:  # a rank not in the store yet (in its set-up): nothing to compare
+                return idle >= self._slow_bound()
+            if not slow_stall(places):
                 return True
             self._slow = True
             self._store.set(f"place/{self.rank}", json.dumps({**self.progress.place(), "slow": True}))
             self._warn_slow(idle)
-        return idle >= (self.slow_seconds or 0)
+        return idle >= self._slow_bound()
+
+    def _slow_bound(self) -> float:
+        """How long a slow stall may last. A rank in the rendezvous (done with its set-up, no process group yet)
+        waits there until strategy.timeout_minutes, when the rendezvous fails and takes rank 0's store (where the
+        ranks meet) with it: the watch ends such a stall while the store is there."""
+        bound = self.slow_seconds or 0
+        if self.collective_seconds and self.progress.phase == "start" and not dist.is_initialized():
+            return max(self.hang_seconds or 0, min(bound, self.collective_seconds - self.gather - 2 * self.interval))
+        return bound
 
     def _warn_slow(self, idle: float) -> None:
         """Rank 0, once a job: the stall is slow, not hung, and when it would end as hung."""
@@ -468,10 +522,20 @@ class Watchdog:
         if self.rank == 0:
             self._report_hang(idle, dump.parent, timed_out or self._store.check(["hang/timed_out"]))
             self._store.set("hang/reported", "1")
+            # The store goes with rank 0: the others read the news first (their launcher's children or not).
+            self._wait_for_all("hang/left", 2 * self.interval + 1)
             self.children.wait(self.gather)
-        else:
-            self._wait_for("hang/reported", (self.hang_seconds or 0) + 2 * self.gather)
+        elif self._wait_for("hang/reported", (self.hang_seconds or 0) + 2 * self.gather):
+            self._store.set(f"hang/left/{self.rank}", "1")
         exit_now(EXIT_HUNG)
+
+    def _wait_for_all(self, prefix: str, seconds: float) -> None:
+        """Wait up to `seconds` for every other rank's `<prefix>/<rank>` key."""
+        keys = [f"{prefix}/{rank}" for rank in range(self.world_size) if rank != self.rank]
+        deadline = time.monotonic() + seconds
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            while time.monotonic() < deadline and not all(self._store.check([key]) for key in keys):
+                time.sleep(0.05)
 
     def _gathered(self, prefix: str) -> dict[int, dict[str, Any]]:
         """Every rank's `<prefix>/<rank>` record, waiting up to `gather` seconds for the missing ones; a rank that
@@ -496,6 +560,8 @@ class Watchdog:
         minutes = f"strategy.hang_timeout_minutes={self.hang_seconds / 60:g}" if self.hang_seconds else ""
         if timed_out:
             minutes = f"a collective timed out: strategy.timeout_minutes={(self.collective_seconds or 0) / 60:g}"
+        elif not dist.is_initialized() and self.collective_seconds:
+            minutes = f"the rendezvous fails at strategy.timeout_minutes={self.collective_seconds / 60:g}"
         if len(behind) == self.world_size:
             head = f"hang: no rank made progress for {idle:.0f} s ({minutes}); every rank is at the same point:"
         else:
@@ -545,7 +611,7 @@ class Watchdog:
     def failed(self, err: BaseException) -> None:
         """The main thread caught `err` in a stage (the Trainer's on_exception). Returns only when there is nothing
         for the watchdog to do; otherwise reports what happened, in its turn, and ends the process."""
-        if not self._thread.is_alive() or not isinstance(err, Exception):
+        if not self._thread.is_alive() or self._store is None or not isinstance(err, Exception):
             return
         self._ending.acquire()  # where the watchdog thread is ending the process already, wait for its exit here
         self._stopped.set()

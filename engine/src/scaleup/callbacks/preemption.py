@@ -194,11 +194,14 @@ class JobControl(Callback):
         procs = getattr(trainer.strategy.launcher, "procs", None) or []
         first = trainer.global_rank - trainer.local_rank + 1
         children = Children({first + i: proc for i, proc in enumerate(procs) if isinstance(proc, subprocess.Popen)})
-        if self.watchdog is not None and self.watchdog.rank == trainer.global_rank:
-            self.watchdog.take_over(children)
+        if (
+            self.watchdog is not None
+            and self.watchdog.rank == trainer.global_rank
+            and self.watchdog.take_over(children)
+        ):
             self.watchdog.workers.register()
             return
-        if self.watchdog is not None:  # a launcher whose ranks the set-up's watch read wrong: a watch of its own
+        if self.watchdog is not None:  # ranks read wrong, or no store: a watch of its own, as without a set-up's watch
             self.watchdog.stop()
         watchdog = Watchdog(
             self.progress,

@@ -418,10 +418,11 @@ class Watchdog:
         self._thread.start()
         return True
 
-    def take_over(self, children: Children) -> None:
-        """The Trainer's set-up (JobControl) takes over a watch started before the set-up: the processes the
-        launcher started, now known."""
+    def take_over(self, children: Children) -> bool:
+        """The Trainer's set-up (JobControl) takes over a watch started before the set-up, with the processes the
+        launcher started, now known; False where the job's store (which the process group has now) does not answer."""
         self.children = children
+        return self._store is not None or self._reach()
 
     def stop(self) -> None:
         """Stop watching (the job ended)."""

@@ -38,7 +38,7 @@ MODULE = "model._target_=user_modules.MisbehavingClassifier"
 WATCHED = [MODULE, f"strategy.hang_timeout_minutes={HANG_SECONDS / 60}"]
 # 8 steps of 32 samples (16 per rank), no logger, no callbacks of the config's: the smallest run that gets to step 5.
 TINY = [*QUICK, "trainer.max_steps=8", "data.global_batch_size=32", "logger=none", "callbacks=[]", *WATCHED]
-SLEEP_LINE = "time.sleep(10**6)"  # MisbehavingClassifier's hang
+SLEEP_LINE = "time.sleep(10**6)  # hang, or wait_for_kill"  # MisbehavingClassifier's hang
 
 
 def misbehaving(what: str, directory: Path, rank: int = 1, step: int = 5) -> dict[str, str]:
@@ -111,7 +111,7 @@ def test_a_hung_rank_is_named_with_its_line_every_rank_exits_124_and_the_run_res
     named = "hang: rank 1 did not reach the point the other ranks wait in"
     for text in (output, (run_dir / "train.log").read_text()):
         assert named in text and f"{line_of(SLEEP_LINE)} in training_step" in text, text[-3000:]
-    assert "rank 0 (pid" in output and "waits in backward of training micro-batch 5" in output
+    assert "rank 0 (pid" in output and "waits in backward of training micro-batch 5\n" in output  # no train.py:8
     for rank in (0, 1):
         assert "Thread MainThread (most recent call last)" in (run_dir / "hang" / f"rank{rank}.txt").read_text()
     assert SLEEP_LINE in (run_dir / "hang" / "rank1.txt").read_text()
@@ -170,6 +170,7 @@ def test_a_hung_rank_on_two_torchrun_nodes_is_named_and_each_agent_exits_124(tmp
     for output in outputs:  # torchrun's agent: the worker's exit code; the wrapper: its own
         assert re.search(rf"exitcode\s*:\s*{EXIT_HUNG}\b", output), output[-3000:]
         assert "torchrun: a rank hung (every failed worker exited 124: the watchdog named it above): exit 124" in output
+        assert "stopping at the next step" not in output  # the agent's SIGTERM to a rank the watch ends already
     assert sorted(p.name for p in (run_dir / "hang").iterdir()) == ["rank0.txt", "rank1.txt"]
     assert not [pid for pid in pids(tmp_path / "marks") if alive(pid)]
 

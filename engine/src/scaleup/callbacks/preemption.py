@@ -178,6 +178,7 @@ class JobControl(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Lightning starts the process group just before `setup`, which every rank runs together.
         self._trainer = trainer
+        self.progress.enter("start")  # past the rendezvous: progress
         self._install()
         if self._ready:
             return

@@ -62,11 +62,11 @@ EXIT_FAILED = 1  # a rank raised, or died: every rank of the job exits with it
 POLL_SECONDS = 5.0  # at most: how often a rank publishes its place and looks for news (sooner for short bounds)
 GATHER_SECONDS = 5.0  # at least: how long the reporting rank waits for the others' answers
 CONNECT_SECONDS = 5.0  # how long a failing rank tries to reach the job's store before it reports alone
-# A rank's place in the job, in the order every rank passes through them (the set-up: the data, the model and the
-# plan, before the Trainer, watched only where the launcher re-runs the script; start: the rendezvous and the hooks
-# before the first batch) (within one training micro-batch: data,
-# forward, backward, optimizer step); the "end" phases: the rank did its last batch of the loop, and waits for the
-# others in the loop's closing collectives (evaluation batches are uneven across ranks).
+# A rank's place in the job, in the order every rank passes through them: the set-up (the data, the model and the
+# plan, before the Trainer: watched where the launcher re-runs the script), the start (the rendezvous, the hooks
+# before the first batch), then within one training micro-batch: data, forward, backward, optimizer step; the "end"
+# phases: the rank did its last batch of the loop, and waits for the others in the loop's closing collectives
+# (evaluation batches are uneven across ranks).
 PHASES = (
     *("set-up", "start", "data", "forward", "backward", "optimizer step"),
     *("validation", "validation end", "test", "test end"),
@@ -202,7 +202,7 @@ class WorkerStacks:
         answered = []
         if self.file is None:
             return answered
-        for number, child in enumerate(multiprocessing.active_children()):
+        for number, child in enumerate(own_children()):
             stack = self._stack_of(child.pid)
             if stack:
                 (directory / f"rank{rank}-worker{number}.txt").write_text(f"pid {child.pid}\n\n{stack}")
@@ -315,10 +315,17 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def own_children() -> list[multiprocessing.process.BaseProcess]:
+    """This process's multiprocessing children (DataLoader workers). A process forked by other means from one that
+    had children inherits its list of them (multiprocessing resets it only in the processes it starts): those are
+    not this process's, and are left alone (`_parent_pid`, set when a Process is made, tells them apart)."""
+    return [child for child in multiprocessing.active_children() if child._parent_pid == os.getpid()]
+
+
 def end_children() -> None:
     """Kill this process's multiprocessing children (DataLoader workers): one blocked in the user's code never looks
     for its parent, and would run on after it."""
-    children = multiprocessing.active_children()
+    children = own_children()
     for child in children:
         child.kill()
     for child in children:
@@ -482,8 +489,8 @@ class Watchdog:
         return bound
 
     def _warn_slow(self, idle: float) -> None:
-        """Rank 0, once a job: the stall is slow, not hung, and when it would end as hung."""
-        if self.rank == 0 and not self._warned:
+        """Rank 0, once a job: the stall is slow, not hung, and when it would end as hung (unless it does now)."""
+        if self.rank == 0 and not self._warned and idle < self._slow_bound():
             self._warned = True
             report(
                 f"slow: no progress for {idle:.0f} s (strategy.hang_timeout_minutes={self.hang_seconds / 60:g}), but "

@@ -330,3 +330,30 @@ def test_a_rank_hung_in_its_set_up_is_named_before_the_rendezvous_times_out(tmp_
     assert read_json(run_dir / "failure.json")["ranks"] == [1]
     assert "a set-up's hang" in (run_dir / "hang" / "rank1.txt").read_text()
     assert not [pid for pid in [*pids(marks), job.proc.pid] if alive(pid)]
+
+
+def place(micro_batch: int, phase: str, doing: str = "working", warm: bool = True) -> dict:
+    from scaleup.distributed.watchdog import PHASES
+
+    return {"order": [micro_batch, 0, PHASES.index(phase), 0], "phase": phase, "doing": doing, "warm": warm}
+
+
+@pytest.mark.parametrize(
+    ("places", "slow", "waited_for"),
+    [
+        ({0: place(3, "forward"), 1: place(3, "forward")}, True, [0, 1]),  # every rank at once, none waiting
+        ({0: place(5, "backward"), 1: place(5, "forward")}, False, [1]),  # rank 1 stopped, rank 0 went on
+        ({0: place(0, "start", "waiting"), 1: place(0, "start")}, False, [1]),  # a barrier waits for a hook
+        ({0: place(4, "data", "own work"), 1: place(4, "data", "waiting")}, True, [0]),  # rank 0 writes a checkpoint
+        ({0: place(0, "backward", warm=False), 1: place(0, "forward", warm=False)}, True, [1]),  # first step compiles
+        ({0: place(0, "start", "waiting", False), 1: place(0, "set-up", warm=False)}, True, [1]),  # a long set-up
+    ],
+)
+def test_a_stall_is_slow_where_no_rank_waits_for_a_stopped_one(places, slow, waited_for):
+    """The watch's rules, on the places the ranks publish: a hang is a rank the others wait for (in a collective, or
+    further on), or one that stopped while they went on; every rank at the same point, or the waited-for rank in its
+    set-up, first step or checkpoint I/O, is slow."""
+    from scaleup.distributed.watchdog import slow_stall
+    from scaleup.distributed.watchdog import waited_for as waited
+
+    assert (slow_stall(places), waited(places)) == (slow, waited_for)

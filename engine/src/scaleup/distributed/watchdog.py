@@ -293,6 +293,8 @@ def watch_the_set_up(**settings: Any) -> None:
     script in every rank: a rank that hangs there, while the others wait for it in the rendezvous, is named too.
     `settings`: Watchdog's, but the progress and the children."""
     global _SET_UP_WATCH
+    if _SET_UP_WATCH is not None:  # a job of this process that ended before its Trainer took its watch over
+        _SET_UP_WATCH.stop()
     _SET_UP_WATCH = Watchdog(Progress("set-up"), children=Children(), **settings)
     _SET_UP_WATCH.start(before_the_store=True)
 

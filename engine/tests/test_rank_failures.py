@@ -38,7 +38,7 @@ MODULE = "model._target_=user_modules.MisbehavingClassifier"
 WATCHED = [MODULE, f"strategy.hang_timeout_minutes={HANG_SECONDS / 60}"]
 # 8 steps of 32 samples (16 per rank), no logger, no callbacks of the config's: the smallest run that gets to step 5.
 TINY = [*QUICK, "trainer.max_steps=8", "data.global_batch_size=32", "logger=none", "callbacks=[]", *WATCHED]
-SLEEP_LINE = "time.sleep(10**6)"  # MisbehavingClassifier's hang
+SLEEP_LINE = "time.sleep(10**6)  # hang, or wait_for_kill"  # MisbehavingClassifier's hang
 
 
 def misbehaving(what: str, directory: Path, rank: int = 1, step: int = 5) -> dict[str, str]:
@@ -111,7 +111,7 @@ def test_a_hung_rank_is_named_with_its_line_every_rank_exits_124_and_the_run_res
     named = "hang: rank 1 did not reach the point the other ranks wait in"
     for text in (output, (run_dir / "train.log").read_text()):
         assert named in text and f"{line_of(SLEEP_LINE)} in training_step" in text, text[-3000:]
-    assert "rank 0 (pid" in output and "waits in backward of training micro-batch 5" in output
+    assert "rank 0 (pid" in output and "waits in backward of training micro-batch 5\n" in output  # no train.py:8
     for rank in (0, 1):
         assert "Thread MainThread (most recent call last)" in (run_dir / "hang" / f"rank{rank}.txt").read_text()
     assert SLEEP_LINE in (run_dir / "hang" / "rank1.txt").read_text()
@@ -170,6 +170,7 @@ def test_a_hung_rank_on_two_torchrun_nodes_is_named_and_each_agent_exits_124(tmp
     for output in outputs:  # torchrun's agent: the worker's exit code; the wrapper: its own
         assert re.search(rf"exitcode\s*:\s*{EXIT_HUNG}\b", output), output[-3000:]
         assert "torchrun: a rank hung (every failed worker exited 124: the watchdog named it above): exit 124" in output
+        assert "stopping at the next step" not in output  # the agent's SIGTERM to a rank the watch ends already
     assert sorted(p.name for p in (run_dir / "hang").iterdir()) == ["rank0.txt", "rank1.txt"]
     assert not [pid for pid in pids(tmp_path / "marks") if alive(pid)]
 
@@ -231,3 +232,128 @@ def test_a_process_stuck_after_sigterm_exits_143_after_the_grace_period(tmp_path
     assert code == 143 and HANG_SECONDS <= seconds < HANG_SECONDS + 5, job.output()[-3000:]
     assert f"got SIGTERM {HANG_SECONDS} s ago and reached no next step: exiting 143" in job.output()
     assert SLEEP_LINE in (run_dir / "hang" / "rank0.txt").read_text()
+
+
+WORKER_SLEEP = "a loader worker's hang"
+
+
+def test_a_hang_in_a_loader_worker_names_its_line_writes_its_stack_and_leaves_no_process(tmp_path):
+    """Rank 1's training split blocks in `__getitem__` inside its DataLoader workers (2 workers, each after 40 samples):
+    rank 0 names rank 1 and the worker's line (not the entry script's), the worker's stack is in
+    hang/rank1-worker<K>.txt, every rank exits 124, and no process of the job is left: the ranks and the blocked
+    workers, by pid."""
+    run_dir, marks = tmp_path / "run", tmp_path / "marks"
+    data = ["data._target_=user_modules.MisbehavingDigits", "data.num_workers=2"]
+    job = train(
+        [*TINY, *data, "trainer.devices=2", f"hydra.run.dir={run_dir}"],
+        misbehaving("hang_in_data", marks, step=40),
+        tmp_path,
+    )
+    job.wait_until_reached()
+    code, seconds = job.finish()
+    output = job.output()
+    workers = [int(path.read_text()) for path in marks.glob("worker*.pid")]
+    print(f"a loader worker's hang: every process gone {seconds:.1f} s after it, exit {code}, workers {workers}")
+    assert code == EXIT_HUNG, output[-3000:]
+    assert "hang: rank 1 did not reach the point the other ranks wait in" in output, output[-3000:]
+    assert f"{line_of(WORKER_SLEEP)} in __getitem__ (DataLoader worker pid " in output, output[-3000:]
+    assert "train.py:" not in output[output.index("hang: rank 1") :]
+    dumps = sorted((run_dir / "hang").glob("rank1-worker*.txt"))
+    assert dumps and any(f"line {line_of(WORKER_SLEEP).split(':')[1]} in __getitem__" in p.read_text() for p in dumps)
+    time.sleep(0.5)  # a killed worker's exit is reaped by init once its parent is gone
+    assert workers and not [pid for pid in workers + pids(marks) if alive(pid)]
+
+
+def test_every_rank_slow_at_the_same_point_is_warned_once_and_the_job_finishes(tmp_path):
+    """Every rank sleeps twice the hang bound at step 3, outside any collective: a slow job, not a hung one. Rank 0
+    says so once, and the job finishes with exit 0 (the slow bound is strategy.timeout_minutes, 30)."""
+    env = misbehaving("slow", tmp_path / "marks", step=3) | {"MISBEHAVE_SECONDS": str(2 * HANG_SECONDS)}
+    job = train([*TINY, "trainer.devices=2", f"hydra.run.dir={tmp_path / 'run'}"], env, tmp_path)
+    job.wait_until_reached()
+    code, seconds = job.finish(120)
+    output = job.output()
+    print(f"every rank slow for {2 * HANG_SECONDS} s: exit {code} {seconds:.1f} s after the stall began")
+    assert code == 0, output[-3000:]
+    assert output.count("slow: no progress for") == 1 and "hang:" not in output, output[-3000:]
+
+
+def test_a_rank_hung_in_on_fit_start_is_named_when_the_process_group_times_out_first(tmp_path):
+    """strategy.timeout_minutes (12 s) below the hang bound (18 s): a warning at start-up. Rank 1 sleeps in
+    on_fit_start while rank 0 waits in Lightning's barrier; the barrier times out first, and the hang is named as the
+    watch names it: rank 1, its on_fit_start line, every rank's stack, failure.json, exit 124, no process left."""
+    run_dir, marks = tmp_path / "run", tmp_path / "marks"
+    bounds = ["strategy.timeout_minutes=0.2", "strategy.hang_timeout_minutes=0.3"]
+    job = train(
+        [*TINY, *bounds, "trainer.devices=2", f"hydra.run.dir={run_dir}"],
+        misbehaving("hang_on_fit_start", marks),
+        tmp_path,
+    )
+    job.wait_until_reached()
+    code, seconds = job.finish(90)
+    output = job.output()
+    print(f"a hang in on_fit_start, process group timeout 12 s: exit {code}, {seconds:.1f} s after it")
+    assert code == EXIT_HUNG, output[-3000:]
+    assert "strategy.timeout_minutes=0.2 is below strategy.hang_timeout_minutes=0.3" in output
+    assert "hang: rank 1 did not reach the point the other ranks wait in" in output, output[-3000:]
+    assert "a collective timed out: strategy.timeout_minutes=0.2" in output
+    assert f"{line_of('on_fit_start' + chr(39) + 's hang')} in on_fit_start" in output, output[-3000:]
+    assert read_json(run_dir / "failure.json") | {"message": ""} == {
+        "what": "hang", "ranks": [1], "exit_code": EXIT_HUNG, "message": ""
+    }  # fmt: skip
+    assert sorted(p.name for p in (run_dir / "hang").iterdir()) == ["rank0.txt", "rank1.txt"]
+    assert not [pid for pid in pids(marks) if alive(pid)]
+
+
+def test_a_rank_hung_in_its_set_up_is_named_before_the_rendezvous_times_out(tmp_path):
+    """Rank 1 blocks in its DataModule's set-up (before the Trainer; rank 0 waits in the rendezvous), hang bound 3 s,
+    strategy.timeout_minutes 0.3 (18 s): rank 0 says at the hang bound that the job is slow, not hung (a set-up has
+    the longer bound); before the rendezvous would fail, rank 1 is named with its line and stack, failure.json names
+    it, every rank exits 124 (no DistStoreError traceback) and no process of the job is left."""
+    run_dir, marks = tmp_path / "run", tmp_path / "marks"
+    bounds = ["strategy.timeout_minutes=0.3", "strategy.hang_timeout_minutes=0.05"]
+    data = "data._target_=user_modules.MisbehavingDigits"
+    job = train(
+        [*TINY, *bounds, data, "trainer.devices=2", f"hydra.run.dir={run_dir}"],
+        misbehaving("hang_in_setup", marks),
+        tmp_path,
+    )
+    job.wait_until_reached()
+    code, seconds = job.finish(90)
+    output = job.output()
+    print(f"a hang in rank 1's set-up, rendezvous timeout 18 s: exit {code}, {seconds:.1f} s after it")
+    assert code == EXIT_HUNG, output[-3000:]
+    assert "slow: no progress for" in output and "DistStoreError" not in output, output[-3000:]
+    assert "Traceback" not in output and "recvValue failed" not in output, output[-3000:]
+    assert "hang: rank 1 did not reach the point the other ranks wait in" in output, output[-3000:]
+    assert "the rendezvous fails at strategy.timeout_minutes=0.3" in output
+    assert f"{line_of('a set-up' + chr(39) + 's hang')} in build_splits" in output, output[-3000:]
+    assert read_json(run_dir / "failure.json")["ranks"] == [1]
+    assert "a set-up's hang" in (run_dir / "hang" / "rank1.txt").read_text()
+    assert not [pid for pid in [*pids(marks), job.proc.pid] if alive(pid)]
+
+
+def place(micro_batch: int, phase: str, doing: str = "working", warm: bool = True) -> dict:
+    from scaleup.distributed.watchdog import PHASES
+
+    return {"order": [micro_batch, 0, PHASES.index(phase), 0], "phase": phase, "doing": doing, "warm": warm}
+
+
+@pytest.mark.parametrize(
+    ("places", "slow", "waited_for"),
+    [
+        ({0: place(3, "forward"), 1: place(3, "forward")}, True, [0, 1]),  # every rank at once, none waiting
+        ({0: place(5, "backward"), 1: place(5, "forward")}, False, [1]),  # rank 1 stopped, rank 0 went on
+        ({0: place(0, "start", "waiting"), 1: place(0, "start")}, False, [1]),  # a barrier waits for a hook
+        ({0: place(4, "data", "own work"), 1: place(4, "data", "waiting")}, True, [0]),  # rank 0 writes a checkpoint
+        ({0: place(0, "backward", warm=False), 1: place(0, "forward", warm=False)}, True, [1]),  # first step compiles
+        ({0: place(0, "start", "waiting", False), 1: place(0, "set-up", warm=False)}, True, [1]),  # a long set-up
+    ],
+)
+def test_a_stall_is_slow_where_no_rank_waits_for_a_stopped_one(places, slow, waited_for):
+    """The watch's rules, on the places the ranks publish: a hang is a rank the others wait for (in a collective, or
+    further on), or one that stopped while they went on; every rank at the same point, or the waited-for rank in its
+    set-up, first step or checkpoint I/O, is slow."""
+    from scaleup.distributed.watchdog import slow_stall
+    from scaleup.distributed.watchdog import waited_for as waited
+
+    assert (slow_stall(places), waited(places)) == (slow, waited_for)

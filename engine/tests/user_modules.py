@@ -277,19 +277,67 @@ class TwoOptimizerGAN(L.LightningModule):
 class MisbehavingClassifier(ImageClassifier):
     """The suite's classifier, whose training_step misbehaves on one rank at one optimizer step, as the environment
     says (engine/tests/test_rank_failures.py): MISBEHAVE=hang (sleeps for ever), raise, or wait_for_kill (sleeps until
-    the test kills it), on rank MISBEHAVE_RANK at step MISBEHAVE_STEP. Every rank writes its pid to
-    MISBEHAVE_DIR/rank<N>.pid as training starts; the misbehaving rank writes MISBEHAVE_DIR/reached when it gets
-    there. Without MISBEHAVE it trains as ImageClassifier does (a resume of the same run)."""
+    the test kills it), on rank MISBEHAVE_RANK at step MISBEHAVE_STEP; hang_on_fit_start (that rank sleeps for ever in
+    on_fit_start); slow (every rank sleeps MISBEHAVE_SECONDS at step MISBEHAVE_STEP, then goes on). Every rank
+    writes its pid to MISBEHAVE_DIR/rank<N>.pid as fit starts; the misbehaving rank writes MISBEHAVE_DIR/reached
+    when it gets there. Without MISBEHAVE it trains as ImageClassifier does (a resume of the same run)."""
 
-    def on_train_start(self) -> None:
+    def on_fit_start(self) -> None:
         if os.environ.get("MISBEHAVE"):
             Path(os.environ["MISBEHAVE_DIR"], f"rank{self.global_rank}.pid").write_text(str(os.getpid()))
+        if os.environ.get("MISBEHAVE") == "hang_on_fit_start" and self.global_rank == misbehaving_rank():
+            Path(os.environ["MISBEHAVE_DIR"], "reached").touch()
+            time.sleep(10**6)  # on_fit_start's hang
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        what, at = os.environ.get("MISBEHAVE"), [int(os.environ.get(f"MISBEHAVE_{k}", -1)) for k in ("RANK", "STEP")]
-        if what and [self.global_rank, self.global_step] == at:
+        what, step = os.environ.get("MISBEHAVE"), int(os.environ.get("MISBEHAVE_STEP", -1))
+        this_rank = what in ("hang", "raise", "wait_for_kill") and self.global_rank == misbehaving_rank()
+        if self.global_step == step and (what == "slow" or this_rank):
             Path(os.environ["MISBEHAVE_DIR"], "reached").touch()
-            if what == "raise":
+            if what == "slow":  # every rank at once: slow, not hung
+                time.sleep(float(os.environ["MISBEHAVE_SECONDS"]))
+            elif what == "raise":
                 raise ValueError(f"rank {self.global_rank} cannot go on at step {self.global_step}")
-            time.sleep(10**6)  # hang, or wait_for_kill: the test kills this process here
+            else:
+                time.sleep(10**6)  # hang, or wait_for_kill: the test kills this process here
         return super().training_step(batch, batch_idx)
+
+
+def misbehaving_rank() -> int:
+    return int(os.environ.get("MISBEHAVE_RANK", -1))
+
+
+class BlockingSamples(torch.utils.data.Dataset):
+    """A split whose `__getitem__` blocks for ever in a process that read `after` samples of it (each DataLoader
+    worker counts its own), writing that process's pid to MISBEHAVE_DIR/worker<pid>.pid and the `reached` mark."""
+
+    def __init__(self, samples: torch.utils.data.Dataset, after: int) -> None:
+        self.samples, self.after, self.read = samples, after, 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Any:
+        self.read += 1
+        if self.read > self.after:
+            Path(os.environ["MISBEHAVE_DIR"], f"worker{os.getpid()}.pid").write_text(str(os.getpid()))
+            Path(os.environ["MISBEHAVE_DIR"], "reached").touch()
+            time.sleep(10**6)  # a loader worker's hang
+        return self.samples[index]
+
+
+class MisbehavingDigits(DigitsDataModule):
+    """The suite's digits, whose training split blocks on rank MISBEHAVE_RANK after MISBEHAVE_STEP samples (per
+    loader process) where MISBEHAVE=hang_in_data, or whose set-up blocks there where MISBEHAVE=hang_in_setup
+    (engine/tests/test_rank_failures.py). The rank is the launcher's LOCAL_RANK (one node)."""
+
+    def build_splits(self) -> dict[str, torch.utils.data.Dataset]:
+        splits = super().build_splits()
+        rank = int(os.environ.get("LOCAL_RANK", 0))
+        if os.environ.get("MISBEHAVE") == "hang_in_setup" and rank == misbehaving_rank():
+            Path(os.environ["MISBEHAVE_DIR"], f"rank{rank}.pid").write_text(str(os.getpid()))
+            Path(os.environ["MISBEHAVE_DIR"], "reached").touch()
+            time.sleep(10**6)  # a set-up's hang
+        if os.environ.get("MISBEHAVE") == "hang_in_data" and rank == misbehaving_rank():
+            splits["train"] = BlockingSamples(splits["train"], int(os.environ["MISBEHAVE_STEP"]))
+        return splits

@@ -20,7 +20,7 @@ from scaleup.config.outputs import check_outputs
 from scaleup.config.plain import write_yaml
 from scaleup.config.typed import TrainConfig, train_config
 from scaleup.data.datamodule import GlobalBatchDataModule
-from scaleup.distributed.launch import check_launch, prepare_launch, shards_the_model
+from scaleup.distributed.launch import check_launch, prepare_launch, shards_the_model, watch_the_set_up
 from scaleup.distributed.process_group import shut_down_process_group
 from scaleup.errors import UserError
 from scaleup.finetune import prepare_start
@@ -50,6 +50,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     topology = resolve_topology(config.trainer, dry_run=config.dry_run)
     check_outputs(config)  # before an epoch is trained, or data downloaded, for nothing
     check_launch(topology, dry_run=config.dry_run)
+    if not config.dry_run:
+        watch_the_set_up(config.strategy, topology, run_dir, multirun=HydraConfig.get().mode == RunMode.MULTIRUN)
     measured = measured_diagnostics(config)  # a previous run's step times, read before anything is built
     # Same seed on every rank before the data and the model are built: the same splits (also where a data module
     # splits with the global random state) and identical initial weights everywhere.

@@ -26,7 +26,15 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from scaleup.compat.launch import keep_sigterm_handler
-from scaleup.distributed.watchdog import Children, Progress, Watchdog, dump_stacks, exit_now, report
+from scaleup.distributed.watchdog import (
+    Children,
+    Progress,
+    Watchdog,
+    dump_stacks,
+    exit_now,
+    report,
+    set_up_watch,
+)
 
 log = logging.getLogger("scaleup")
 
@@ -107,16 +115,23 @@ class JobControl(Callback):
     The watchdog: started in `setup` on several processes, it reads `progress`, which the loop's hooks below write
     (plain attribute writes, nothing that talks to another process), and `on_exception` hands it the rank's error,
     so that the failing rank is named and its traceback printed once (rank 0, last), and every rank ends.
-    `hang_timeout_minutes`: strategy.hang_timeout_minutes (0 or None: no hang watch).
+    `hang_timeout_minutes`: strategy.hang_timeout_minutes (0 or None: no hang watch); `timeout_minutes`:
+    strategy.timeout_minutes, the process group's, which bounds a slow stall (see the watchdog).
     """
 
     def __init__(
-        self, dirpath: str | Path | None = None, hang_timeout_minutes: float | None = HANG_TIMEOUT_MINUTES
+        self,
+        dirpath: str | Path | None = None,
+        hang_timeout_minutes: float | None = HANG_TIMEOUT_MINUTES,
+        timeout_minutes: float | None = None,
     ) -> None:
         self.path = f"{str(dirpath).rstrip('/')}/last.ckpt" if dirpath is not None else None  # a local path or a URL
         self.hang_seconds = 60 * hang_timeout_minutes if hang_timeout_minutes else None
-        self.progress = Progress()
-        self.watchdog: Watchdog | None = None
+        self.collective_seconds = 60 * timeout_minutes if timeout_minutes else None
+        # A watch started before the set-up (distributed/launch.py) goes on here: the set-up is done.
+        self.watchdog: Watchdog | None = set_up_watch()
+        self.progress = self.watchdog.progress if self.watchdog is not None else Progress()
+        self.progress.enter("start")
         self._overdue: threading.Timer | None = None  # ends a rank that does not stop after SIGTERM
         self.requested = False
         self._trainer: L.Trainer | None = None
@@ -127,6 +142,8 @@ class JobControl(Callback):
         self._alone = True  # one process: the flag is the answer (set once, not read from the Trainer per step)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.watchdog is not None and self.watchdog.ending:
+            return  # the watch ends this rank already (torchrun's agent stops the ranks a hung one leaves behind)
         if not self.requested:
             log.warning(f"received signal {signum}: stopping at the next step")
             launcher = self._trainer.strategy.launcher if self._trainer is not None else None
@@ -161,6 +178,7 @@ class JobControl(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Lightning starts the process group just before `setup`, which every rank runs together.
         self._trainer = trainer
+        self.progress.enter("start")  # past the rendezvous: progress
         self._install()
         if self._ready:
             return
@@ -177,6 +195,15 @@ class JobControl(Callback):
         procs = getattr(trainer.strategy.launcher, "procs", None) or []
         first = trainer.global_rank - trainer.local_rank + 1
         children = Children({first + i: proc for i, proc in enumerate(procs) if isinstance(proc, subprocess.Popen)})
+        if (
+            self.watchdog is not None
+            and self.watchdog.rank == trainer.global_rank
+            and self.watchdog.take_over(children)
+        ):
+            self.watchdog.workers.register()
+            return
+        if self.watchdog is not None:  # ranks read wrong, or no store: a watch of its own, as without a set-up's watch
+            self.watchdog.stop()
         watchdog = Watchdog(
             self.progress,
             rank=trainer.global_rank,
@@ -184,8 +211,11 @@ class JobControl(Callback):
             run_dir=Path(trainer.default_root_dir),
             hang_seconds=self.hang_seconds,
             children=children,
+            collective_seconds=self.collective_seconds,
         )
         self.watchdog = watchdog if watchdog.start() else None
+        if self.watchdog is not None:
+            self.watchdog.workers.register()  # before the loaders fork their workers, which inherit it
 
     # The loop's hooks: this rank's place for the watchdog, in plain attribute writes.
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

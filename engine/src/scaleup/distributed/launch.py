@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import DDPStrategy
@@ -20,6 +22,8 @@ from scaleup.plan.topology import Topology
 if TYPE_CHECKING:
     from scaleup.config.schema import Strategy
     from scaleup.distributed.meta_init import MetaInit
+
+log = logging.getLogger("scaleup")
 
 _RESTART_STORE: Any = None  # rank 0's store for a restarted torchrun attempt, alive as long as the process
 
@@ -109,6 +113,8 @@ def build_strategy(
     """
     name = strategy.name
     timeout = timedelta(minutes=float(strategy.timeout_minutes))
+    if world_size > 1:
+        warn_if_collectives_time_out_first(strategy)
     # meta_init: how the job builds the model (build.py); hang_timeout_minutes: the watchdog's (callbacks/preemption.py)
     engine_keys = ("name", "timeout_minutes", "hang_timeout_minutes", "meta_init")
     options = {key: value for key, value in values(strategy).items() if key not in engine_keys}
@@ -139,6 +145,48 @@ def build_strategy(
     if name == "ddp_spawn":
         return SpawnDDPStrategy(on_exit=shut_down_process_group, timeout=timeout, **options), name
     return DDPStrategy(start_method="popen", timeout=timeout, **options), name
+
+
+def warn_if_collectives_time_out_first(strategy: Strategy) -> None:
+    """A process-group timeout below the hang bound: a rank waiting for a hung one fails in its collective before the
+    hang watch would name it (it is named then, from the timeout), and a slow step has less time than the bound."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    hang = strategy.hang_timeout_minutes
+    if hang and strategy.timeout_minutes < hang and rank_zero_only.rank == 0:
+        log.warning(
+            f"strategy.timeout_minutes={strategy.timeout_minutes:g} is below strategy.hang_timeout_minutes={hang:g}: "
+            "collectives time out before the hang watch's bound; set timeout_minutes above it (the time a slow step, "
+            "a compile or a checkpoint may take)"
+        )
+
+
+def watch_the_set_up(strategy: Strategy, topology: Topology, run_dir: Path, *, multirun: bool) -> None:
+    """Where the launcher re-runs the script in every process (Lightning's, torchrun, srun), start this rank's hang
+    watch before its set-up (the data, the model, the plan; distributed/watchdog.py): a rank that hangs there while
+    the others wait in the rendezvous is named, with its stack, before the rendezvous times out. Spawned processes
+    (ddp_spawn, a sweep's) run no set-up of their own: their watch starts with the Trainer's."""
+    spawned = launched_world_size() is None and (strategy.name == "ddp_spawn" or multirun)
+    if topology.world_size == 1 or spawned or not strategy.hang_timeout_minutes:
+        return
+    from scaleup.distributed.watchdog import watch_the_set_up as start
+
+    start(
+        rank=launched_rank(topology),
+        world_size=topology.world_size,
+        run_dir=run_dir,
+        hang_seconds=60 * strategy.hang_timeout_minutes,
+        collective_seconds=60 * strategy.timeout_minutes,
+    )
+
+
+def launched_rank(topology: Topology) -> int:
+    """This process's global rank, as the launcher set it: torchrun's (and a PyTorchJob's, one process per pod)
+    RANK, SLURM's task, or Lightning's launcher's node and local rank."""
+    for name in ("RANK", "SLURM_PROCID"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return int(os.environ.get("NODE_RANK", 0)) * topology.devices + int(os.environ.get("LOCAL_RANK", 0))
 
 
 def check_launcher(topology: Topology) -> None:

@@ -7,28 +7,40 @@ another process) and talks to the other ranks through the job's TCPStore at MAST
 init_process_group's env:// rendezvous, or torchrun's agent's), under a key prefix of its own. Never through a
 collective: a hung rank never joins one.
 
-- A hang: a rank that makes no progress for `strategy.hang_timeout_minutes` writes every thread's stack to
-  `hang/rank<N>.txt` in the run directory and asks every rank to do the same; rank 0 names the rank(s) furthest
-  behind (the lowest place: the ones that did not reach the point the others wait in) with the line of the user's
-  code each is in, and every rank exits with EXIT_HUNG, far below the process-group timeout.
+- A hang: a rank that the others wait for, or one that stops while the others go on. A rank that makes no progress
+  for `strategy.hang_timeout_minutes` reads every rank's place; where they say hang, it writes every thread's stack
+  to `hang/rank<N>.txt` in the run directory (its DataLoader workers' to `hang/rank<N>-worker<K>.txt`) and asks
+  every rank to do the same; rank 0 names the rank(s) the others wait for (the lowest place, and there the ones not
+  waiting in a collective) with the line of the user's code each is in (a worker's, where the rank waits on its
+  workers), and every rank exits with EXIT_HUNG, far below the process-group timeout. A collective that times out
+  (strategy.timeout_minutes) is reported the same way.
+- Slow, not hung: every rank at the same point with none waiting in a collective, or the rank the others wait for
+  in work of its own (before its first training step ends: the set-up, a restore, a compile; checkpoint I/O). One
+  warning, and the job goes on; it ends as hung only after the slow bound, max(strategy.timeout_minutes,
+  strategy.hang_timeout_minutes).
 - An exception: the failing rank publishes its traceback; the other ranks print one line each and exit; rank 0
   prints the traceback last, labelled with the rank, on stderr and in the log file.
 - A rank that vanished (kill -9, the OOM killer): the others' collective fails; under Lightning's launcher rank 0
   started the other processes of its node and names the one that died and its signal (torchrun's agent prints the
   same itself: "exitcode: -9 ... Signal 9 (SIGKILL) received by PID").
-Rank 0 also writes `failure.json` into the run directory: what happened, to which rank(s), the exit code.
+Rank 0 also writes `failure.json` into the run directory: what happened, to which rank(s), the exit code. A rank
+that exits so ends its own child processes (DataLoader workers) first: a blocked worker would outlive it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
+import multiprocessing
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -36,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
@@ -49,32 +62,59 @@ EXIT_FAILED = 1  # a rank raised, or died: every rank of the job exits with it
 POLL_SECONDS = 5.0  # at most: how often a rank publishes its place and looks for news (sooner for short bounds)
 GATHER_SECONDS = 5.0  # at least: how long the reporting rank waits for the others' answers
 CONNECT_SECONDS = 5.0  # how long a failing rank tries to reach the job's store before it reports alone
-# A rank's place in the job, in the order every rank passes through them (within one training micro-batch: data,
-# forward, backward, optimizer step); the "end" phases: the rank did its last batch of the loop, and waits for the
-# others in the loop's closing collectives (evaluation batches are uneven across ranks).
-PHASES = ("start", "data", "forward", "backward", "optimizer step", "validation", "validation end", "test", "test end")
+# A rank's place in the job, in the order every rank passes through them: the set-up (the data, the model and the
+# plan, before the Trainer: watched where the launcher re-runs the script), the start (the rendezvous, the hooks
+# before the first batch), then within one training micro-batch: data, forward, backward, optimizer step; the "end"
+# phases: the rank did its last batch of the loop, and waits for the others in the loop's closing collectives
+# (evaluation batches are uneven across ranks).
+PHASES = (
+    *("set-up", "start", "data", "forward", "backward", "optimizer step"),
+    *("validation", "validation end", "test", "test end"),
+)
+WORKER_DUMP_SECONDS = 1.0  # at most: how long a rank waits for one DataLoader worker's stack
+# What a rank's main thread does, told by the innermost frame of its stack in one of these (parts of paths): work
+# with a bound of its own (a compile, checkpoint I/O), or a wait in a collective (the rendezvous included).
+OWN_WORK = (
+    *("torch/distributed/checkpoint/", "torch/_dynamo/", "torch/_inductor/", "torch/serialization.py"),
+    *("lightning/fabric/plugins/io/", "scaleup/checkpoints/"),
+)
+COLLECTIVE = "torch/distributed/"
 
 
 class Progress:
     """Where this rank is in the job: written by the training loop's hooks (plain attribute writes), read by the
     watchdog thread. `ticks` counts the hooks reached: while it changes, the rank makes progress."""
 
-    def __init__(self) -> None:
+    def __init__(self, phase: str = "start") -> None:
         self.ticks = 0
         self.micro_batches = 0  # training micro-batches done
         self.evaluations = 0  # validation and test loops done
         self.eval_batches = 0  # batches done in the current evaluation
-        self.phase = "start"
+        self.phase = phase
 
     def enter(self, phase: str) -> None:
         """This rank is now in `phase` (one of PHASES)."""
         self.phase = phase
         self.ticks += 1
 
+    @property
+    def warm(self) -> bool:
+        """Whether this process finished a training micro-batch or an evaluation batch: until then (the set-up, a
+        restore, the first step's compile) a stall is slow, not hung, up to the slow bound."""
+        return self.micro_batches > 0 or self.evaluations > 0 or self.eval_batches > 0
+
     def place(self) -> dict[str, Any]:
-        """The place as the other ranks read it: `order` compares across ranks (lower: not as far)."""
+        """The place as the other ranks read it: `order` compares across ranks (lower: not as far); `doing`: what the
+        main thread does there (`main_thread_doing`)."""
         order = [self.micro_batches, self.evaluations, PHASES.index(self.phase), self.eval_batches]
-        return {"order": order, "phase": self.phase, "micro_batch": self.micro_batches, "batch": self.eval_batches}
+        return {
+            "order": order,
+            "phase": self.phase,
+            "micro_batch": self.micro_batches,
+            "batch": self.eval_batches,
+            "doing": main_thread_doing(),
+            "warm": self.warm,
+        }
 
 
 def describe(place: dict[str, Any]) -> str:
@@ -84,6 +124,8 @@ def describe(place: dict[str, Any]) -> str:
         return f"in {phase} (batch {place['batch']})"
     if phase.endswith(" end"):
         return f"at the {phase} (its last batch done)"
+    if phase == "set-up":
+        return "in its set-up (data, model and plan, before the process group)"
     return f"in {phase} of training micro-batch {place['micro_batch']}" if phase != "start" else "before training"
 
 
@@ -97,14 +139,90 @@ def stacks() -> str:
     )
 
 
-def users_frame() -> str | None:
-    """The innermost frame of the main thread that is in the user's code: `file:line in function`, or None."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+def main_thread_frames() -> list[FrameType]:
+    """The main thread's frames, most recent call first."""
+    frame, frames = sys._current_frames().get(threading.main_thread().ident), []
     while frame is not None:
-        if is_users_code(frame.f_code.co_filename):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frames.append(frame)
         frame = frame.f_back
+    return frames
+
+
+def main_thread_doing() -> str:
+    """What the main thread does, by the innermost frame that tells: `waiting` in a collective (for the other ranks),
+    `own work` (a compile, checkpoint I/O: a bound of its own), else `working` (the user's code, the step's compute)."""
+    for frame in main_thread_frames():
+        filename = frame.f_code.co_filename
+        if any(part in filename for part in OWN_WORK):
+            return "own work"
+        if COLLECTIVE in filename:
+            return "waiting"
+    return "working"
+
+
+def users_frame() -> str | None:
+    """The innermost frame of the main thread that is in the user's code: `file:line in function`, or None. The
+    entry script's module level (`train.py:8 in <module>`) is where every rank is, so it is never the answer."""
+    for frame in main_thread_frames():
+        code = frame.f_code
+        entry = code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"
+        if is_users_code(code.co_filename) and not entry:
+            return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
     return None
+
+
+FAULTHANDLER_FRAME = re.compile(r'File "(.+)", line (\d+) in (\S+)')
+
+
+def users_frame_in(dump: str) -> str | None:
+    """The innermost frame of the user's code in a faulthandler dump (most recent call first), as `users_frame`."""
+    for filename, line, function in FAULTHANDLER_FRAME.findall(dump):
+        if is_users_code(filename) and function != "<module>":
+            return f"{filename}:{line} in {function}"
+    return None
+
+
+class WorkerStacks:
+    """The stacks of this rank's DataLoader workers, which the rank cannot read itself: faulthandler, registered on
+    SIGUSR2 before the loaders fork their workers, is inherited by each forked worker, which then writes its stack
+    into the same (unlinked) file when signalled; workers started another way do not answer, and are skipped."""
+
+    def __init__(self) -> None:
+        self.file: Any = None
+
+    def register(self) -> None:
+        """Install the handler in this process, unless SIGUSR2 is taken already (by the user's code)."""
+        if self.file is None and signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL:
+            self.file = tempfile.TemporaryFile()  # noqa: SIM115 (open as long as the process: its workers write in it)
+            faulthandler.register(signal.SIGUSR2, file=self.file, all_threads=True)
+
+    def dump(self, directory: Path, rank: int) -> list[tuple[int, str | None]]:
+        """Each child process's stack to `directory`/rank<rank>-worker<K>.txt; (pid, its innermost frame of the user's
+        code) for each that answered."""
+        answered = []
+        if self.file is None:
+            return answered
+        for number, child in enumerate(own_children()):
+            stack = self._stack_of(child.pid)
+            if stack:
+                (directory / f"rank{rank}-worker{number}.txt").write_text(f"pid {child.pid}\n\n{stack}")
+                answered.append((child.pid, users_frame_in(stack)))
+        return answered
+
+    def _stack_of(self, pid: int) -> str:
+        """Signal `pid` and read what it appended to the shared file (done when the file stops growing)."""
+        fd = self.file.fileno()
+        start = size = os.fstat(fd).st_size
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR2)
+        deadline = time.monotonic() + WORKER_DUMP_SECONDS
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            grown = os.fstat(fd).st_size
+            if grown == size > start:
+                break
+            size = grown
+        return os.pread(fd, size - start, start).decode(errors="replace")
 
 
 def dump_stacks(run_dir: Path, rank: int, progress: Progress) -> Path:
@@ -139,6 +257,55 @@ def communication_error(err: BaseException) -> bool:
     )
 
 
+def timed_out(err: BaseException) -> bool:
+    """Whether `err` says that a collective or the rendezvous ran out of the process group's time (gloo: "Timed out
+    waiting ...", the store: "... clients joined"), not that a peer went away."""
+    return communication_error(err) and ("Timed out" in str(err) or "timed out" in str(err))
+
+
+def waited_for(places: dict[int, dict[str, Any]]) -> list[int]:
+    """The ranks the others wait for: those at the lowest place (not as far), and of them the ones not waiting in a
+    collective (a rank in a barrier waits for one in the user's code at the same hook)."""
+    lowest = min(record["order"] for record in places.values())
+    behind = sorted(rank for rank, record in places.items() if record["order"] == lowest)
+    return [rank for rank in behind if places[rank].get("doing") != "waiting"] or behind
+
+
+def slow_stall(places: dict[int, dict[str, Any]]) -> bool:
+    """Whether a stall is slowness, not a hang: every rank at the same point with none waiting in a collective, or
+    each rank the others wait for busy with work of its own bound (before its first step ends: set-up, restore,
+    compile; checkpoint I/O) or found slow already. `places`: every rank's."""
+    if len({str(record["order"]) for record in places.values()}) == 1 and all(
+        record.get("doing") != "waiting" for record in places.values()
+    ):
+        return True
+    return all(
+        not places[rank].get("warm") or places[rank].get("doing") == "own work" or places[rank].get("slow")
+        for rank in waited_for(places)
+    )
+
+
+_SET_UP_WATCH: Watchdog | None = None  # this process's watch started before its set-up, until JobControl takes it
+
+
+def watch_the_set_up(**settings: Any) -> None:
+    """Start this rank's watch before its set-up (the data, the model, the plan), where the launcher re-runs the
+    script in every rank: a rank that hangs there, while the others wait for it in the rendezvous, is named too.
+    `settings`: Watchdog's, but the progress and the children."""
+    global _SET_UP_WATCH
+    if _SET_UP_WATCH is not None:  # a job of this process that ended before its Trainer took its watch over
+        _SET_UP_WATCH.stop()
+    _SET_UP_WATCH = Watchdog(Progress("set-up"), children=Children(), **settings)
+    _SET_UP_WATCH.start(before_the_store=True)
+
+
+def set_up_watch() -> Watchdog | None:
+    """The watch `watch_the_set_up` started in this process, once: JobControl takes it over."""
+    global _SET_UP_WATCH
+    watch, _SET_UP_WATCH = _SET_UP_WATCH, None
+    return watch
+
+
 def exit_now(code: int) -> None:
     """End this process at once with `code`, what it printed and logged flushed: the main thread may be blocked in a
     collective that never returns, and an interpreter shutdown could wait on it."""
@@ -146,7 +313,25 @@ def exit_now(code: int) -> None:
         handler.flush()
     sys.stdout.flush()
     sys.stderr.flush()
+    end_children()
     os._exit(code)
+
+
+def own_children() -> list[multiprocessing.process.BaseProcess]:
+    """This process's multiprocessing children (DataLoader workers). A process forked by other means from one that
+    had children inherits its list of them (multiprocessing resets it only in the processes it starts): those are
+    not this process's, and are left alone (`_parent_pid`, set when a Process is made, tells them apart)."""
+    return [child for child in multiprocessing.active_children() if child._parent_pid == os.getpid()]
+
+
+def end_children() -> None:
+    """Kill this process's multiprocessing children (DataLoader workers): one blocked in the user's code never looks
+    for its parent, and would run on after it."""
+    children = own_children()
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(1)
 
 
 @dataclass
@@ -191,14 +376,22 @@ class Watchdog:
         run_dir: Path,
         hang_seconds: float | None,
         children: Children,
+        collective_seconds: float | None = None,
     ) -> None:
+        """`collective_seconds`: the process group's timeout (strategy.timeout_minutes); with `hang_seconds` it sets
+        the slow bound, up to which a slow stall goes on."""
         self.progress, self.rank, self.world_size, self.run_dir = progress, rank, world_size, run_dir
-        self.hang_seconds, self.children = hang_seconds, children
+        self.hang_seconds, self.children, self.collective_seconds = hang_seconds, children, collective_seconds
+        self.slow_seconds = max(hang_seconds or 0, collective_seconds or 0) or None
+        self.workers = WorkerStacks()
+        self._since = time.monotonic()  # when this rank last made progress
+        self._slow = False  # this stall was found slow, not hung: it may last up to the slow bound
+        self._warned = False  # the slow warning is said once a job
         self.interval = min(POLL_SECONDS, max(0.5, hang_seconds / 10)) if hang_seconds else POLL_SECONDS
         self.gather = max(GATHER_SECONDS, 3 * self.interval)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's agent's store outlives a restart
         self.prefix = f"scaleup/watchdog/{attempt}/"
-        self.address = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+        self.address = ("", "")  # the job's store, read from the environment when it is reached (`_reach`)
         self.host = socket.gethostname()
         self._ending = threading.Lock()  # held by the thread that ends the process: the main thread or the watchdog
         self._stopped = threading.Event()
@@ -210,44 +403,108 @@ class Watchdog:
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=seconds))
         return dist.PrefixStore(self.prefix, store)
 
-    def start(self) -> bool:
-        """Connect to the job's store and start watching; False where there is no store to meet in (no
-        MASTER_ADDR/MASTER_PORT, or nothing answers there)."""
-        if None in self.address:
+    def _reach(self) -> bool:
+        """Connect to the job's store at MASTER_ADDR:MASTER_PORT; False where there is none (yet), or nothing answers
+        there (a port that refuses is tried first: the store's client would retry, and log, until its timeout)."""
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if host is None or port is None:
             return False
+        self.address = (host, port)
         try:
+            socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS).close()
             self._store = self._connect(self.gather + 10)
-        except (RuntimeError, ValueError) as err:
-            log.debug(f"no watchdog: the job's store at {':'.join(self.address)} does not answer ({err})")
+        except (OSError, RuntimeError, ValueError) as err:
+            log.debug(f"the watch: the job's store at {host}:{port} does not answer ({err})")
+            return False
+        return True
+
+    def start(self, before_the_store: bool = False) -> bool:
+        """Connect to the job's store and start watching; False where there is no store to meet in (no
+        MASTER_ADDR/MASTER_PORT, or nothing answers there). `before_the_store`: start now, and meet the others in
+        the store once it answers (rank 0 starts it in the rendezvous, after the set-up)."""
+        if not before_the_store and not self._reach():
             return False
         self._thread.start()
         return True
+
+    def take_over(self, children: Children) -> bool:
+        """The Trainer's set-up (JobControl) takes over a watch started before the set-up, with the processes the
+        launcher started, now known; False where the job's store (which the process group has now) does not answer."""
+        self.children = children
+        return self._store is not None or self._reach()
 
     def stop(self) -> None:
         """Stop watching (the job ended)."""
         self._stopped.set()
 
+    @property
+    def ending(self) -> bool:
+        """Whether this rank is being ended by the watch (a hang, a failure): a SIGTERM then changes nothing."""
+        return self._ending.locked()
+
     # -- the watchdog thread --------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        ticks, since, published = -1, time.monotonic(), None
+        ticks, published = -1, None
         while not self._stopped.wait(self.interval):
+            if self._store is None and not self._reach():
+                continue
             now = time.monotonic()
             if self.progress.ticks != ticks:
-                ticks, since = self.progress.ticks, now
-            stalled = self.hang_seconds is not None and now - since >= self.hang_seconds
+                ticks, self._since, self._slow = self.progress.ticks, now, False
+            idle = now - self._since
+            stalled = self.hang_seconds is not None and idle >= self.hang_seconds
             try:
-                place = self.progress.place()
+                place = {**self.progress.place(), "slow": self._slow}
                 if place != published:
                     self._store.set(f"place/{self.rank}", json.dumps(place))
                     published = place
                 if self._store.check(["failure"]):
                     self._end(self._follow_failure, None, EXIT_FAILED)
-                elif stalled or self._store.check(["hang/requested"]):
-                    self._end(self._hang, now - since, EXIT_HUNG)
+                elif self._store.check(["hang/requested"]) or (stalled and self._hung(idle)):
+                    self._end(self._hang, idle, EXIT_HUNG)
             except (RuntimeError, dist.DistError):  # the store's host (rank 0, torchrun's agent) is gone
                 if stalled:
-                    self._end(self._orphaned, now - since, EXIT_HUNG)
+                    self._end(self._orphaned, idle, EXIT_HUNG)
+
+    def _hung(self, idle: float) -> bool:
+        """This rank made no progress within the hang bound: whether that is a hang (see `slow_stall`), or slowness
+        that may go on up to the slow bound (rank 0 says so once)."""
+        if not self._slow:
+            places = self._places()
+            if len(places) < self.world_size:  # a rank not in the store yet (in its set-up): nothing to compare
+                return idle >= self._slow_bound()
+            if not slow_stall(places):
+                return True
+            self._slow = True
+            self._store.set(f"place/{self.rank}", json.dumps({**self.progress.place(), "slow": True}))
+            self._warn_slow(idle)
+        return idle >= self._slow_bound()
+
+    def _slow_bound(self) -> float:
+        """How long a slow stall may last. A rank in the rendezvous (done with its set-up, no process group yet)
+        waits there until strategy.timeout_minutes, when the rendezvous fails and takes rank 0's store (where the
+        ranks meet) with it: the watch ends such a stall while the store is there."""
+        bound = self.slow_seconds or 0
+        if self.collective_seconds and self.progress.phase == "start" and not dist.is_initialized():
+            return max(self.hang_seconds or 0, min(bound, self.collective_seconds - self.gather - 2 * self.interval))
+        return bound
+
+    def _warn_slow(self, idle: float) -> None:
+        """Rank 0, once a job: the stall is slow, not hung, and when it would end as hung (unless it does now)."""
+        if self.rank == 0 and not self._warned and idle < self._slow_bound():
+            self._warned = True
+            report(
+                f"slow: no progress for {idle:.0f} s (strategy.hang_timeout_minutes={self.hang_seconds / 60:g}), but "
+                "no rank waits for another stopped one (every rank is at the same point, or the one they wait for is "
+                "in its set-up, first step, compile or checkpoint I/O): the job goes on, and ends as hung only after "
+                f"{self.slow_seconds:.0f} s without progress (strategy.timeout_minutes, or the hang bound if longer)"
+            )
+
+    def _places(self) -> dict[int, dict[str, Any]]:
+        """The places the ranks last published, by rank (a rank that published none is left out)."""
+        keys = [f"place/{rank}" for rank in range(self.world_size)]
+        return {rank: json.loads(self._store.get(key)) for rank, key in enumerate(keys) if self._store.check([key])}
 
     def _end(self, how: Callable[[Any], None], argument: Any, code: int) -> None:
         """Run `how(argument)`, which ends the process, unless the main thread is ending it already; exit `code` when
@@ -260,19 +517,35 @@ class Watchdog:
             report(f"rank {self.rank}: lost the job's store at {':'.join(self.address)} while stopping ({err})")
             exit_now(code)
 
-    def _hang(self, idle: float) -> None:
-        """Dump this rank's stacks, publish where it is, and (rank 0) name the rank(s) behind; exit EXIT_HUNG."""
+    def _hang(self, idle: float, timed_out: bool = False) -> None:
+        """Dump this rank's stacks (and its DataLoader workers'), publish where it is, and (rank 0) name the rank(s)
+        the others wait for; exit EXIT_HUNG. `timed_out`: this rank's collective timed out (it was waiting)."""
         dump = dump_stacks(self.run_dir, self.rank, self.progress)
-        stalled = {**self.progress.place(), "frame": users_frame(), "pid": os.getpid(), "host": self.host}
+        workers = self.workers.dump(dump.parent, self.rank)
+        # A rank whose main thread waits on its workers: the line a worker is blocked in.
+        frame = users_frame() or next((f"{at} (DataLoader worker pid {pid})" for pid, at in workers if at), None)
+        stalled = {**self.progress.place(), "frame": frame, "pid": os.getpid(), "host": self.host}
+        if timed_out:
+            stalled["doing"] = "waiting"
         self._store.set(f"stalled/{self.rank}", json.dumps(stalled))
         self._store.set("hang/requested", str(self.rank))  # the others dump theirs now, their clocks not yet run out
         if self.rank == 0:
-            self._report_hang(idle, dump.parent)
+            self._report_hang(idle, dump.parent, timed_out or self._store.check(["hang/timed_out"]))
             self._store.set("hang/reported", "1")
+            # The store goes with rank 0: the others read the news first (their launcher's children or not).
+            self._wait_for_all("hang/left", 2 * self.interval + 1)
             self.children.wait(self.gather)
-        else:
-            self._wait_for("hang/reported", (self.hang_seconds or 0) + 2 * self.gather)
+        elif self._wait_for("hang/reported", (self.hang_seconds or 0) + 2 * self.gather):
+            self._store.set(f"hang/left/{self.rank}", "1")
         exit_now(EXIT_HUNG)
+
+    def _wait_for_all(self, prefix: str, seconds: float) -> None:
+        """Wait up to `seconds` for every other rank's `<prefix>/<rank>` key."""
+        keys = [f"{prefix}/{rank}" for rank in range(self.world_size) if rank != self.rank]
+        deadline = time.monotonic() + seconds
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            while time.monotonic() < deadline and not all(self._store.check([key]) for key in keys):
+                time.sleep(0.05)
 
     def _gathered(self, prefix: str) -> dict[int, dict[str, Any]]:
         """Every rank's `<prefix>/<rank>` record, waiting up to `gather` seconds for the missing ones; a rank that
@@ -291,11 +564,14 @@ class Watchdog:
             found[rank] = {**(last or {"order": [-1], "phase": "start", "micro_batch": 0, "batch": 0}), "silent": True}
         return found
 
-    def _report_hang(self, idle: float, dumps: Path) -> None:
+    def _report_hang(self, idle: float, dumps: Path, timed_out: bool) -> None:
         ranks = self._gathered("stalled")
-        lowest = min(record["order"] for record in ranks.values())
-        behind = sorted(rank for rank, record in ranks.items() if record["order"] == lowest)
+        behind = waited_for(ranks)
         minutes = f"strategy.hang_timeout_minutes={self.hang_seconds / 60:g}" if self.hang_seconds else ""
+        if timed_out:
+            minutes = f"a collective timed out: strategy.timeout_minutes={(self.collective_seconds or 0) / 60:g}"
+        elif not dist.is_initialized() and self.collective_seconds:
+            minutes = f"the rendezvous fails at strategy.timeout_minutes={self.collective_seconds / 60:g}"
         if len(behind) == self.world_size:
             head = f"hang: no rank made progress for {idle:.0f} s ({minutes}); every rank is at the same point:"
         else:
@@ -308,7 +584,10 @@ class Watchdog:
         lines = [head, *(self._rank_line(rank, ranks[rank], "is") for rank in behind)]
         lines += [self._rank_line(rank, ranks[rank], "waits") for rank in waiting[:3]]
         lines += [f"  ... and {len(waiting) - 3} more ranks waiting"] if len(waiting) > 3 else []
-        lines.append(f"every rank's Python stack (all threads): {dumps}/rank<N>.txt; every rank exits with {EXIT_HUNG}")
+        workers = " (DataLoader workers: rank<N>-worker<K>.txt)" if any(dumps.glob("rank*-worker*.txt")) else ""
+        lines.append(
+            f"every rank's Python stack (all threads): {dumps}/rank<N>.txt{workers}; every rank exits with {EXIT_HUNG}"
+        )
         log.error("\n".join(lines))
         self._write_failure("hang", behind, EXIT_HUNG, "\n".join(lines))
 
@@ -342,7 +621,7 @@ class Watchdog:
     def failed(self, err: BaseException) -> None:
         """The main thread caught `err` in a stage (the Trainer's on_exception). Returns only when there is nothing
         for the watchdog to do; otherwise reports what happened, in its turn, and ends the process."""
-        if not self._thread.is_alive() or not isinstance(err, Exception):
+        if not self._thread.is_alive() or self._store is None or not isinstance(err, Exception):
             return
         self._ending.acquire()  # where the watchdog thread is ending the process already, wait for its exit here
         self._stopped.set()
@@ -352,6 +631,10 @@ class Watchdog:
             # closed port is refused at once, where the store's client would retry until its timeout.
             socket.create_connection((self.address[0], int(self.address[1])), timeout=CONNECT_SECONDS).close()
             self._store = self._connect(CONNECT_SECONDS)
+            if not self._store.check(["failure"]) and timed_out(err):
+                # The process group's own bound ran out first: the rank it waited for is named as in a hang.
+                self._store.set("hang/timed_out", str(self.rank))
+                self._hang(time.monotonic() - self._since, timed_out=True)
             if not self._store.check(["failure"]) and communication_error(err):
                 self._lost_peer(err)
             elif self._store.add("failures", 1) == 1:

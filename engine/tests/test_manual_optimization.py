@@ -99,13 +99,17 @@ def test_the_equivalence_check_compares_1_and_2_processes_without_accumulation()
     """Lightning cannot accumulate under manual optimization: the check trains 8 batches of 64 on 2 processes and on
     1 with the whole batch, in float64, and the two runs end with the same weights and optimizer state. Before: it
     crashed ('Automatic gradient accumulation is not supported for manual optimization', exit 2); then its first
-    line said it compared "1 accumulating 2 micro-batches" too."""
+    line said it compared "1 accumulating 2 micro-batches" too. As the one-line error advises (UNUSED_PARAMETERS):
+    strategy.find_unused_parameters=true, and each optimizer's part of the step in `self.toggled_optimizer`
+    (model.toggle=true); without the toggle, torch warns on both ranks that DDP found no unused parameters (in the
+    generator's backward, which reaches the discriminator too)."""
     result = run_command(
         [
             sys.executable,
             "-m",
             "scaleup.check_equivalence",
             "model=two_optimizers",
+            "model.toggle=true",
             "strategy.find_unused_parameters=true",
         ]
     )
@@ -118,6 +122,8 @@ def test_the_equivalence_check_compares_1_and_2_processes_without_accumulation()
     difference = re.search(r"2 processes vs 1 with the whole batch: largest relative difference (\S+) ", output)
     assert difference and float(difference[1]) <= 1e-12, output[-3000:]
     assert "no accumulation run" in output and "EQUIVALENT in float64" in output
+    assert "did not find any unused parameters" not in output
+    assert "toggled_optimizer" in UNUSED_PARAMETERS
     print(f"2 processes vs 1 with the whole batch: {difference[1]}")
 
 
@@ -129,6 +135,16 @@ def test_unused_parameters_on_two_processes_are_one_line_naming_the_templates_ke
     output = result.stdout + result.stderr
     assert result.returncode == EXIT_USER_ERROR, output[-3000:]
     assert "Traceback" not in output and "ddp_find_unused_parameters_true" not in output
+    # Both ranks fail alike: the first to fail prints the error, the other says so in one line (before, with torch's
+    # error, 7 lines, in it). Where the other rank's watchdog reads the failure first, its line has no "too".
+    for line in output.splitlines():
+        if re.match(r"rank \d: stopped: ", line):
+            assert re.fullmatch(
+                r"rank (\d): stopped: rank (?!\1)\d failed( \(this rank failed too: the same error\))?; "
+                r"(its error follows|rank 0 prints its error)",
+                line,
+            ), line
+    assert "Expected to have finished reduction" not in output
     # the failing rank's line, however the ranks' failures are introduced ("rank 1: error: ...")
     assert result.stderr.strip().splitlines()[-1].endswith(f"error: {UNUSED_PARAMETERS}"), output[-3000:]
     assert "set strategy.find_unused_parameters=true" in UNUSED_PARAMETERS

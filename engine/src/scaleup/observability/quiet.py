@@ -82,8 +82,8 @@ def quiet_one_process_load() -> Iterator[None]:
 
 class QuietBetweenHooks:
     """Warnings that start with `message` (a regular expression) ignored from `start()` to `stop()`: from one of
-    Lightning's hooks to a later one, which no `with` block spans. What ran in between leaves the filters as they
-    were at `start()`."""
+    Lightning's hooks to a later one, which no `with` block spans. `stop()` puts the filters back as they were at
+    `start()` (warnings.catch_warnings): a filter added in between is dropped with it."""
 
     def __init__(self, message: str) -> None:
         self.message = message

@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import warnings
 
 import pytest
 import torch
@@ -213,6 +214,22 @@ def test_a_sharded_optimizer_state_reads_as_one_process_holds_it(kind, settings,
     )
     for index, state in expected["state"].items():
         assert all(torch.equal(stored["state"][index][name], value) for name, value in state.items()), index
+
+
+def test_a_sharded_checkpoint_reads_on_one_process_without_torchs_warning(tmp_path):
+    """eval, export and a resume read a sharded checkpoint on one process without a process group, on purpose
+    (`no_dist=True`): torch's warning that it assumes so is not shown. Before: eval and export of an FSDP run's
+    checkpoint printed `torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in
+    a single process`."""
+    net = DigitsCNN()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process writes every shard
+        write_sharded(tmp_path / "last.ckpt", net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        loaded = load_checkpoint(tmp_path / "last.ckpt")
+    assert all(torch.equal(loaded["state_dict"][name], value) for name, value in net.state_dict().items())
+    assert [str(warning.message) for warning in shown] == []
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process writes every shard

@@ -10,6 +10,7 @@ downloaded: all of them in one interpreter (engine/tests/entry_point_cases.py), 
 import json
 import os
 import runpy
+import shutil
 import sys
 import zipfile
 from collections.abc import Callable
@@ -46,12 +47,17 @@ def paths(tmp_path_factory) -> dict[str, str]:
     for size in (5_000, 50_000):  # cut here, torch's zip reader fails with an OSError (EINVAL), not a RuntimeError
         (tmp / f"cut{size}.ckpt").write_bytes(ckpt.read_bytes()[:size])
     torch.save({"net.0.weight": torch.zeros(1)}, tmp / "state_dict.pt")
+    # What plain Lightning writes for the same module: the run's checkpoint without the template's config and plan
+    lightning = {key: value for key, value in torch.load(ckpt, weights_only=True).items() if key != "scaleup"}
+    torch.save(lightning, tmp / "lightning.ckpt")
     (tmp / "changed.ckpt").write_bytes(with_a_byte_changed_in_its_largest_tensor(ckpt))
     (tmp / "exists.pt").write_bytes(b"")
     # text torch's weights-only unpickler fails on with a KeyError (101: "e") and with an IndexError
     (tmp / "notes.txt").write_text("hello world\n")
     (tmp / "notes.yaml").write_text("epoch: 3\n")
     (tmp / "empty").mkdir()
+    (tmp / "started").mkdir()  # a run directory as a run leaves it before its training ends: no metrics.json yet
+    shutil.copy(tmp / "run" / "plan.json", tmp / "started")
     return {"tmp": str(tmp), "ckpt": str(ckpt)}
 
 
@@ -99,8 +105,20 @@ CASES = [
         "diagnostics_from a directory without a run",
         "train",
         ["diagnostics_from={tmp}/empty", "dry_run=true"],
-        "diagnostics_from={tmp}/empty: no plan.json and metrics.json there; pass the directory of a finished (or "
-        "running) training run",
+        "diagnostics_from={tmp}/empty has no plan.json and no metrics.json: pass the directory of a training run "
+        "whose training ended (a run writes plan.json when it starts and metrics.json when its training ends)",
+    ),
+    (
+        "diagnostics_from a run that has not ended its training",
+        "train",
+        ["diagnostics_from={tmp}/started", "dry_run=true"],
+        "diagnostics_from={tmp}/started has no metrics.json: pass the directory",
+    ),
+    (
+        "diagnostics_from a path that is no directory",
+        "train",
+        ["diagnostics_from={tmp}/missing", "dry_run=true"],
+        "diagnostics_from={tmp}/missing is not a directory: pass the directory",
     ),
     (
         "indivisible batch",
@@ -237,7 +255,30 @@ CASES = [
         "takes a checkpoint that train.py wrote, e.g. <run dir>/checkpoints/last.ckpt; a new run starts from these "
         "weights with init.weights={tmp}/state_dict.pt",
     ),
-    ("foreign checkpoint", "eval", ["ckpt_path={tmp}/state_dict.pt"], "was not written by this template's train.py"),
+    (
+        "export to evaluate",
+        "eval",
+        ["ckpt_path={tmp}/state_dict.pt"],
+        "{tmp}/state_dict.pt holds weights only (a plain state_dict, e.g. an export): it stores no config to rebuild "
+        "the model and data from. Pass a checkpoint a training run wrote (<run dir>/checkpoints/best-*.ckpt or "
+        "last.ckpt), or start a run from these weights with init.weights={tmp}/state_dict.pt",
+    ),
+    (
+        "plain Lightning checkpoint to export",
+        "export",
+        ["ckpt_path={tmp}/lightning.ckpt", "output_path={tmp}/lightning.pt"],
+        "{tmp}/lightning.ckpt was not written by this template's train.py (a checkpoint of plain Lightning or other "
+        "code): it stores no config",
+    ),
+    (
+        "plain Lightning checkpoint of another network to resume",  # the run's width 8, the config's 32
+        "train",
+        ["ckpt_path={tmp}/lightning.ckpt"],
+        "{tmp}/lightning.ckpt was not written by this template's train.py (it stores no model config) and its "
+        "weights do not fit this model (16 tensors differ, e.g. net.0.weight: (8, 1, 3, 3) there, (32, 1, 3, 3) here): "
+        "start a new run from its weights with init.weights={tmp}/lightning.ckpt (init.skip naming what is new: "
+        "docs/finetuning.md)",
+    ),
     ("text as checkpoint", "eval", ["ckpt_path={tmp}/notes.txt"], "{tmp}/notes.txt is not a PyTorch checkpoint"),
     (
         "text to export",

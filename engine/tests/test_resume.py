@@ -7,6 +7,7 @@ On one process both run in this process on one thread: the weights must be bitwi
 device counts the reductions differ in order: equal to TOLERANCE (absolute).
 """
 
+import logging
 import os
 import random
 import re
@@ -150,10 +151,37 @@ def test_resume_on_another_device_count_keeps_the_plan_and_the_result(baseline, 
     )
     log = (tmp_path / "train.log").read_text()
     assert "world_size 2 -> 1" in log and "accumulate_grad_batches 1 -> 2" in log  # micro-batches of 32 on both
+    assert "changes the recipe" not in log  # the topology's changes only
     assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == TOTAL_STEPS
     assert read_json(tmp_path / "plan.json")["global_batch_size"] == 64
     worst = assert_same_weights(last_weights(baseline("one")), last_weights(tmp_path), rtol=0, atol=TOLERANCE)
     print(f"2 processes then 1: largest weight difference from 1 process throughout {worst:.1e}")
+
+
+def test_a_resume_with_another_lr_warns_naming_what_changed(interrupted, tmp_path, caplog):
+    """A resume that leaves out an override of the run's start (here its LR: model.optimizer.lr 1e-3 then, 2e-3 now)
+    trains on with another recipe: a warning names each changed value of the plan. Before: only the info line."""
+    with caplog.at_level(logging.INFO, logger="scaleup"):
+        in_process(
+            [
+                *EXACT,
+                "model.optimizer.lr=2e-3",
+                f"ckpt_path={interrupted / 'checkpoints/last.ckpt'}",
+                f"hydra.run.dir={tmp_path}",
+            ]
+        )
+    last = interrupted / "checkpoints/last.ckpt"
+    resume = [(record.levelname, record.getMessage()) for record in caplog.records if record.module == "resume"]
+    assert resume == [
+        ("INFO", f"resuming from {last}"),  # the same topology: nothing else changed
+        (
+            "WARNING",
+            f"the resume changes the recipe {last} trained with: base_lrs {{AdamW/decay: 0.001, AdamW/no_decay: "
+            "0.001} -> {AdamW/decay: 0.002, AdamW/no_decay: 0.002}, base_lr 0.001 -> 0.002, lr 0.002 -> 0.004. If "
+            "the run started with overrides, pass them again (this run's config.yaml and plan.json now hold the new "
+            "values)",
+        ),
+    ]
 
 
 def test_mid_epoch_checkpoint_resumes_exactly(baseline, interrupted, tmp_path):

@@ -8,12 +8,24 @@ import socket
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from conftest import check, in_process, made_once, read_json, run
+from scaleup.data.adopted import AdoptedDataModule
 from scaleup.observability.speedup import Measured, Target, estimate, measured_run
-from scaleup.observability.step_time import RankTimes, find_straggler, rank_metrics, ranks_from_metrics, summary_lines
+from scaleup.observability.step_time import (
+    LoaderWorkers,
+    RankTimes,
+    find_straggler,
+    loader_workers,
+    rank_metrics,
+    ranks_from_metrics,
+    summary_lines,
+)
+from testbed.data import DigitsDataModule
 from testbed.models import ImageClassifier
 
 
@@ -153,7 +165,7 @@ def test_the_straggler_and_the_advice_from_per_rank_figures():
     assert metrics["perf/straggler_ratio"] == pytest.approx(4) and metrics["perf/comm_share"] == pytest.approx(1 / 42)
     straggler = find_straggler(ranks)
     assert (straggler.rank, straggler.ratio, straggler.others_waiting) == (1, pytest.approx(4), pytest.approx(29 / 41))
-    lines = summary_lines(metrics, num_workers=0, in_memory=False, devices_per_node=2)
+    lines = summary_lines(metrics, workers=LoaderWorkers(0), in_memory=False, devices_per_node=2)
     assert lines[0] == (
         "step time: 42.0 ms per training batch (rank 1, which the others wait for): compute 95%, data wait 2%, "
         "communication 2%"
@@ -161,10 +173,56 @@ def test_the_straggler_and_the_advice_from_per_rank_figures():
     assert lines[1].startswith("rank 1 (node 0; its host is named in the warning above) is a straggler")
     # Loading 30% of the step with 3 workers needed, and 20% in the all-reduce: data-bound and communication-bound.
     bound = rank_metrics([RankTimes(0.003, 0.005, 0.002)] * 2) | {"perf/loader_workers_needed": 2.4}
-    data, comm = summary_lines(bound, num_workers=1, in_memory=False, devices_per_node=2)[1:]
+    data, comm = summary_lines(bound, workers=LoaderWorkers(1), in_memory=False, devices_per_node=2)[1:]
     assert data == (
         "data-bound: 30% of the step waits for batches (above ~20%, fix the loading before adding devices): "
         "data.num_workers=3 (measured: 2.4 workers per device keep up; now 1)"
     )
-    assert comm.startswith("communication-bound: 20% of the step waits for the gradient all-reduce (above ~10% ")
-    assert len(summary_lines(bound, num_workers=1, in_memory=True, devices_per_node=2)) == 2  # no loader advice
+    assert comm == (
+        "communication-bound: 20% of the step waits for the gradient all-reduce (above ~10% scaling is far from "
+        "linear): a larger per-device batch (data.per_device_batch_size, or trainer.accumulate_grad_batches), "
+        "strategy.bucket_cap_mb, or fewer devices; the estimate for another device count: python train.py "
+        "dry_run=true trainer.devices=M diagnostics_from=<this run>"
+    )
+    assert len(summary_lines(bound, workers=LoaderWorkers(1), in_memory=True, devices_per_node=2)) == 2  # no loader
+
+
+class OwnLoaders(L.LightningDataModule):
+    """A plain LightningDataModule that sets its loader's workers itself: its constructor takes no num_workers."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(range(8), batch_size=4, num_workers=2)
+
+
+class WorkersArgument(OwnLoaders):
+    """The same, its workers an argument (as lightning-hydra-template's MNISTDataModule takes them)."""
+
+    def __init__(self, num_workers: int = 2) -> None:
+        super().__init__()
+        self.num_workers = num_workers
+
+
+def adopted(module: L.LightningDataModule) -> AdoptedDataModule:
+    datamodule = AdoptedDataModule(module)
+    datamodule.build_splits()  # the module's own loaders, as the jobs read them before the Trainer exists
+    return datamodule
+
+
+def test_the_advice_names_only_settings_the_run_has():
+    """The workers are advised where the run sets them: `data.num_workers` for the template's data modules and an
+    adopted one that takes it, else the DataLoader of the module's own train_dataloader() (the template takes its
+    workers: data/adopted.py), with the count it had; no gradient accumulation for a module with manual optimization,
+    where Lightning refuses it. Before: data.num_workers always, with the config's count (4 by default beside a
+    module that ignores it), and trainer.accumulate_grad_batches for a GAN."""
+    assert loader_workers(DigitsDataModule(num_workers=3)) == LoaderWorkers(3, "data.num_workers={}")
+    assert loader_workers(adopted(WorkersArgument())) == LoaderWorkers(2, "data.num_workers={}")
+    own = loader_workers(adopted(OwnLoaders()))
+    assert own == LoaderWorkers(2, "num_workers={} in the DataLoader OwnLoaders.train_dataloader() returns")
+    bound = rank_metrics([RankTimes(0.003, 0.005, 0.002)] * 2) | {"perf/loader_workers_needed": 2.4}
+    data, comm = summary_lines(bound, workers=own, in_memory=False, devices_per_node=2, manual_optimization=True)[1:]
+    assert data == (
+        "data-bound: 30% of the step waits for batches (above ~20%, fix the loading before adding devices): "
+        "num_workers=3 in the DataLoader OwnLoaders.train_dataloader() returns (measured: 2.4 workers per device "
+        "keep up; now 2)"
+    )
+    assert "a larger per-device batch (data.per_device_batch_size), strategy.bucket_cap_mb" in comm

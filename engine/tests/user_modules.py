@@ -1,5 +1,6 @@
 """A user's own code, as the contract allows it: used with `model._target_=user_modules.<Name>` in real runs."""
 
+import contextlib
 import json
 import os
 import time
@@ -223,9 +224,12 @@ class TwoOptimizerGAN(L.LightningModule):
     one, both in unnamed param groups. val/acc: how often the discriminator tells real from generated.
 
     The discriminator's loss leaves the generator without gradients: on 2 processes DDP needs
-    strategy.find_unused_parameters=true."""
+    strategy.find_unused_parameters=true. The generator's loss reaches every parameter (through the discriminator),
+    and torch then warns that DDP found no unused parameters; with `toggle=True` each optimizer's part of the step runs
+    in `self.toggled_optimizer(...)`, as Lightning's docs write a GAN, and each backward reaches that optimizer's
+    parameters alone: the same weights, no warning."""
 
-    def __init__(self, optimizer: Mapping[str, Any], discriminator_lr: float = 0.5) -> None:
+    def __init__(self, optimizer: Mapping[str, Any], discriminator_lr: float = 0.5, toggle: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
@@ -234,6 +238,10 @@ class TwoOptimizerGAN(L.LightningModule):
 
     def generate(self, labels: torch.Tensor) -> torch.Tensor:
         return self.generator(F.one_hot(labels, 10).to(self.generator.weight.dtype))
+
+    def only(self, optimizer: Any) -> contextlib.AbstractContextManager:
+        """`self.toggled_optimizer(optimizer)` with `toggle=True`, else nothing."""
+        return self.toggled_optimizer(optimizer) if self.hparams.toggle else contextlib.nullcontext()
 
     def judge(self, images: torch.Tensor, real: bool) -> torch.Tensor:
         """The discriminator's loss on `images` (a mean over the device's batch) for the label `real`."""
@@ -244,14 +252,16 @@ class TwoOptimizerGAN(L.LightningModule):
         images, labels = batch
         generator_optimizer, discriminator_optimizer = self.optimizers()
         fake = self.generate(labels)
-        discriminator_loss = self.judge(images.flatten(1), True) + self.judge(fake.detach(), False)
-        discriminator_optimizer.zero_grad()
-        self.manual_backward(discriminator_loss)
-        discriminator_optimizer.step()
-        generator_loss = self.judge(fake, True)
-        generator_optimizer.zero_grad()
-        self.manual_backward(generator_loss)
-        generator_optimizer.step()
+        with self.only(discriminator_optimizer):
+            discriminator_loss = self.judge(images.flatten(1), True) + self.judge(fake.detach(), False)
+            discriminator_optimizer.zero_grad()
+            self.manual_backward(discriminator_loss)
+            discriminator_optimizer.step()
+        with self.only(generator_optimizer):
+            generator_loss = self.judge(fake, True)
+            generator_optimizer.zero_grad()
+            self.manual_backward(generator_loss)
+            generator_optimizer.step()
         self.log_dict({"train/d_loss": discriminator_loss, "train/g_loss": generator_loss})
 
     def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:

@@ -113,8 +113,11 @@ REDUCER_MESSAGES = (
 REDUCER_CALLERS = ("torch/nn/parallel/distributed.py", "lightning/pytorch/overrides/distributed.py")
 UNUSED_PARAMETERS = (
     "DDP found parameters that got no gradient from a training step's loss (e.g. a GAN's discriminator loss, "
-    "which leaves out the generator): set strategy.find_unused_parameters=true (DDP then finds them in each "
-    "step's graph), or make every parameter take part in every loss"
+    "which leaves out the generator): set strategy.find_unused_parameters=true (DDP then looks for them in each "
+    "backward's graph), or make every parameter take part in every loss. Under manual optimization also run each "
+    "optimizer's part of training_step in `with self.toggled_optimizer(opt):` so that its backward reaches only "
+    "that optimizer's parameters: a backward that reaches them all (the generator's loss, through the "
+    "discriminator) makes torch warn that it found no unused parameters"
 )
 
 

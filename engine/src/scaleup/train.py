@@ -28,7 +28,7 @@ from scaleup.observability.loggers import close_loggers
 from scaleup.observability.quiet import quiet_reattached_callbacks
 from scaleup.observability.rows import log_rows
 from scaleup.observability.speedup import Measured, estimate_lines, measured_run, target_of
-from scaleup.observability.step_time import summary_lines
+from scaleup.observability.step_time import loader_workers, summary_lines
 from scaleup.plan.checks import own_train_loader_warning, pitfall_warnings
 from scaleup.plan.make import make_plan
 from scaleup.plan.resolve import Plan
@@ -105,8 +105,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     metrics = json.loads((run_dir / "metrics.json").read_text())
     summarise(run_dir, metrics, best, config.monitor.metric)
     in_memory = getattr(datamodule, "in_memory", False)
+    workers = loader_workers(datamodule)
+    manual = plan.manual_optimization
     for line in summary_lines(
-        metrics, num_workers=config.batches.num_workers, in_memory=in_memory, devices_per_node=plan.devices
+        metrics, workers=workers, in_memory=in_memory, devices_per_node=plan.devices, manual_optimization=manual
     ):
         log.info(line)  # the run's last lines: where its step time went, and what to do about it
     return metrics

@@ -20,7 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
-from scaleup.observability.step_time import RankTimes, find_straggler, rank_metrics, straggler_line
+from scaleup.observability.step_time import RankTimes, find_straggler, loader_workers, rank_metrics, straggler_line
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ class TrainingDiagnostics(L.Callback):
         }
         if trainer.is_global_zero and not self._reported and per_worker > 0:
             in_memory = getattr(trainer.datamodule, "in_memory", False)
-            self._report_workers(metrics, workers, exact, in_memory)
+            self._report_workers(metrics, workers, exact, in_memory, loader_workers(trainer.datamodule).setting)
             self._reported = True
         if self._flops_per_sample:
             achieved = self._flops_per_sample * metrics["perf/samples_per_s"]
@@ -304,9 +304,12 @@ class TrainingDiagnostics(L.Callback):
         host = self._hosts[straggler.rank] if straggler.rank < len(self._hosts) else "?"
         log.warning(straggler_line(straggler, f"host {host}"))
 
-    def _report_workers(self, metrics: dict[str, float], workers: int, exact: bool, in_memory: bool) -> None:
+    def _report_workers(
+        self, metrics: dict[str, float], workers: int, exact: bool, in_memory: bool, setting: str
+    ) -> None:
         """One line, after the run's first epoch: the step's compute, one worker's rate, the workers that rate
-        needs; a warning when the loaders hold training back and more workers would not.
+        needs, and their `setting` (step_time.loader_workers); a warning when the loaders hold training back and more
+        workers would not.
 
         Never a warning for a data module that holds its data in memory (`in_memory = True`: loader workers would
         only add start-up time): its batches are cheap to make, and much of the wait between two small steps is
@@ -319,7 +322,7 @@ class TrainingDiagnostics(L.Callback):
             f"loaders: a step computes {self._samples / steps:.0f} samples per device in "
             f"{1000 * (self._busy - self._comm) / steps:.1f} ms{waits}; one loader worker delivers "
             f"{'' if exact else 'at least '}{metrics['perf/loader_samples_per_s_per_worker']:.0f} samples/s "
-            f"(data.num_workers={workers}, data wait {metrics['perf/data_wait']:.0%}): keeping up needs "
+            f"({setting.format(workers)}, data wait {metrics['perf/data_wait']:.0%}): keeping up needs "
             f"{'about' if exact else 'at most'} {needed} worker{'s' if needed > 1 else ''} per device, "
             "each on a CPU core of its own"
         )

@@ -15,6 +15,7 @@ from lightning.pytorch import Callback
 from torchmetrics import Metric
 
 from scaleup.errors import UserError
+from scaleup.observability.quiet import SYNC_DIST_ADVICE, QuietBetweenHooks
 
 log = logging.getLogger("scaleup")
 
@@ -98,6 +99,7 @@ class ExactEvalMetrics(Callback):
         self.monitor = monitor
         self._warned = False
         self._quiet: set[str] = set()
+        self._advice = QuietBetweenHooks(SYNC_DIST_ADVICE)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for module in pl_module.modules():
@@ -112,11 +114,14 @@ class ExactEvalMetrics(Callback):
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reduce(trainer)
+        self._quiet_advice(trainer)
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reduce(trainer)
+        self._quiet_advice(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._advice.stop()
         self._warn_once(trainer)
         if self.monitor is None or trainer.sanity_checking or self.monitor in trainer.callback_metrics:
             return
@@ -127,7 +132,17 @@ class ExactEvalMetrics(Callback):
         )
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._advice.stop()
         self._warn_once(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._advice.stop()
+
+    def _quiet_advice(self, trainer: L.Trainer) -> None:
+        """No advice of Lightning's to log with `sync_dist=True` while it computes the epoch values, after the
+        module's own epoch-end hook (which runs after this one): a value logged there is named by `_warn_once`."""
+        if trainer.world_size > 1:
+            self._advice.start()
 
     def _reduce(self, trainer: L.Trainer) -> None:
         if trainer.world_size == 1 or not torch.distributed.is_initialized():
@@ -182,10 +197,11 @@ class ExactEvalMetrics(Callback):
 
     def _silence_sync_dist_advice(self, trainer: L.Trainer) -> None:
         """Lightning advises `sync_dist=True` for these metrics when it first computes them, after the last batch:
-        it no longer applies (and would mis-weight uneven ranks)."""
+        it no longer applies (and would mis-weight uneven ranks), or, for a second eval dataloader's, `_warn_once`
+        names the metric with what to do instead."""
         for _, metric in _epoch_tensor_metrics(trainer):
             name = metric.meta.name
-            if name not in self._quiet and _reducible(metric):
+            if name not in self._quiet:
                 self._quiet.add(name)
                 warnings.filterwarnings("ignore", message=rf"It is recommended to use `self.log\({name!r}")
 

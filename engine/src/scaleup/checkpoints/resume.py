@@ -130,11 +130,18 @@ def check_same_network(
     stored_shapes = {name: tuple(t.shape) for name, t in strip_wrapper_prefixes(checkpoint["state_dict"]).items()}
     if stored_shapes == shapes:
         return
+    changed = sorted(name for name in stored_shapes | shapes if stored_shapes.get(name) != shapes.get(name))
+    if not stored_cfg:  # no model config to compare: a checkpoint of plain Lightning or of other code
+        raise UserError(
+            f"{path} was not written by this template's train.py (it stores no model config) and its weights do "
+            f"not fit this model ({len(changed)} tensors differ, e.g. {changed[0]}: {stored_shapes.get(changed[0])} "
+            f"there, {shapes.get(changed[0])} here): start a new run from its weights with init.weights={path} "
+            "(init.skip naming what is new: docs/finetuning.md)"
+        )
     before, now = flatten(stored_cfg), flatten(model_cfg)
     diffs = [
         f"model.{k}={before.get(k)} (now {now.get(k)})" for k in sorted(before | now) if before.get(k) != now.get(k)
     ]
-    changed = sorted(name for name in stored_shapes | shapes if stored_shapes.get(name) != shapes.get(name))
     raise UserError(
         f"{path} was trained with another network: {', '.join(diffs) or f'weights {changed[:3]} differ'}; "
         f"resume with the same model settings, or start a new run from its weights: init.weights={path} (with "
@@ -210,6 +217,8 @@ def shown(value: Any) -> str:
     """A plan value in the resume log: an empty one (e.g. no FSDP sharding on one device) as `none`."""
     if isinstance(value, tuple | list):
         return ", ".join(map(str, value)) or "none"
+    if isinstance(value, dict):  # each param group's base LR
+        return "{" + ", ".join(f"{key}: {item}" for key, item in value.items()) + "}"
     return "none" if value in (None, "") else str(value)
 
 
@@ -236,14 +245,47 @@ NOT_COMPARED = (
 )
 
 
+# What a resume on other devices, nodes or another strategy changes by design: how the same global batch is split
+# and computed (the promise: the same results on any topology), and how often the run logs.
+SAME_TRAINING = (
+    "world_size",
+    "num_nodes",
+    "devices",
+    "accelerator",
+    "per_device_batch_size",
+    "accumulate_grad_batches",
+    "max_per_device_batch_size",
+    "bn_batch_size",
+    "sync_batchnorm",
+    "strategy",
+    "tf32",
+    "channels_last",
+    "sharding_units",
+    "sharding_roots",
+    "sharding_mesh",
+    "parameter_bytes_per_rank",
+    "built_on_meta",
+    "gradient_sync",
+    "log_every_n_steps",
+)
+
+
 def log_changes(path: Path | str, previous: Plan | None, plan: Plan) -> None:
+    """The plan's changes since the checkpoint: those of another topology in the resume's line; any other one (an
+    override of the run's start left out, such as its LR) changes the recipe the run trained with, in a warning."""
     skipped = set(NOT_COMPARED)
     if plan.max_per_device_batch_size == "auto":  # settled again at the start of fit
         skipped |= {"per_device_batch_size", "accumulate_grad_batches", "bn_batch_size"}
     before = previous.to_dict() if previous else {}
-    changed = [
-        f"{key} {shown(before[key])} -> {shown(value)}"
+    changed = {
+        key: f"{key} {shown(before[key])} -> {shown(value)}"
         for key, value in plan.to_dict().items()
         if key in before and before[key] != value and key not in skipped
-    ]
-    log.info(f"resuming from {path}" + (f"; changed since: {', '.join(changed)}" if changed else ""))
+    }
+    moved = [change for key, change in changed.items() if key in SAME_TRAINING]
+    log.info(f"resuming from {path}" + (f"; changed since: {', '.join(moved)}" if moved else ""))
+    if recipe := [change for key, change in changed.items() if key not in SAME_TRAINING]:
+        log.warning(
+            f"the resume changes the recipe {path} trained with: {', '.join(recipe)}. If the run started with "
+            "overrides, pass them again (this run's config.yaml and plan.json now hold the new values)"
+        )

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,6 +32,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from scaleup.checkpoints import sharded
 from scaleup.checkpoints.io import exists, find_checkpoint, is_url, read_file
 from scaleup.errors import UserError
+from scaleup.observability.quiet import quiet_one_process_load
 
 # Where checkpoints keep their state_dict: Lightning and timm ("state_dict"), torchvision's reference scripts
 # ("model"), the PyTorch tutorials' ("model_state_dict"), DeepSpeed ("module").
@@ -172,8 +172,7 @@ def sharded_weights(given: str, path: Path) -> WeightsFile:
         tensor = torch.empty(size, dtype=dtype)
         # Only the entry asked for is read; no_dist: no collective, also inside a run whose ranks read their own (and
         # no warning that it assumes so: it is what is meant).
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        with quiet_one_process_load():
             dcp.load({"state_dict": {name: tensor}}, checkpoint_id=path, no_dist=True)
         return tensor
 

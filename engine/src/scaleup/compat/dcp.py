@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from scaleup.observability.quiet import quiet_one_process_load
+
 
 def read_distributed_checkpoint(path: Any) -> dict[str, Any]:
     """Every entry of a torch.distributed.checkpoint directory, as full tensors on the CPU, without a process group.
@@ -31,7 +33,8 @@ def read_distributed_checkpoint(path: Any) -> dict[str, Any]:
         if isinstance(entry, TensorStorageMetadata):
             entry = torch.empty(entry.size, dtype=entry.properties.dtype)
         put(state, paths.get(key, (key,)), entry)
-    dcp.load(state, storage_reader=reader, no_dist=True)  # tensors filled in place, other objects replaced
+    with quiet_one_process_load():
+        dcp.load(state, storage_reader=reader, no_dist=True)  # tensors filled in place, other objects replaced
     return state
 
 

@@ -28,9 +28,13 @@ def stored_run(checkpoint: dict[str, Any], path: str) -> StoredRun:
     """The config and plan `train.py` stored in the checkpoint, the targets of its data and model found in your
     package (also when it was trained under another name)."""
     if "scaleup" not in checkpoint or "state_dict" not in checkpoint:
+        what = "was not written by this template's train.py (a checkpoint of plain Lightning or other code)"
+        if "state_dict" not in checkpoint:
+            what = "holds weights only (a plain state_dict, e.g. an export)"
         raise UserError(
-            f"{path} was not written by this template's train.py (no stored config); load its state_dict "
-            "with scaleup.checkpoints.io.load_weights instead"
+            f"{path} {what}: it stores no config to rebuild the model and data from. Pass a checkpoint a training "
+            f"run wrote (<run dir>/checkpoints/best-*.ckpt or last.ckpt), or start a run from these weights with "
+            f"init.weights={path}"
         )
     stored = checkpoint["scaleup"]
     config = stored["config"]

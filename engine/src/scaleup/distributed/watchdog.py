@@ -306,6 +306,15 @@ def set_up_watch() -> Watchdog | None:
     return watch
 
 
+def in_one_line(err: BaseException, failing: dict[str, Any]) -> str:
+    """This rank's own failure beside the failing rank's `failing` record, in one line (its error follows in full):
+    the same mistake, a mistake's message, or the exception's type and first line (torch's run to several)."""
+    mistake = as_user_error(err)
+    if mistake is not None:
+        return "the same error" if failing["text"].endswith(f"error: {mistake}") else f"error: {mistake}"
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+
+
 def exit_now(code: int) -> None:
     """End this process at once with `code`, what it printed and logged flushed: the main thread may be blocked in a
     collective that never returns, and an interpreter shutdown could wait on it."""
@@ -659,9 +668,9 @@ class Watchdog:
         record = json.loads(self._store.get("failure"))
         failing = record["rank"]
         if not first:
-            also = (
-                f" (this rank failed too: {type(own).__name__}: {own})" if own and not communication_error(own) else ""
-            )
+            also = ""
+            if own and not communication_error(own):
+                also = f" (this rank failed too: {in_one_line(own, record)})"
             where = "its error follows" if self.rank == 0 else "rank 0 prints its error"
             report(f"rank {self.rank}: stopped: rank {failing} failed{also}; {where}")
         self._store.set(f"stopped/{self.rank}", "1")

@@ -22,6 +22,13 @@ WARNINGS = (
     # epoch; a module's own `self.all_gather` too).
     (r"lightning\.fabric\.utilities\.distributed", r"torch\.distributed\.nn\.functional\.all_gather is deprecated"),
 )
+# torch.distributed.checkpoint's load saying that it assumes one process: the engine reads a sharded checkpoint on
+# one process without a process group on purpose (`no_dist=True`), in eval, export, a resume and init.weights=.
+ONE_PROCESS_LOAD = r"torch\.distributed is disabled, unavailable or uninitialized"
+# Lightning's advice to log with `sync_dist=True`, given the first time it computes an epoch value that each rank
+# holds its own. At an evaluation's end on several processes the engine has made such a value exact, or names it in
+# a warning of its own (callbacks/exact_metrics.py); the advice would average uneven ranks' values unweighted.
+SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\("
 # Lightning's advertisement for its cloud logger, at every Trainer's start: (module, start of the message).
 LITLOGGER_TIP = ("logger_connector", "💡 Tip: For seamless cloud logging")
 # Said when `trainer.test` after `trainer.fit` attaches the module's `configure_callbacks` again: they replace
@@ -63,3 +70,32 @@ def quiet_reattached_callbacks() -> Iterator[None]:
         yield
     finally:
         rank_zero_module.log.removeFilter(drop)
+
+
+@contextlib.contextmanager
+def quiet_one_process_load() -> Iterator[None]:
+    """Around `torch.distributed.checkpoint.load(..., no_dist=True)`: no warning that it loads in one process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ONE_PROCESS_LOAD, UserWarning)
+        yield
+
+
+class QuietBetweenHooks:
+    """Warnings that start with `message` (a regular expression) ignored from `start()` to `stop()`: from one of
+    Lightning's hooks to a later one, which no `with` block spans. `stop()` puts the filters back as they were at
+    `start()` (warnings.catch_warnings): a filter added in between is dropped with it."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self._window: warnings.catch_warnings | None = None
+
+    def start(self) -> None:
+        if self._window is None:
+            self._window = warnings.catch_warnings()
+            self._window.__enter__()
+            warnings.filterwarnings("ignore", message=self.message)
+
+    def stop(self) -> None:
+        if self._window is not None:
+            window, self._window = self._window, None
+            window.__exit__(None, None, None)

@@ -120,10 +120,11 @@ def measured_run(directory: str) -> Measured:
     not there."""
     run = Path(directory)
     plan_file, metrics_file = run / "plan.json", run / "metrics.json"
-    if not plan_file.is_file() or not metrics_file.is_file():
+    if missing := [file.name for file in (plan_file, metrics_file) if not file.is_file()]:
+        where = "is not a directory" if not run.is_dir() else f"has no {' and no '.join(missing)}"
         raise UserError(
-            f"diagnostics_from={directory}: no plan.json and metrics.json there; pass the directory of a finished "
-            "(or running) training run"
+            f"diagnostics_from={directory} {where}: pass the directory of a training run whose training ended (a "
+            "run writes plan.json when it starts and metrics.json when its training ends)"
         )
     plan, metrics = json.loads(plan_file.read_text()), json.loads(metrics_file.read_text())
     ranks = ranks_from_metrics(metrics)

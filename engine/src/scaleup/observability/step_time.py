@@ -13,6 +13,10 @@ import math
 import re
 import statistics
 from dataclasses import dataclass
+from typing import Any
+
+from scaleup.config.schema import accepted_arguments
+from scaleup.data.adopted import AdoptedDataModule
 
 STRAGGLER = 1.5  # a rank whose compute per batch is 1.5x the others' median holds the whole job back
 DATA_BOUND = 0.2  # the write-ups: loading above ~20% of the step, fix the pipeline before adding devices
@@ -44,6 +48,29 @@ class Straggler:
     others: float
     ratio: float
     others_waiting: float
+
+
+@dataclass(frozen=True)
+class LoaderWorkers:
+    """The training loader's workers per device, as a run has them, and where its user sets them: `setting`, with
+    `{}` for the number."""
+
+    count: int
+    setting: str = "data.num_workers={}"
+
+
+def loader_workers(datamodule: Any) -> LoaderWorkers:
+    """The training loader's workers and their setting: `data.num_workers` for the template's data modules and for an
+    adopted LightningDataModule whose constructor takes `num_workers`; for one that does not, the DataLoader its own
+    train_dataloader() returns, whose workers the template takes (data/adopted.py)."""
+    if not isinstance(datamodule, AdoptedDataModule):
+        return LoaderWorkers(getattr(datamodule, "num_workers", 0))
+    module = type(datamodule.module)
+    loader = datamodule.loaders.get("train")
+    count = loader.num_workers if loader is not None else 0
+    if "num_workers" in (accepted_arguments(f"{module.__module__}.{module.__qualname__}") or ()):
+        return LoaderWorkers(count)
+    return LoaderWorkers(count, f"num_workers={{}} in the DataLoader {module.__name__}.train_dataloader() returns")
 
 
 def rank_metrics(ranks: list[RankTimes]) -> dict[str, float]:
@@ -130,10 +157,18 @@ def breakdown_line(ranks: list[RankTimes]) -> str:
     )
 
 
-def summary_lines(metrics: dict[str, object], *, num_workers: int, in_memory: bool, devices_per_node: int) -> list[str]:
+def summary_lines(
+    metrics: dict[str, object],
+    *,
+    workers: LoaderWorkers,
+    in_memory: bool,
+    devices_per_node: int,
+    manual_optimization: bool = False,
+) -> list[str]:
     """The run summary's last lines, from its metrics.json: the step-time breakdown, then one line of advice for
     each of data-bound, communication-bound and a straggler where it applies (none for a run without the per-rank
-    figures)."""
+    figures). Only what applies is advised: the workers where `workers` says they are set, and no gradient
+    accumulation for a module with `manual_optimization` (Lightning refuses it there)."""
     ranks = ranks_from_metrics(metrics)
     if not ranks:
         return []
@@ -142,18 +177,19 @@ def summary_lines(metrics: dict[str, object], *, num_workers: int, in_memory: bo
     step = pace.step or 1e-12
     needed = metrics.get("perf/loader_workers_needed")
     if pace.data_wait / step > DATA_BOUND and not in_memory and isinstance(needed, (int, float)):
-        workers = max(num_workers + 1, math.ceil(needed))
+        wanted = max(workers.count + 1, math.ceil(needed))
         lines.append(
             f"data-bound: {pace.data_wait / step:.0%} of the step waits for batches (above ~{DATA_BOUND:.0%}, fix the "
-            f"loading before adding devices): data.num_workers={workers} (measured: {needed:.1f} workers per device "
-            f"keep up; now {num_workers})"
+            f"loading before adding devices): {workers.setting.format(wanted)} (measured: {needed:.1f} workers per "
+            f"device keep up; now {workers.count})"
         )
     if len(ranks) > 1 and pace.comm is not None and pace.comm / step > COMM_BOUND:
+        larger = "data.per_device_batch_size" + ("" if manual_optimization else ", or trainer.accumulate_grad_batches")
         lines.append(
             f"communication-bound: {pace.comm / step:.0%} of the step waits for the gradient all-reduce (above "
-            f"~{COMM_BOUND:.0%} scaling is far from linear): a larger per-device batch (data.per_device_batch_size, "
-            "or trainer.accumulate_grad_batches), strategy.bucket_cap_mb, or fewer devices; the estimate for another "
-            "device count: python train.py dry_run=true trainer.devices=M diagnostics_from=<this run>"
+            f"~{COMM_BOUND:.0%} scaling is far from linear): a larger per-device batch ({larger}), "
+            "strategy.bucket_cap_mb, or fewer devices; the estimate for another device count: python train.py "
+            "dry_run=true trainer.devices=M diagnostics_from=<this run>"
         )
     if straggler := find_straggler(ranks):
         node = straggler.rank // max(devices_per_node, 1)

@@ -10,10 +10,12 @@ cap accumulates 2 micro-batches of 32 per step: the same micro-batches, so the s
 import copy
 import shutil
 import signal
+import warnings
 
 import lightning as L
 import pytest
 import torch
+from torchmetrics import MeanMetric
 
 from conftest import (
     EXACT,
@@ -34,6 +36,7 @@ from probes import limited
 from scaleup.build import build_model
 from scaleup.callbacks.loop_repairs import rescale_batch_progress
 from scaleup.checkpoints.io import load_checkpoint
+from scaleup.errors import UserError
 from scaleup.plan.batch_probe import (
     AUTO_MARGIN,
     AutoBatchSize,
@@ -69,7 +72,7 @@ def test_the_probe_finds_the_limit_and_leaves_no_trace():
         precision="64-true",
     )
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="64-true", logger=False, enable_progress_bar=False)
-    model.trainer = trainer  # as in fit, where the probe runs: the training step may ask the Trainer
+    model.trainer = trainer  # as in fit, where the probe runs
     plan = build_plan(
         topology=Topology("cpu", 1, 1),
         trainer=engine_section("trainer/default", max_epochs=1),
@@ -91,6 +94,43 @@ def test_the_probe_finds_the_limit_and_leaves_no_trace():
     assert_same_weights(model.state_dict(), state, rtol=0, atol=0)  # BatchNorm running statistics included
     assert all(p.grad is None for p in model.parameters()) and torch.equal(torch.get_rng_state(), rng)
     assert all(m.training for m in model.modules())
+
+
+class Logs(L.LightningModule):
+    """A training step that logs, as most do: a value, a dict and a Metric; with `reads_trainer`, it also asks
+    its Trainer for the world size."""
+
+    def __init__(self, reads_trainer: bool = False) -> None:
+        super().__init__()
+        self.layer, self.mean, self.reads_trainer = torch.nn.Linear(2, 1), MeanMetric(), reads_trainer
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.layer(batch).pow(2).mean() * (self.trainer.world_size if self.reads_trainer else 1)
+        self.mean.update(loss)
+        self.log("train/loss", loss)
+        self.log("train/mean", self.mean)
+        self.log_dict({"train/other": loss})
+        self.shadowed = {"log", "log_dict"} & set(vars(self))  # instance attributes in front of the methods
+        return loss
+
+
+def test_the_probes_training_step_logs_nothing_and_keeps_the_modules_own_methods():
+    """The probe runs the step without its Trainer, where Lightning's `log` returns without logging (no warning
+    shown, nothing shadowed on the module, the Trainer attached again after it); a step that reads self.trainer
+    is refused in one line that names the setting."""
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    module = Logs()
+    module.trainer = trainer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = training_loss(module, torch.ones(3, 2))
+    assert loss.shape == () and module.trainer is trainer and module.shadowed == set()
+    assert trainer.callback_metrics == {} and trainer.logged_metrics == {}
+    module = Logs(reads_trainer=True)
+    module.trainer = trainer
+    with pytest.raises(UserError, match=r"^data.max_per_device_batch_size=auto runs Logs.training_step without"):
+        training_loss(module, torch.ones(3, 2))
+    assert module.trainer is trainer
 
 
 def progress(ready, started, processed, completed):

@@ -28,7 +28,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from scaleup.callbacks.loop_repairs import UNRESUMABLE_LOADER_WARNING, LoopRepairs
+from scaleup.callbacks.loop_repairs import UNRESUMABLE_LOADER_WARNING, LoopRepairs, install_fit_loop_fixes
 from scaleup.compat.dcp import read_distributed_checkpoint, stored_file_sizes, stored_tensor_shapes
 from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.compat.loggers import add_summaries
@@ -241,10 +241,13 @@ def epoch_end_checkpoint(tmp_path, where: str = "in on_train_epoch_end", **first
     return tmp_path / "end.ckpt"
 
 
-def resumed_batches(tmp_path, ckpt, callbacks=(), **limits) -> tuple[list[tuple[int, int]], int, torch.Tensor]:
-    """(epoch, batch_idx) of each batch a resume from `ckpt` trains, its last step and its final weight."""
+def resumed_batches(tmp_path, ckpt, repaired=False, **limits) -> tuple[list[tuple[int, int]], int, torch.Tensor]:
+    """(epoch, batch_idx) of each batch a resume from `ckpt` trains, its last step and its final weight; `repaired`:
+    with LoopRepairs and the fit loop of compat/lightning_2_6.py, as the engine's Trainer has them."""
     batches, model = Batches(), Tiny()
-    run = trainer(tmp_path / "resumed", callbacks=[batches, *callbacks], **limits)
+    run = trainer(tmp_path / "resumed", callbacks=[batches, *([LoopRepairs()] if repaired else [])], **limits)
+    if repaired:
+        install_fit_loop_fixes(run)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the unresumable-loader warning
         run.fit(model, ckpt_path=ckpt)
@@ -252,8 +255,8 @@ def resumed_batches(tmp_path, ckpt, callbacks=(), **limits) -> tuple[list[tuple[
 
 
 def test_max_steps_resume_from_an_epoch_end_reenters_the_finished_epoch(tmp_path):
-    """LoopRepairs: with max_steps, Lightning restores a run whose epoch ran to its end as one to continue inside
-    that epoch: one batch past its end, then the epoch counts as done a second time."""
+    """compat/lightning_2_6.py's FitLoop: with max_steps, Lightning restores a run whose epoch ran to its end as one
+    to continue inside that epoch: one batch past its end, then the epoch counts as done a second time."""
     seen, step, _ = resumed_batches(tmp_path, epoch_end_checkpoint(tmp_path), max_epochs=2, max_steps=100)
     assert seen == [(0, BATCHES_PER_EPOCH)] and step == BATCHES_PER_EPOCH + 1
 
@@ -269,7 +272,7 @@ def test_resume_from_an_epoch_that_max_steps_cut_short_drops_its_rest(tmp_path):
 def test_epoch_end_resume_with_max_steps_trains_what_a_resume_without_trains(tmp_path, where):
     ckpt = epoch_end_checkpoint(tmp_path, where)
     without = resumed_batches(tmp_path, ckpt, max_epochs=2)  # Lightning's own resume
-    with_max_steps = resumed_batches(tmp_path, ckpt, [LoopRepairs()], max_epochs=2, max_steps=100)
+    with_max_steps = resumed_batches(tmp_path, ckpt, repaired=True, max_epochs=2, max_steps=100)
     assert without[:2] == with_max_steps[:2] == ([(1, i) for i in range(BATCHES_PER_EPOCH)], 2 * BATCHES_PER_EPOCH)
     assert torch.equal(without[2], with_max_steps[2])
 
@@ -277,7 +280,7 @@ def test_epoch_end_resume_with_max_steps_trains_what_a_resume_without_trains(tmp
 @pytest.mark.parametrize("max_steps", [-1, 100])
 def test_epoch_end_resume_trains_the_rest_of_an_epoch_that_max_steps_cut_short(tmp_path, max_steps):
     ckpt = epoch_end_checkpoint(tmp_path, max_steps=2)
-    seen, step, _ = resumed_batches(tmp_path, ckpt, [LoopRepairs()], max_epochs=2, max_steps=max_steps)
+    seen, step, _ = resumed_batches(tmp_path, ckpt, repaired=True, max_epochs=2, max_steps=max_steps)
     assert seen == [(0, 2), (0, 3), *[(1, i) for i in range(BATCHES_PER_EPOCH)]] and step == 2 * BATCHES_PER_EPOCH
 
 

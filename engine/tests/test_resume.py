@@ -100,7 +100,7 @@ def test_float64_resume_is_bitwise_exact(baseline, interrupted, tmp_path):
 def test_an_epoch_end_resume_with_max_steps_is_bitwise_exact(baseline, interrupted, tmp_path):
     """With trainer.max_steps set (the same 24 steps, so the same plan), Lightning 2.6 restarts a restored run inside
     its last epoch even when that epoch ran to its end: resumed from last.ckpt at step 16, it counted epoch 1's end
-    twice and ended at step 16, having trained nothing (LoopRepairs)."""
+    twice and ended at step 16, having trained nothing (the fit loop of compat/lightning_2_6.py)."""
     in_process([*EXACT, f"trainer.max_steps={TOTAL_STEPS}", f"ckpt_path={interrupted}", f"hydra.run.dir={tmp_path}"])
     assert load_checkpoint(tmp_path / "checkpoints/last.ckpt")["global_step"] == TOTAL_STEPS
     assert_same_weights(last_weights(baseline("one")), last_weights(tmp_path), rtol=0, atol=0)

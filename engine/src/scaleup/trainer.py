@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_module
 
 from scaleup.callbacks.ema import EMA, on_training_device
 from scaleup.callbacks.exact_metrics import ExactEvalMetrics
-from scaleup.callbacks.loop_repairs import LoopRepairs
+from scaleup.callbacks.loop_repairs import LoopRepairs, install_fit_loop_fixes
 from scaleup.callbacks.lr_scaling import LRScaling
 from scaleup.callbacks.performance import PerformanceSettings, set_tf32
 from scaleup.callbacks.preemption import JobControl, exit_when_stopped
@@ -222,6 +222,7 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
             default_root_dir=run_dir,
             use_distributed_sampler=False,  # the data module's samplers split the data: Lightning adds none
         )
+    install_fit_loop_fixes(trainer)  # after require(EPOCH_END_RESUME)
     if trainer.is_global_zero:
         remove_interrupted_writes(config.checkpoint.dirpath)
     return TrainerJob(trainer, stop, best)

@@ -42,12 +42,10 @@ class LoopRepairs(Callback):
       another number of steps than planned: it is marked started too.
       Canary: test_an_epoch_resumed_from_its_predecessors_last_batch_ends_counted_as_processed_only.
     - A checkpoint written at an epoch's end (last.ckpt is) resumes where that epoch stopped:
-      - an epoch that ran to its end, with `max_steps`: `_FitLoop`'s `restarting` setter takes every restored run
-        with max_steps for one to continue inside its last epoch (`or self._iteration_based_training()`) and
-        re-enters the finished epoch: the run trains one epoch fewer (measured on digits, 19 steps per epoch, from
-        step 19: max_epochs=3 max_steps=40 ended at step 38). The fit loop reads as epoch-based, as without
-        max_steps, until it has restored its loops (the private method it shadows is checked by
-        gates.EPOCH_END_RESUME). Canary: test_max_steps_resume_from_an_epoch_end_reenters_the_finished_epoch.
+      - an epoch that ran to its end, with `max_steps`: Lightning's fit loop re-enters the finished epoch, a bug
+        in its live loop that no checkpoint counter repairs: `install_fit_loop_fixes` gives the Trainer the fit loop
+        of compat/lightning_2_6.py, whose `restarting` setter is fixed as the upstream patch would be.
+        Canary: test_max_steps_resume_from_an_epoch_end_reenters_the_finished_epoch.
       - an epoch that max_steps cut short, trained further: Lightning counted it as processed, so it never trains
         the rest (measured: cut at step 21 of 19 per epoch, max_epochs=3: no max_steps ended at step 40). The epoch
         is marked as started but not processed, as in a checkpoint inside an epoch.
@@ -74,9 +72,7 @@ class LoopRepairs(Callback):
         repair_epoch_progress(checkpoint)
         if trainer.state.fn == "fit":
             ended = epoch_end(checkpoint)
-            if ended == "ran to its end" and trainer.max_steps != -1:
-                trainer.fit_loop._iteration_based_training = lambda: False  # shadows the method, on this loop only
-            elif ended == "cut short":
+            if ended == "cut short":
                 epochs = checkpoint["loops"]["fit_loop"]["epoch_progress"]
                 for counts in (epochs["current"], epochs["total"]):
                     counts["processed"] = counts["completed"] = counts["started"] - 1
@@ -88,9 +84,6 @@ class LoopRepairs(Callback):
         self._fit_started = True
         self._rescale(trainer)
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        vars(trainer.fit_loop).pop("_iteration_based_training", None)  # the loops are restored
-
     def _rescale(self, trainer: Any) -> None:
         if self._checkpoint is not None and trainer.state.fn == "fit":
             rescale_batch_progress(self._checkpoint, trainer.accumulate_grad_batches)
@@ -98,6 +91,18 @@ class LoopRepairs(Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         trainer.fit_loop.teardown()  # once more where Lightning tore it down (an error in training): a no-op
+
+
+def install_fit_loop_fixes(trainer: L.Trainer) -> None:
+    """Give a Trainer with `max_steps` the fit loop of compat/lightning_2_6.py, on the Lightning releases whose own
+    fit loop re-enters a finished epoch on a resume (see LoopRepairs); call it after `gates.EPOCH_END_RESUME` has
+    checked the private class that loop derives from."""
+    if trainer.max_steps == -1:
+        return
+    from scaleup.compat import lightning_2_6  # Lightning's private loop classes: imported only where needed
+
+    if lightning_2_6.AFFECTED.contains(L.__version__):
+        lightning_2_6.install_fit_loop(trainer)
 
 
 def repair_epoch_progress(checkpoint: dict[str, Any]) -> None:

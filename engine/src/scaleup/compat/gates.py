@@ -127,10 +127,10 @@ PRIVATE_NAMES = {
         "Lightning registers its own SIGTERM handler after setup, through Trainer._signal_connector",
         "test_lightning_registers_its_own_sigterm_handler_after_setup",
     ),
-    "_iteration_based_training": PrivateUse(
-        "callbacks/loop_repairs.py",
+    "_FitLoop": PrivateUse(
+        "compat/lightning_2_6.py",
         "a resume with trainer.max_steps from an epoch-end checkpoint trains what a resume without max_steps trains",
-        "with max_steps, Lightning re-enters a finished epoch (or drops the rest of one that max_steps cut short)",
+        "with max_steps, Lightning's fit loop re-enters a finished epoch: its restarting setter is fixed in a subclass",
         "test_max_steps_resume_from_an_epoch_end_reenters_the_finished_epoch",
     ),
     "_rekey_optimizer_state_if_needed": PrivateUse(
@@ -174,6 +174,6 @@ SIGTERM_HANDLER = Workaround(
 )
 EPOCH_END_RESUME = Workaround(
     "trainer.max_steps (LoopRepairs)",
-    (Private("lightning.pytorch.loops.fit_loop:_FitLoop._iteration_based_training"),),
+    (Private("lightning.pytorch.loops.fit_loop:_FitLoop.restarting"),),
 )
 CORRECTNESS = (EXACT_EVAL, SIGTERM_HANDLER, EMA_DEVICE, FSDP_OPTIMIZER_KEYS, EPOCH_END_RESUME)

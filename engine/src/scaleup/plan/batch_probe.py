@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +41,11 @@ log = logging.getLogger(__name__)
 # the other processes' CUDA contexts. The optimizer state, allocated lazily at the first step, is counted apart.
 AUTO_MARGIN = 0.10
 
+# Lightning's warning when `self.log` is called on a module without a Trainer (and returns without logging).
+LOG_WITHOUT_TRAINER = re.escape("You are trying to `self.log()` but the `self.trainer` reference is not registered")
+# The end of Lightning's error when a module without a Trainer reads `self.trainer`.
+NOT_ATTACHED = "is not attached to a `Trainer`."
+
 
 def per_device_candidates(global_batch_size: int, world_size: int) -> list[int]:
     """Per-device batches that split the global batch exactly over `world_size` devices, largest first."""
@@ -52,15 +59,30 @@ def largest_that_fits(candidates: list[int], fits: Callable[[int], bool]) -> int
 
 
 def training_loss(module: L.LightningModule, batch: Any) -> torch.Tensor:
-    """The module's own `training_step` on `batch`, with its logging silenced: any batch structure, any loss.
+    """The module's own `training_step` on `batch`, with its logging off: any batch structure, any loss.
 
-    Metric updates it makes are undone by the probe (every torchmetrics state is reset afterwards).
+    The step runs with the module detached from its Trainer (the public `trainer` setter), where Lightning's own
+    rule makes `self.log` and `self.log_dict` no-ops ("not an error to support testing the `*_step` methods without
+    a `Trainer` reference"): they warn and return, and the warning is not shown. The Trainer is attached again
+    after the step, also when it raises. Metric updates it makes are undone by the probe (every torchmetrics state
+    is reset afterwards).
     """
-    module.log = module.log_dict = lambda *args, **kwargs: None  # instance attributes shadow the methods
+    trainer = module.trainer
+    module.trainer = None
     try:
-        output = module.training_step(batch, 0)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=LOG_WITHOUT_TRAINER)
+            output = module.training_step(batch, 0)
+    except RuntimeError as error:
+        if not str(error).endswith(NOT_ATTACHED):
+            raise
+        raise UserError(
+            f"data.max_per_device_batch_size=auto runs {type(module).__name__}.training_step without its Trainer, "
+            "so that it logs nothing, and the step reads self.trainer: give data.max_per_device_batch_size as a "
+            "number"
+        ) from None
     finally:
-        del module.log, module.log_dict
+        module.trainer = trainer
     return output["loss"] if isinstance(output, Mapping) else output
 
 

@@ -32,8 +32,8 @@ from scaleup.callbacks.loop_repairs import UNRESUMABLE_LOADER_WARNING, LoopRepai
 from scaleup.compat.dcp import read_distributed_checkpoint, stored_file_sizes, stored_tensor_shapes
 from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.compat.loggers import add_summaries
-from scaleup.compat.model_parallel import optimizer_states_keyed_in_group_order
 from scaleup.compat.precision import model_parallel_precision
+from scaleup.distributed.fsdp import load_one_file_checkpoint
 from scaleup.distributed.process_group import shut_down_process_group
 
 BATCHES_PER_EPOCH = 4
@@ -445,25 +445,52 @@ def test_private_empty_planner_reads_a_distributed_checkpoint_without_a_process_
     assert stored_file_sizes(tmp_path) == {"__0_0.distcp": (tmp_path / "__0_0.distcp").stat().st_size}
 
 
+def two_group_adam(module: nn.Module) -> torch.optim.Adam:
+    """Adam over `module` (two Linear layers) in two param groups, weights then biases, after one step: torch numbers
+    the parameters 0.weight, 1.weight, 0.bias, 1.bias."""
+    weights, biases = [module[0].weight, module[1].weight], [module[0].bias, module[1].bias]
+    optimizer = torch.optim.Adam([{"params": weights}, {"params": biases, "lr": 0.01}])
+    module(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
 def test_model_parallel_rekeys_optimizer_state_by_module_order():
-    """optimizer_states_keyed_in_group_order. Two param groups (weights, then biases) number the parameters
-    0.weight, 1.weight, 0.bias, 1.bias; Lightning maps index i to the module's i-th parameter (0.weight, 0.bias,
-    ...), so the state of 1.weight lands on 0.bias."""
+    """FSDPStrategy.load_checkpoint. Lightning maps index i of a one-file checkpoint's optimizer state to the module's
+    i-th parameter (0.weight, 0.bias, ...), so the state of 1.weight lands on 0.bias."""
     from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
 
     module = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    weights, biases = [module[0].weight, module[1].weight], [module[0].bias, module[1].bias]
-    optimizer = torch.optim.Adam([{"params": weights}, {"params": biases}])
-    module(torch.ones(1, 3)).sum().backward()
-    optimizer.step()
-    rekeyed = _rekey_optimizer_state_if_needed(optimizer.state_dict(), module)
+    rekeyed = _rekey_optimizer_state_if_needed(two_group_adam(module).state_dict(), module)
     assert rekeyed["state"]["0.bias"]["exp_avg"].shape == module[1].weight.shape
-    with optimizer_states_keyed_in_group_order(module, [optimizer]):
-        import lightning.fabric.strategies.model_parallel as fabric_model_parallel
 
-        fixed = fabric_model_parallel._rekey_optimizer_state_if_needed(optimizer.state_dict(), module)
-    assert fixed["state"]["1.weight"]["exp_avg"].shape == module[1].weight.shape
-    assert fixed["param_groups"][1]["params"] == ["0.bias", "1.bias"]
+
+def test_a_one_file_checkpoint_loads_into_a_sharded_module_keyed_by_its_param_groups(tmp_path):
+    """load_one_file_checkpoint, as FSDPStrategy resumes a one-file checkpoint: an optimizer of two param groups gets
+    each parameter's own moments and each group's own LR, in a sharded module (fully_shard on a 1-process group)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    saved_module = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    saved = two_group_adam(saved_module)
+    path = tmp_path / "one.ckpt"
+    torch.save({"state_dict": saved_module.state_dict(), "optimizer_states": [saved.state_dict()], "epoch": 3}, path)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        module = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        for layer in (*module, module):
+            fully_shard(layer)
+        optimizer = two_group_adam(module)
+        rest = load_one_file_checkpoint(path, module, [optimizer], strict=True, weights_only=True)
+        assert sorted(rest) == ["epoch", "optimizer_states"] and rest["epoch"] == 3
+        for (name, param), original in zip(module.named_parameters(), saved_module.parameters(), strict=True):
+            assert isinstance(param, DTensor) and torch.equal(param.full_tensor(), original), name
+            loaded, expected = optimizer.state[param]["exp_avg"].full_tensor(), saved.state[original]["exp_avg"]
+            assert torch.equal(loaded, expected), name
+        assert [group["lr"] for group in optimizer.param_groups] == [0.001, 0.01]
+    finally:
+        dist.destroy_process_group()
 
 
 class FailsInValidation(Tiny):

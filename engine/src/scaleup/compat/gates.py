@@ -133,12 +133,6 @@ PRIVATE_NAMES = {
         "with max_steps, Lightning re-enters a finished epoch (or drops the rest of one that max_steps cut short)",
         "test_max_steps_resume_from_an_epoch_end_reenters_the_finished_epoch",
     ),
-    "_rekey_optimizer_state_if_needed": PrivateUse(
-        "compat/model_parallel.py",
-        "strategy=fsdp resumes a one-file checkpoint whose optimizer has several param groups",
-        "Lightning keys index i of the optimizer state to the module's i-th parameter, not the param groups' order",
-        "test_model_parallel_rekeys_optimizer_state_by_module_order",
-    ),
     "torch.utils._python_dispatch": META_REPLAY,
     "_schema": META_REPLAY,
     "_apply": META_REPLAY,
@@ -159,15 +153,6 @@ EXACT_EVAL = Workaround(
 EMA_DEVICE = Workaround(
     "callbacks=ema (EMA)", (Private("lightning.pytorch.callbacks:EMAWeightAveraging.__init__", params=("device",)),)
 )
-FSDP_OPTIMIZER_KEYS = Workaround(
-    "strategy=fsdp resuming a one-file checkpoint (optimizer_states_keyed_in_group_order)",
-    (
-        Private(
-            "lightning.fabric.strategies.model_parallel:_rekey_optimizer_state_if_needed",
-            params=("optimizer_state_dict", "module"),
-        ),
-    ),
-)
 SIGTERM_HANDLER = Workaround(
     "the SIGTERM take-over (keep_sigterm_handler)",
     (Private("lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector.register_signal_handlers"),),
@@ -176,4 +161,4 @@ EPOCH_END_RESUME = Workaround(
     "trainer.max_steps (LoopRepairs)",
     (Private("lightning.pytorch.loops.fit_loop:_FitLoop._iteration_based_training"),),
 )
-CORRECTNESS = (EXACT_EVAL, SIGTERM_HANDLER, EMA_DEVICE, FSDP_OPTIMIZER_KEYS, EPOCH_END_RESUME)
+CORRECTNESS = (EXACT_EVAL, SIGTERM_HANDLER, EMA_DEVICE, EPOCH_END_RESUME)

@@ -27,10 +27,11 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.optim import Optimizer
 
 from scaleup.checkpoints.background import BackgroundSaver, split
 from scaleup.checkpoints.sharded import save_sharded
-from scaleup.compat.model_parallel import configure_model_counts_as_overridden, optimizer_states_keyed_in_group_order
+from scaleup.compat.model_parallel import configure_model_counts_as_overridden
 from scaleup.distributed.meta_init import META, MetaInit, materialize_shards, tensors_of
 from scaleup.errors import UserError
 from scaleup.plan.checks import BATCH_NORMS
@@ -329,6 +330,40 @@ def shard_built(
             materialize_shards(net, eager[name], torch.device("cpu") if options.get("cpu_offload") else device)
 
 
+def optimizer_state_by_name(state: dict[str, Any], optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
+    """`state`, as `optimizer.state_dict()` gives it (each parameter numbered in the order of the param groups), keyed
+    by the parameters' names in `module`, as torch's `set_optimizer_state_dict` reads a full state; a state keyed by
+    name already is returned as it is."""
+    if not any(isinstance(index, int) for group in state["param_groups"] for index in group["params"]):
+        return state
+    names = {id(param): name for name, param in module.named_parameters()}
+    order = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    groups = [{**group, "params": [order[i] for i in group["params"]]} for group in state["param_groups"]]
+    return {"state": {order[i]: value for i, value in state["state"].items()}, "param_groups": groups}
+
+
+def load_one_file_checkpoint(
+    path: Path, module: nn.Module, optimizers: list[Optimizer], *, strict: bool, weights_only: bool | None
+) -> dict[str, Any]:
+    """Load a one-file Lightning checkpoint into a sharded module and its optimizers; return the rest of it (as
+    ModelParallelStrategy.load_checkpoint does: the strategy loads weights and optimizer states itself).
+
+    Lightning 2.6 numbers a one-file checkpoint's optimizer state by the module's parameter order; torch numbers it by
+    the param groups' order, so with two groups (weights, then biases and norms) every state would land on another
+    parameter. Here each optimizer's own param groups name them (`optimizer_state_by_name`).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    # Every rank maps the file; rank 0's tensors are broadcast one at a time, and each rank keeps its shard.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
+    for index, optimizer in enumerate(optimizers):
+        keyed = optimizer_state_by_name(checkpoint["optimizer_states"][index], optimizer, module)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=keyed, options=options)
+    return checkpoint
+
+
 class FSDPStrategy(ModelParallelStrategy):
     """Lightning's ModelParallelStrategy, data parallel over every process, that shards the module itself.
 
@@ -432,8 +467,13 @@ class FSDPStrategy(ModelParallelStrategy):
         super().on_test_end()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        with optimizer_states_keyed_in_group_order(self.lightning_module, self.optimizers):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        """A sharded checkpoint (a directory) as Lightning loads it; a one-file checkpoint (DDP's, or one process's)
+        by `load_one_file_checkpoint`: Lightning 2.6 would key its optimizer state by module order."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)
+        strict = self.lightning_module.strict_loading
+        return load_one_file_checkpoint(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Every rank writes its shards into a temporary directory beside `filepath`; rank 0 then swaps it in. With

@@ -132,6 +132,16 @@ def test_sharded_checkpoint_resumes_on_one_device_with_ckpt_path_last(baseline, 
     print(f"FSDP on 2 processes, resumed on 1: largest weight difference {worst:.1e}")
 
 
+def test_one_fsdp_process_resumes_a_one_file_checkpoint_of_two_param_groups(wide_reference, tmp_path):
+    """1 process -> 1 FSDP process: the WIDE reference's one-file checkpoint at step 3 (AdamW over two param groups,
+    its state numbered in the groups' order) resumed in this process with activation checkpointing, ends with the
+    reference's weights under plain names."""
+    args = [*WIDE, "trainer.devices=1", "strategy=fsdp", "strategy.activation_checkpointing=true"]
+    in_process([*args, f"ckpt_path={wide_reference / 'steps/at-3.ckpt'}", f"hydra.run.dir={tmp_path}"])
+    worst = assert_same_weights(state(wide_reference), state(tmp_path), rtol=0, atol=TOLERANCE)
+    print(f"1 process, resumed by 1 FSDP process recomputing activations: largest weight difference {worst:.1e}")
+
+
 def test_a_requeued_finished_run_trains_and_writes_nothing(fsdp_run, tmp_path):
     """The 2-process run's sharded last.ckpt is the end of training (step 24, though also written every 5 steps);
     requeued with ckpt_path=last (here on one process), the run says that it already finished, and no file changes."""

@@ -397,8 +397,9 @@ def test_lightning_registers_its_own_sigterm_handler_after_setup(tmp_path):
 
 
 def test_model_parallel_strategy_refuses_a_module_without_configure_model():
-    """configure_model_counts_as_overridden. ModelParallelStrategy.setup refuses a LightningModule that does not
-    override `configure_model`, before it touches the model (no process group needed to see it)."""
+    """FSDPStrategy.setup (Strategy.setup for a module it sharded). ModelParallelStrategy.setup refuses a
+    LightningModule that does not override `configure_model`, before it touches the model (no process group needed
+    to see it)."""
     strategy = ModelParallelStrategy()
     strategy.accelerator = CPUAccelerator()
     strategy._lightning_module = Tiny()

@@ -25,13 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from torch import nn
 from torch.optim import Optimizer
 
 from scaleup.checkpoints.background import BackgroundSaver, split
 from scaleup.checkpoints.sharded import save_sharded
-from scaleup.compat.model_parallel import configure_model_counts_as_overridden
 from scaleup.distributed.meta_init import META, MetaInit, materialize_shards, tensors_of
 from scaleup.errors import UserError
 from scaleup.plan.checks import BATCH_NORMS
@@ -418,13 +417,22 @@ class FSDPStrategy(ModelParallelStrategy):
         return output
 
     def setup(self, trainer: Any) -> None:
+        """Shard the module, then set it up as every Lightning strategy does (`Strategy.setup`: precision, device,
+        optimizers). A module that its own `configure_model` sharded gets ModelParallelStrategy's setup instead.
+
+        ModelParallelStrategy.setup (Lightning 2.6) refuses a LightningModule that does not override `configure_model`,
+        where Lightning expects the parallelism applied; here users keep ordinary modules, and what else it does
+        (fill meta tensors by `reset_parameters`, a barrier) the sharding has done: no meta tensor is left.
+        Canary: test_model_parallel_strategy_refuses_a_module_without_configure_model.
+        """
         model = self.lightning_module
         self._total_parameter_bytes = bytes_per_rank(model, 1)[0]
-        if not is_sharded(model):
-            shard_built(model, self.sharding_mesh(), self.shard_modules, self.recording, self.root_device, self.options)
-            self.recording = None  # the history holds constants: free them
-        with configure_model_counts_as_overridden(model):
+        if is_sharded(model):
             super().setup(trainer)
+            return
+        shard_built(model, self.sharding_mesh(), self.shard_modules, self.recording, self.root_device, self.options)
+        self.recording = None  # the history holds constants: free them
+        Strategy.setup(self, trainer)
 
     def sharding_mesh(self) -> Any:
         """The mesh `fully_shard` shards over: every rank (1-D), or (nodes, processes per node) for hybrid sharding,

@@ -33,7 +33,7 @@ from scaleup.compat.dcp import read_distributed_checkpoint, stored_file_sizes, s
 from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.compat.loggers import add_summaries
 from scaleup.compat.precision import model_parallel_precision
-from scaleup.distributed.fsdp import load_one_file_checkpoint
+from scaleup.distributed.fsdp import load_one_file_checkpoint, recompute_in_backward
 from scaleup.distributed.process_group import shut_down_process_group
 
 BATCHES_PER_EPOCH = 4
@@ -492,6 +492,35 @@ def test_a_one_file_checkpoint_loads_into_a_sharded_module_keyed_by_its_param_gr
         assert [group["lr"] for group in optimizer.param_groups] == [0.001, 0.01]
     finally:
         dist.destroy_process_group()
+
+
+class CountingDropout(nn.Dropout):
+    """Dropout that counts its forward passes."""
+
+    forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        return super().forward(x)
+
+
+def test_composable_checkpoint_recomputes_a_module_under_its_own_names():
+    """recompute_in_backward (torch.distributed._composable.checkpoint). The module's forward runs again in the
+    backward and draws the same dropout mask (the same gradients as without), and its state_dict keys and parameter
+    names stay as they were (torch's checkpoint_wrapper would add `_checkpoint_wrapped_module.`)."""
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(4, 8), CountingDropout(0.5), nn.Linear(8, 1))
+        if recompute:
+            recompute_in_backward(block)
+        block(torch.ones(3, 4)).sum().backward()
+        grads = {name: param.grad for name, param in block.named_parameters()}
+        results.append((list(block.state_dict()), grads, block[1].forwards))
+    (keys, grads, forwards), (recomputed_keys, recomputed_grads, recomputed_forwards) = results
+    assert recomputed_keys == keys == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert (forwards, recomputed_forwards) == (1, 2)
+    assert all(torch.equal(grads[name], recomputed_grads[name]) for name in keys)
 
 
 class FailsInValidation(Tiny):

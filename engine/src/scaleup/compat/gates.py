@@ -133,6 +133,13 @@ PRIVATE_NAMES = {
         "with max_steps, Lightning re-enters a finished epoch (or drops the rest of one that max_steps cut short)",
         "test_max_steps_resume_from_an_epoch_end_reenters_the_finished_epoch",
     ),
+    "torch.distributed._composable": PrivateUse(
+        "distributed/fsdp.py",
+        "strategy.activation_checkpointing=true recomputes each unit under its own names: checkpoint keys stay plain",
+        "torch checkpoints a module without wrapping it in another (whose `_checkpoint_wrapped_module.` enters every "
+        "parameter's name) only through torch.distributed._composable.checkpoint",
+        "test_composable_checkpoint_recomputes_a_module_under_its_own_names",
+    ),
     "torch.utils._python_dispatch": META_REPLAY,
     "_schema": META_REPLAY,
     "_apply": META_REPLAY,
@@ -153,6 +160,10 @@ EXACT_EVAL = Workaround(
 EMA_DEVICE = Workaround(
     "callbacks=ema (EMA)", (Private("lightning.pytorch.callbacks:EMAWeightAveraging.__init__", params=("device",)),)
 )
+ACTIVATION_CHECKPOINTING = Workaround(
+    "strategy.activation_checkpointing (recompute_in_backward)",
+    (Private("torch.distributed._composable:checkpoint", params=("module",)),),
+)
 SIGTERM_HANDLER = Workaround(
     "the SIGTERM take-over (keep_sigterm_handler)",
     (Private("lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector.register_signal_handlers"),),
@@ -161,4 +172,4 @@ EPOCH_END_RESUME = Workaround(
     "trainer.max_steps (LoopRepairs)",
     (Private("lightning.pytorch.loops.fit_loop:_FitLoop._iteration_based_training"),),
 )
-CORRECTNESS = (EXACT_EVAL, SIGTERM_HANDLER, EMA_DEVICE, EPOCH_END_RESUME)
+CORRECTNESS = (EXACT_EVAL, SIGTERM_HANDLER, EMA_DEVICE, EPOCH_END_RESUME, ACTIVATION_CHECKPOINTING)

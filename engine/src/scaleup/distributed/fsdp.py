@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 
 from scaleup.checkpoints.background import BackgroundSaver, split
 from scaleup.checkpoints.sharded import save_sharded
+from scaleup.compat.gates import ACTIVATION_CHECKPOINTING, require
 from scaleup.distributed.meta_init import META, MetaInit, materialize_shards, tensors_of
 from scaleup.errors import UserError
 from scaleup.plan.checks import BATCH_NORMS
@@ -194,18 +195,12 @@ def shard(
 
 
 def recompute_in_backward(module: nn.Module) -> None:
-    """Activation checkpointing of `module`: its forward runs under `torch.utils.checkpoint.checkpoint`
-    (non-reentrant, the random state kept, so a dropout draws the same mask again), replaced on the instance and not
-    wrapped in another module, so module and parameter names keep no `_checkpoint_wrapped_module.`."""
-    from torch.utils.checkpoint import checkpoint
+    """Activation checkpointing of `module`: torch's composable `checkpoint` (non-reentrant, the random state kept, so
+    a dropout draws the same mask again) adds hooks to the module instead of wrapping it in another, so module and
+    parameter names keep no `_checkpoint_wrapped_module.` and checkpoints their plain keys."""
+    from torch.distributed._composable import checkpoint
 
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def recomputed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = recomputed
+    checkpoint(module)
 
 
 def local_bytes(tensors: Iterable[Any]) -> int:
@@ -386,6 +381,8 @@ class FSDPStrategy(ModelParallelStrategy):
         recording: MetaInit | None = None,
     ) -> None:
         super().__init__(data_parallel_size=world_size, tensor_parallel_size=1, timeout=timeout)
+        if activation_checkpointing:
+            require(ACTIVATION_CHECKPOINTING)
         self.timeout = timeout  # the background saves' process group waits as long
         self.shard_modules = shard_modules
         self.mesh_shape = mesh_shape(sharding, world_size, num_nodes)

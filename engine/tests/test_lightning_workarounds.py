@@ -12,6 +12,7 @@ import os
 import signal
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -29,11 +30,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from scaleup.callbacks.loop_repairs import UNRESUMABLE_LOADER_WARNING, LoopRepairs
+from scaleup.checkpoints.io import load_checkpoint
 from scaleup.compat.dcp import read_distributed_checkpoint, stored_file_sizes, stored_tensor_shapes
 from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.compat.loggers import add_summaries
 from scaleup.compat.precision import model_parallel_precision
-from scaleup.distributed.fsdp import load_one_file_checkpoint, recompute_in_backward
+from scaleup.distributed.fsdp import FSDPStrategy, load_one_file_checkpoint, recompute_in_backward
 from scaleup.distributed.process_group import shut_down_process_group
 
 BATCHES_PER_EPOCH = 4
@@ -405,6 +407,25 @@ def test_model_parallel_strategy_refuses_a_module_without_configure_model():
     strategy._lightning_module = Tiny()
     with pytest.raises(TypeError, match="you are required to override the `configure_model"):
         strategy.setup(None)
+
+
+def test_fsdp_strategy_sets_up_a_module_without_configure_model_for_fit_and_then_test(tmp_path, monkeypatch):
+    """FSDPStrategy.setup, on a 1-process group in this process: Tiny (no configure_model) is sharded and set up for
+    fit, and set up again for test after it (sharded already); the checkpoint's keys are the module's own."""
+    from torch.distributed.tensor import DTensor
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)  # Lightning's launcher sets them: put back after the test
+    strategy = FSDPStrategy(world_size=1, timeout=timedelta(minutes=1))
+    run, model = trainer(tmp_path, strategy=strategy, max_epochs=1), Tiny()
+    try:
+        run.fit(model)
+        run.test(model, verbose=False)
+        run.save_checkpoint(tmp_path / "last.ckpt")
+    finally:
+        shut_down_process_group()
+    assert isinstance(model.layer.weight, DTensor) and "test_loss" in run.callback_metrics
+    assert sorted(load_checkpoint(tmp_path / "last.ckpt")["state_dict"]) == ["layer.bias", "layer.weight"]
 
 
 def test_model_parallel_strategy_refuses_64_true_as_a_flag():

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 
@@ -415,7 +416,7 @@ class FSDPStrategy(ModelParallelStrategy):
 
     def setup(self, trainer: Any) -> None:
         """Shard the module, then set it up as every Lightning strategy does (`Strategy.setup`: precision, device,
-        optimizers). A module that its own `configure_model` sharded gets ModelParallelStrategy's setup instead.
+        optimizers). A module with a `configure_model` of its own gets ModelParallelStrategy's setup instead.
 
         ModelParallelStrategy.setup (Lightning 2.6) refuses a LightningModule that does not override `configure_model`,
         where Lightning expects the parallelism applied; here users keep ordinary modules, and what else it does
@@ -424,12 +425,13 @@ class FSDPStrategy(ModelParallelStrategy):
         """
         model = self.lightning_module
         self._total_parameter_bytes = bytes_per_rank(model, 1)[0]
-        if is_sharded(model):
+        if not is_sharded(model):  # sharded already: by its own configure_model, or by an earlier stage (fit, test)
+            shard_built(model, self.sharding_mesh(), self.shard_modules, self.recording, self.root_device, self.options)
+            self.recording = None  # the history holds constants: free them
+        if is_overridden("configure_model", model):
             super().setup(trainer)
-            return
-        shard_built(model, self.sharding_mesh(), self.shard_modules, self.recording, self.root_device, self.options)
-        self.recording = None  # the history holds constants: free them
-        Strategy.setup(self, trainer)
+        else:
+            Strategy.setup(self, trainer)
 
     def sharding_mesh(self) -> Any:
         """The mesh `fully_shard` shards over: every rank (1-D), or (nodes, processes per node) for hybrid sharding,

@@ -261,9 +261,11 @@ def test_hybrid_sharding_on_two_torchrun_nodes_equals_one_process(wide_reference
 
 def test_a_hybrid_checkpoint_resumes_on_one_node_and_evaluates_on_one_device(wide_reference, hybrid_run, tmp_path):
     """2 nodes x 2 -> 1 node x 2: the step-4 shards, resumed by 2 FSDP processes accumulating 6 micro-batches of 16
-    per step, gradients reduced once per step, end with the reference's weights; the final hybrid checkpoint
+    per step, gradients reduced once per step, each unit's activations recomputed in the backward (the same dropout
+    masks drawn again), end with the reference's weights under their plain names; the final hybrid checkpoint
     evaluates on one CPU with the reference's test numbers."""
-    args = [*WIDE, "trainer.devices=2", "strategy=fsdp", f"ckpt_path={hybrid_run / 'steps/at-4.ckpt'}"]
+    args = [*WIDE, "trainer.devices=2", "strategy=fsdp", "strategy.activation_checkpointing=true"]
+    args.append(f"ckpt_path={hybrid_run / 'steps/at-4.ckpt'}")
     check(run([*args, f"hydra.run.dir={tmp_path / 'resumed'}"]))
     plan = read_json(tmp_path / "resumed/plan.json")
     assert (plan["accumulate_grad_batches"], plan["world_size"]) == (6, 2)

@@ -12,6 +12,7 @@ import os
 import signal
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -29,11 +30,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from scaleup.callbacks.loop_repairs import UNRESUMABLE_LOADER_WARNING, LoopRepairs, install_fit_loop_fixes
+from scaleup.checkpoints.io import load_checkpoint
 from scaleup.compat.dcp import read_distributed_checkpoint, stored_file_sizes, stored_tensor_shapes
 from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.compat.loggers import add_summaries
-from scaleup.compat.model_parallel import optimizer_states_keyed_in_group_order
 from scaleup.compat.precision import model_parallel_precision
+from scaleup.distributed.fsdp import FSDPStrategy, load_one_file_checkpoint, recompute_in_backward
 from scaleup.distributed.process_group import shut_down_process_group
 
 BATCHES_PER_EPOCH = 4
@@ -400,13 +402,33 @@ def test_lightning_registers_its_own_sigterm_handler_after_setup(tmp_path):
 
 
 def test_model_parallel_strategy_refuses_a_module_without_configure_model():
-    """configure_model_counts_as_overridden. ModelParallelStrategy.setup refuses a LightningModule that does not
-    override `configure_model`, before it touches the model (no process group needed to see it)."""
+    """FSDPStrategy.setup (Strategy.setup for a module it sharded). ModelParallelStrategy.setup refuses a
+    LightningModule that does not override `configure_model`, before it touches the model (no process group needed
+    to see it)."""
     strategy = ModelParallelStrategy()
     strategy.accelerator = CPUAccelerator()
     strategy._lightning_module = Tiny()
     with pytest.raises(TypeError, match="you are required to override the `configure_model"):
         strategy.setup(None)
+
+
+def test_fsdp_strategy_sets_up_a_module_without_configure_model_for_fit_and_then_test(tmp_path, monkeypatch):
+    """FSDPStrategy.setup, on a 1-process group in this process: Tiny (no configure_model) is sharded and set up for
+    fit, and set up again for test after it (sharded already); the checkpoint's keys are the module's own."""
+    from torch.distributed.tensor import DTensor
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)  # Lightning's launcher sets them: put back after the test
+    strategy = FSDPStrategy(world_size=1, timeout=timedelta(minutes=1))
+    run, model = trainer(tmp_path, strategy=strategy, max_epochs=1), Tiny()
+    try:
+        run.fit(model)
+        run.test(model, verbose=False)
+        run.save_checkpoint(tmp_path / "last.ckpt")
+    finally:
+        shut_down_process_group()
+    assert isinstance(model.layer.weight, DTensor) and "test_loss" in run.callback_metrics
+    assert sorted(load_checkpoint(tmp_path / "last.ckpt")["state_dict"]) == ["layer.bias", "layer.weight"]
 
 
 def test_model_parallel_strategy_refuses_64_true_as_a_flag():
@@ -448,25 +470,81 @@ def test_private_empty_planner_reads_a_distributed_checkpoint_without_a_process_
     assert stored_file_sizes(tmp_path) == {"__0_0.distcp": (tmp_path / "__0_0.distcp").stat().st_size}
 
 
+def two_group_adam(module: nn.Module) -> torch.optim.Adam:
+    """Adam over `module` (two Linear layers) in two param groups, weights then biases, after one step: torch numbers
+    the parameters 0.weight, 1.weight, 0.bias, 1.bias."""
+    weights, biases = [module[0].weight, module[1].weight], [module[0].bias, module[1].bias]
+    optimizer = torch.optim.Adam([{"params": weights}, {"params": biases, "lr": 0.01}])
+    module(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
 def test_model_parallel_rekeys_optimizer_state_by_module_order():
-    """optimizer_states_keyed_in_group_order. Two param groups (weights, then biases) number the parameters
-    0.weight, 1.weight, 0.bias, 1.bias; Lightning maps index i to the module's i-th parameter (0.weight, 0.bias,
-    ...), so the state of 1.weight lands on 0.bias."""
+    """FSDPStrategy.load_checkpoint. Lightning maps index i of a one-file checkpoint's optimizer state to the module's
+    i-th parameter (0.weight, 0.bias, ...), so the state of 1.weight lands on 0.bias."""
     from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
 
     module = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    weights, biases = [module[0].weight, module[1].weight], [module[0].bias, module[1].bias]
-    optimizer = torch.optim.Adam([{"params": weights}, {"params": biases}])
-    module(torch.ones(1, 3)).sum().backward()
-    optimizer.step()
-    rekeyed = _rekey_optimizer_state_if_needed(optimizer.state_dict(), module)
+    rekeyed = _rekey_optimizer_state_if_needed(two_group_adam(module).state_dict(), module)
     assert rekeyed["state"]["0.bias"]["exp_avg"].shape == module[1].weight.shape
-    with optimizer_states_keyed_in_group_order(module, [optimizer]):
-        import lightning.fabric.strategies.model_parallel as fabric_model_parallel
 
-        fixed = fabric_model_parallel._rekey_optimizer_state_if_needed(optimizer.state_dict(), module)
-    assert fixed["state"]["1.weight"]["exp_avg"].shape == module[1].weight.shape
-    assert fixed["param_groups"][1]["params"] == ["0.bias", "1.bias"]
+
+def test_a_one_file_checkpoint_loads_into_a_sharded_module_keyed_by_its_param_groups(tmp_path):
+    """load_one_file_checkpoint, as FSDPStrategy resumes a one-file checkpoint: an optimizer of two param groups gets
+    each parameter's own moments and each group's own LR, in a sharded module (fully_shard on a 1-process group)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    saved_module = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    saved = two_group_adam(saved_module)
+    path = tmp_path / "one.ckpt"
+    torch.save({"state_dict": saved_module.state_dict(), "optimizer_states": [saved.state_dict()], "epoch": 3}, path)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        module = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        for layer in (*module, module):
+            fully_shard(layer)
+        optimizer = two_group_adam(module)
+        rest = load_one_file_checkpoint(path, module, [optimizer], strict=True, weights_only=True)
+        assert sorted(rest) == ["epoch", "optimizer_states"] and rest["epoch"] == 3
+        for (name, param), original in zip(module.named_parameters(), saved_module.parameters(), strict=True):
+            assert isinstance(param, DTensor) and torch.equal(param.full_tensor(), original), name
+            loaded, expected = optimizer.state[param]["exp_avg"].full_tensor(), saved.state[original]["exp_avg"]
+            assert torch.equal(loaded, expected), name
+        assert [group["lr"] for group in optimizer.param_groups] == [0.001, 0.01]
+    finally:
+        dist.destroy_process_group()
+
+
+class CountingDropout(nn.Dropout):
+    """Dropout that counts its forward passes."""
+
+    forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        return super().forward(x)
+
+
+def test_composable_checkpoint_recomputes_a_module_under_its_own_names():
+    """recompute_in_backward (torch.distributed._composable.checkpoint). The module's forward runs again in the
+    backward and draws the same dropout mask (the same gradients as without), and its state_dict keys and parameter
+    names stay as they were (torch's checkpoint_wrapper would add `_checkpoint_wrapped_module.`)."""
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(4, 8), CountingDropout(0.5), nn.Linear(8, 1))
+        if recompute:
+            recompute_in_backward(block)
+        block(torch.ones(3, 4)).sum().backward()
+        grads = {name: param.grad for name, param in block.named_parameters()}
+        results.append((list(block.state_dict()), grads, block[1].forwards))
+    (keys, grads, forwards), (recomputed_keys, recomputed_grads, recomputed_forwards) = results
+    assert recomputed_keys == keys == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert (forwards, recomputed_forwards) == (1, 2)
+    assert all(torch.equal(grads[name], recomputed_grads[name]) for name in keys)
 
 
 class FailsInValidation(Tiny):

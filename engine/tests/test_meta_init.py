@@ -8,6 +8,7 @@ import pytest
 import torch
 from lightning.pytorch.demos import Transformer
 from torch import nn
+from torch.nn.init import trunc_normal_
 
 from scaleup.build import build_recorded
 from scaleup.distributed.meta_init import build_on_meta, materialize_outside, tensors_of
@@ -17,8 +18,9 @@ from testbed.models import ImageClassifier
 class InitStyles(nn.Module):
     """The ways networks set their first weights: modules' own `reset_parameters`, an `nn.init` loop over
     `modules()`, tensors drawn with `torch.randn` and scaled, an orthogonal and a truncated-normal init (temporary
-    tensors, QR, copies), an embedding's zeroed padding row (a write into a view), tied weights, buffers computed
-    from `arange` and `tril`, and one from data."""
+    tensors, QR, copies), torch.nn.init's other functions that skip meta tensors (sparse, Dirac; truncated normal
+    imported by name), an embedding's zeroed padding row (a write into a view), tied weights, buffers computed from
+    `arange` and `tril`, and one from data."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,6 +38,13 @@ class InitStyles(nn.Module):
                 nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
                 nn.init.trunc_normal_(module.bias, std=0.02)
         nn.init.orthogonal_(self.gate.weight)
+        self.wide = nn.Parameter(torch.empty(4, 12))
+        nn.init.orthogonal_(self.wide)  # fewer rows than columns: QR of the transpose
+        self.sparse = nn.Linear(12, 6)
+        nn.init.sparse_(self.sparse.weight, sparsity=0.5)
+        self.conv = nn.Conv1d(4, 4, 3)
+        nn.init.dirac_(self.conv.weight)
+        trunc_normal_(self.conv.bias, std=0.5)
 
 
 class TwoOutputs(nn.Module):

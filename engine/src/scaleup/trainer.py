@@ -34,7 +34,6 @@ from scaleup.compat.gates import (
     EMA_DEVICE,
     EPOCH_END_RESUME,
     EXACT_EVAL,
-    FSDP_OPTIMIZER_KEYS,
     SIGTERM_HANDLER,
     require,
 )
@@ -193,7 +192,6 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
     require(
         EXACT_EVAL,
         SIGTERM_HANDLER,
-        *([FSDP_OPTIMIZER_KEYS] if isinstance(strategy, FSDPStrategy) else []),
         *([EMA_DEVICE] if any(isinstance(cb, EMA) for cb in callbacks) else []),
         *([EPOCH_END_RESUME] if config.trainer.max_steps != -1 else []),
     )

@@ -133,11 +133,12 @@ PRIVATE_NAMES = {
         "with max_steps, Lightning's fit loop re-enters a finished epoch: its restarting setter is fixed in a subclass",
         "test_max_steps_resume_from_an_epoch_end_reenters_the_finished_epoch",
     ),
-    "_rekey_optimizer_state_if_needed": PrivateUse(
-        "compat/model_parallel.py",
-        "strategy=fsdp resumes a one-file checkpoint whose optimizer has several param groups",
-        "Lightning keys index i of the optimizer state to the module's i-th parameter, not the param groups' order",
-        "test_model_parallel_rekeys_optimizer_state_by_module_order",
+    "torch.distributed._composable": PrivateUse(
+        "distributed/fsdp.py",
+        "strategy.activation_checkpointing=true recomputes each unit under its own names: checkpoint keys stay plain",
+        "torch checkpoints a module without wrapping it in another (whose `_checkpoint_wrapped_module.` enters every "
+        "parameter's name) only through torch.distributed._composable.checkpoint",
+        "test_composable_checkpoint_recomputes_a_module_under_its_own_names",
     ),
     "torch.utils._python_dispatch": META_REPLAY,
     "_schema": META_REPLAY,
@@ -159,14 +160,9 @@ EXACT_EVAL = Workaround(
 EMA_DEVICE = Workaround(
     "callbacks=ema (EMA)", (Private("lightning.pytorch.callbacks:EMAWeightAveraging.__init__", params=("device",)),)
 )
-FSDP_OPTIMIZER_KEYS = Workaround(
-    "strategy=fsdp resuming a one-file checkpoint (optimizer_states_keyed_in_group_order)",
-    (
-        Private(
-            "lightning.fabric.strategies.model_parallel:_rekey_optimizer_state_if_needed",
-            params=("optimizer_state_dict", "module"),
-        ),
-    ),
+ACTIVATION_CHECKPOINTING = Workaround(
+    "strategy.activation_checkpointing (recompute_in_backward)",
+    (Private("torch.distributed._composable:checkpoint", params=("module",)),),
 )
 SIGTERM_HANDLER = Workaround(
     "the SIGTERM take-over (keep_sigterm_handler)",
@@ -176,4 +172,4 @@ EPOCH_END_RESUME = Workaround(
     "trainer.max_steps (LoopRepairs)",
     (Private("lightning.pytorch.loops.fit_loop:_FitLoop.restarting"),),
 )
-CORRECTNESS = (EXACT_EVAL, SIGTERM_HANDLER, EMA_DEVICE, FSDP_OPTIMIZER_KEYS, EPOCH_END_RESUME)
+CORRECTNESS = (EXACT_EVAL, SIGTERM_HANDLER, EMA_DEVICE, EPOCH_END_RESUME, ACTIVATION_CHECKPOINTING)

@@ -25,12 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.optim import Optimizer
 
 from scaleup.checkpoints.background import BackgroundSaver, split
 from scaleup.checkpoints.sharded import save_sharded
-from scaleup.compat.model_parallel import configure_model_counts_as_overridden, optimizer_states_keyed_in_group_order
+from scaleup.compat.gates import ACTIVATION_CHECKPOINTING, require
 from scaleup.distributed.meta_init import META, MetaInit, materialize_shards, tensors_of
 from scaleup.errors import UserError
 from scaleup.plan.checks import BATCH_NORMS
@@ -194,18 +196,12 @@ def shard(
 
 
 def recompute_in_backward(module: nn.Module) -> None:
-    """Activation checkpointing of `module`: its forward runs under `torch.utils.checkpoint.checkpoint`
-    (non-reentrant, the random state kept, so a dropout draws the same mask again), replaced on the instance and not
-    wrapped in another module, so module and parameter names keep no `_checkpoint_wrapped_module.`."""
-    from torch.utils.checkpoint import checkpoint
+    """Activation checkpointing of `module`: torch's composable `checkpoint` (non-reentrant, the random state kept, so
+    a dropout draws the same mask again) adds hooks to the module instead of wrapping it in another, so module and
+    parameter names keep no `_checkpoint_wrapped_module.` and checkpoints their plain keys."""
+    from torch.distributed._composable import checkpoint
 
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def recomputed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = recomputed
+    checkpoint(module)
 
 
 def local_bytes(tensors: Iterable[Any]) -> int:
@@ -329,6 +325,40 @@ def shard_built(
             materialize_shards(net, eager[name], torch.device("cpu") if options.get("cpu_offload") else device)
 
 
+def optimizer_state_by_name(state: dict[str, Any], optimizer: Optimizer, module: nn.Module) -> dict[str, Any]:
+    """`state`, as `optimizer.state_dict()` gives it (each parameter numbered in the order of the param groups), keyed
+    by the parameters' names in `module`, as torch's `set_optimizer_state_dict` reads a full state; a state keyed by
+    name already is returned as it is."""
+    if not any(isinstance(index, int) for group in state["param_groups"] for index in group["params"]):
+        return state
+    names = {id(param): name for name, param in module.named_parameters()}
+    order = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    groups = [{**group, "params": [order[i] for i in group["params"]]} for group in state["param_groups"]]
+    return {"state": {order[i]: value for i, value in state["state"].items()}, "param_groups": groups}
+
+
+def load_one_file_checkpoint(
+    path: Path, module: nn.Module, optimizers: list[Optimizer], *, strict: bool, weights_only: bool | None
+) -> dict[str, Any]:
+    """Load a one-file Lightning checkpoint into a sharded module and its optimizers; return the rest of it (as
+    ModelParallelStrategy.load_checkpoint does: the strategy loads weights and optimizer states itself).
+
+    Lightning 2.6 numbers a one-file checkpoint's optimizer state by the module's parameter order; torch numbers it by
+    the param groups' order, so with two groups (weights, then biases and norms) every state would land on another
+    parameter. Here each optimizer's own param groups name them (`optimizer_state_by_name`).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    # Every rank maps the file; rank 0's tensors are broadcast one at a time, and each rank keeps its shard.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
+    for index, optimizer in enumerate(optimizers):
+        keyed = optimizer_state_by_name(checkpoint["optimizer_states"][index], optimizer, module)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=keyed, options=options)
+    return checkpoint
+
+
 class FSDPStrategy(ModelParallelStrategy):
     """Lightning's ModelParallelStrategy, data parallel over every process, that shards the module itself.
 
@@ -352,6 +382,8 @@ class FSDPStrategy(ModelParallelStrategy):
         recording: MetaInit | None = None,
     ) -> None:
         super().__init__(data_parallel_size=world_size, tensor_parallel_size=1, timeout=timeout)
+        if activation_checkpointing:
+            require(ACTIVATION_CHECKPOINTING)
         self.timeout = timeout  # the background saves' process group waits as long
         self.shard_modules = shard_modules
         self.mesh_shape = mesh_shape(sharding, world_size, num_nodes)
@@ -383,13 +415,23 @@ class FSDPStrategy(ModelParallelStrategy):
         return output
 
     def setup(self, trainer: Any) -> None:
+        """Shard the module, then set it up as every Lightning strategy does (`Strategy.setup`: precision, device,
+        optimizers). A module with a `configure_model` of its own gets ModelParallelStrategy's setup instead.
+
+        ModelParallelStrategy.setup (Lightning 2.6) refuses a LightningModule that does not override `configure_model`,
+        where Lightning expects the parallelism applied; here users keep ordinary modules, and what else it does
+        (fill meta tensors by `reset_parameters`, a barrier) the sharding has done: no meta tensor is left.
+        Canary: test_model_parallel_strategy_refuses_a_module_without_configure_model.
+        """
         model = self.lightning_module
         self._total_parameter_bytes = bytes_per_rank(model, 1)[0]
-        if not is_sharded(model):
+        if not is_sharded(model):  # sharded already: by its own configure_model, or by an earlier stage (fit, test)
             shard_built(model, self.sharding_mesh(), self.shard_modules, self.recording, self.root_device, self.options)
             self.recording = None  # the history holds constants: free them
-        with configure_model_counts_as_overridden(model):
+        if is_overridden("configure_model", model):
             super().setup(trainer)
+        else:
+            Strategy.setup(self, trainer)
 
     def sharding_mesh(self) -> Any:
         """The mesh `fully_shard` shards over: every rank (1-D), or (nodes, processes per node) for hybrid sharding,
@@ -432,8 +474,13 @@ class FSDPStrategy(ModelParallelStrategy):
         super().on_test_end()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        with optimizer_states_keyed_in_group_order(self.lightning_module, self.optimizers):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        """A sharded checkpoint (a directory) as Lightning loads it; a one-file checkpoint (DDP's, or one process's)
+        by `load_one_file_checkpoint`: Lightning 2.6 would key its optimizer state by module order."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)
+        strict = self.lightning_module.strict_loading
+        return load_one_file_checkpoint(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Every rank writes its shards into a temporary directory beside `filepath`; rank 0 then swaps it in. With

@@ -21,6 +21,7 @@ after `torch.empty`, which is what an init function that skips meta tensors leav
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,9 +34,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 META = torch.device("meta")
 CPU = torch.device("cpu")
-# torch.nn.init's functions that return at once for a meta tensor (they draw through temporaries and copies):
-# recorded as one write each, the function itself replayed (`MetaInit.init_function`).
-SKIPPING_META = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
+# torch.nn.init's functions that return at once for a meta tensor (they draw through temporaries and copies, and
+# trunc_normal_ draws until its values fit): recorded as one write each, the function itself replayed
+# (`InitsSkippingMeta`), found by their code.
+SKIPPING_META = {f.__code__: f for f in (nn.init.trunc_normal_, nn.init.orthogonal_, nn.init.sparse_, nn.init.dirac_)}
+IS_META = torch.Tensor.is_meta.__get__  # what a TorchFunctionMode sees when code reads `tensor.is_meta`
 EMPTY = ("aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default", "aten.new_empty.default")
 
 
@@ -190,19 +193,15 @@ class MetaInit(TorchDispatchMode):
             # Every later draw would start from the wrong state: nothing recorded from here on is the eager value.
             self.broken = self.broken or f"{call.func} draws from a tensor that cannot be replayed ({err})"
 
-    def init_function(self, function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """One of torch.nn.init's functions that skip meta tensors, recorded as a write of the whole function."""
-
-        def recorded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            history = self.histories.get(storage_key(tensor)) if is_meta(tensor) else None
-            if history is None:
-                return function(tensor, *args, **kwargs)
-            call = self._call(function, (tensor, *args), kwargs, random=True)
-            history.writes.append((self._ref(tensor), call))
-            self._advance(call, tensor)
-            return tensor
-
-        return recorded
+    def record_init(self, function: Callable[..., torch.Tensor], tensor: torch.Tensor, kwargs: dict[str, Any]) -> None:
+        """A call `function(tensor, **kwargs)` of one of torch.nn.init's functions that skip meta tensors, recorded as
+        a write of the whole function into `tensor`."""
+        history = self.histories.get(storage_key(tensor))
+        if history is None:  # made before recording began: left unwritten, as the function leaves it
+            return
+        call = self._call(function, (tensor,), kwargs, random=True)
+        history.writes.append((self._ref(tensor), call))
+        self._advance(call, tensor)
 
     # Replaying ------------------------------------------------------------------------------------------------------
 
@@ -269,8 +268,8 @@ class MetaInit(TorchDispatchMode):
             return history.unreplayable
         if str(history.source.func) in EMPTY and not history.writes:
             return (
-                "it is never written after torch.empty on the meta device: an init that skips meta tensors (e.g. "
-                f"torch.nn.init.{', '.join(SKIPPING_META)} imported by name before the build)"
+                "it is never written after torch.empty on the meta device: an init that returns at once for a meta "
+                "tensor (other than torch.nn.init's, which are recorded)"
             )
         calls = [history.source, *(call for _, call in history.writes)]
         for arg in tree_leaves([(call.args, call.kwargs) for call in calls]):
@@ -305,22 +304,33 @@ def keep_generator_state() -> Iterator[None]:
         torch.default_generator.set_state(state)
 
 
-@contextlib.contextmanager
-def recorded_init_functions(recording: MetaInit) -> Iterator[None]:
-    originals = {name: getattr(nn.init, name) for name in SKIPPING_META}
-    for name, function in originals.items():
-        setattr(nn.init, name, recording.init_function(function))
-    try:
-        yield
-    finally:
-        for name, function in originals.items():
-            setattr(nn.init, name, function)
+class InitsSkippingMeta(TorchFunctionMode):
+    """Records the calls of torch.nn.init's functions that return at once for a meta tensor (`SKIPPING_META`): each
+    asks `tensor.is_meta` first (trunc_normal_ through the helper it calls), which this mode sees. The function's
+    arguments are read from its frame, and the call is recorded as one write (`MetaInit.record_init`); the function
+    then returns as it does for any meta tensor."""
+
+    def __init__(self, recording: MetaInit) -> None:
+        super().__init__()
+        self.recording = recording
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func == IS_META and func(*args):
+            caller = inspect.currentframe().f_back
+            # The caller, or (trunc_normal_) the caller's caller.
+            for frame in (caller, caller.f_back):
+                if (function := SKIPPING_META.get(frame.f_code)) is not None:
+                    called = {name: frame.f_locals[name] for name in inspect.signature(function).parameters}
+                    self.recording.record_init(function, called.pop("tensor"), called)
+                    break
+        return func(*args, **kwargs)
 
 
 def build_on_meta(build: Callable[[], nn.Module]) -> tuple[nn.Module, MetaInit]:
     """`build()` on the meta device, recorded."""
     recording = MetaInit()
-    with torch.device(META), TensorsFromData(), recording, recorded_init_functions(recording):
+    with torch.device(META), TensorsFromData(), recording, InitsSkippingMeta(recording):
         model = build()
     return model, recording
 

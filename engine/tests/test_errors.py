@@ -710,6 +710,7 @@ def overrides_in(run_dir: Path, script: str, overrides: list[str]) -> list[str]:
 
 
 BUGGY_INIT = "a bug in the user's __init__"  # not a mistake: exit 1 with its traceback
+USERS_FILE = "a file the user's __init__ opens"  # the same: a path written in the user's code, not in the config
 
 
 @pytest.fixture(scope="module")
@@ -721,11 +722,8 @@ def entry_point_results(paths) -> dict[str, tuple[dict[str, Any], Path]]:
     cases = {
         name: (script, [arg.format(**paths) for arg in args], None) for name, (script, args, _) in ENTRY_POINTS.items()
     }
-    cases[BUGGY_INIT] = (
-        "train.py",
-        [*QUIET, "model._target_=user_modules.BuggyClassifier", f"hydra.run.dir={tmp}/bug"],
-        None,
-    )
+    for name, module in ((BUGGY_INIT, "BuggyClassifier"), (USERS_FILE, "HardCodedPathClassifier")):
+        cases[name] = ("train.py", [*QUIET, f"model._target_=user_modules.{module}", f"hydra.run.dir={tmp}/bug"], None)
     for name, (script, args, _) in {**WRONG_VALUES, "half epochs": (*HALF_EPOCHS, "")}.items():
         run_dir = case_run_dir(tmp, name)
         cases[name] = (script, overrides_in(run_dir, script, args), run_dir)
@@ -1060,9 +1058,51 @@ def test_a_run_composes_its_config_as_hydra_does_and_no_more(monkeypatch, tmp_pa
 def test_a_bug_in_the_users_init_keeps_its_traceback(entry_point_results):
     """A TypeError raised inside the user's LightningModule.__init__ is a bug in their code, not a config mistake:
     the traceback shows their file and line (an unknown argument in the config is still one line, by signature)."""
-    source = (TESTS / "user_modules.py").read_text().splitlines()
-    bug = next(number for number, line in enumerate(source, 1) if line.endswith("# the bug"))
+    bug = line_of("# the bug")
     failed, _ = entry_point_results[BUGGY_INIT]
     assert failed["rc"] == 1 and "error: model:" not in failed["stderr"]
     assert f'user_modules.py", line {bug}, in __init__' in failed["stderr"]
     assert "TypeError: empty(): argument 'size' (position 1) must be tuple of ints" in failed["stderr"]
+
+
+def line_of(marker: str) -> int:
+    """The line of user_modules.py that ends with `marker`."""
+    source = (TESTS / "user_modules.py").read_text().splitlines()
+    return next(number for number, line in enumerate(source, 1) if line.endswith(marker))
+
+
+@pytest.mark.slow  # the entry points' interpreter
+def test_a_file_the_users_code_opens_keeps_its_traceback(entry_point_results):
+    """An OSError naming a file is a config mistake only where the file is a value of the config and the engine or a
+    library met it: a path written in the user's own __init__ is a bug there, shown with its file and line."""
+    failed, _ = entry_point_results[USERS_FILE]
+    assert failed["rc"] == 1 and "error:" not in failed["stderr"]
+    assert f'user_modules.py", line {line_of("# the missing file")}, in __init__' in failed["stderr"]
+    assert "FileNotFoundError: [Errno 2] No such file or directory: '/nonexistent/class_names.txt'" in failed["stderr"]
+
+
+def test_a_file_error_is_the_users_mistake_only_for_a_path_of_the_config(tmp_path):
+    """Where the engine meets a missing file, the one-line message is for a path the config gave (or a folder above
+    one); any other file is the engine's own and keeps its traceback."""
+    from scaleup.errors import as_user_error
+
+    missing = tmp_path / "nope" / "net.pt"
+    try:
+        missing.open()
+    except OSError as err:
+        raised = err
+    raised.__traceback__ = None  # as if met in installed code: no frame of this file
+    assert "check that path" in str(as_user_error(raised, given=["abc", str(missing)]))
+    assert "check that path" in str(as_user_error(raised, given=[str(missing / "below")]))
+    assert as_user_error(raised, given=["abc", str(tmp_path / "other")]) is None
+
+
+def test_an_engine_bug_in_a_config_section_keeps_its_traceback():
+    """A ValueError raised by the engine's own code while a section is built is a bug, not `data: <message>`: the
+    config's values were checked before the call (here an engine class that refuses its argument itself)."""
+    from scaleup.build import build_datamodule
+
+    data = {"_target_": "scaleup.data.permutation.FeistelPermutation", "n": 0, "seed": 0, "epoch": 0}
+    with pytest.raises(Exception) as raised:
+        build_datamodule(data, {}, seed=0)
+    assert as_user_error(raised.value) is None

@@ -16,6 +16,7 @@ import contextlib
 import difflib
 import functools
 import importlib.util
+import inspect
 import os
 import shutil
 import site
@@ -24,10 +25,11 @@ import sysconfig
 import tempfile
 import traceback
 import typing
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import (
     ConfigCompositionException,
@@ -77,11 +79,14 @@ def first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-def as_user_error(err: BaseException) -> UserError | None:
+def as_user_error(err: BaseException, given: Collection[str] | None = None) -> UserError | None:
     """The user mistake behind `err`, or None when `err` is a bug.
 
     A UserError counts also when a library re-raised it (Hydra's instantiate wraps errors); the others only
-    along explicit `raise ... from` links, so that an error raised while handling a file error stays a bug.
+    along explicit `raise ... from` links, so that an error raised while handling a file error stays a bug. A file
+    that cannot be read or written is the user's to fix where the engine or a library met it (not the user's own
+    code, which opened it) and it is one of the config's values `given` (the strings of the job's config), a folder
+    above one or a file below one: where `given` is None, any.
     """
     for link in _chain(err, implicit=True):
         if isinstance(link, UserError):
@@ -95,12 +100,42 @@ def as_user_error(err: BaseException) -> UserError | None:
         if isinstance(link, OmegaConfBaseException):
             where = f" (at {link.full_key})" if link.full_key else ""
             return UserError(f"the config does not resolve{where}: {first_line(link)}")
-        if isinstance(link, OSError) and link.filename is not None:
+        if isinstance(link, OSError) and link.filename is not None and a_given_path(link, given):
             return UserError(
                 f"{link.filename}: {link.strerror or first_line(link)}; check that path in your overrides "
                 "(a directory to write into must be creatable, a file to read must exist and be readable)"
             )
     return None
+
+
+def a_given_path(err: OSError, given: Collection[str] | None) -> bool:
+    """Whether the file error `err` is about a path of the config's (see `as_user_error`), not raised in the user's
+    own code."""
+    if raised_in_users_code(err):
+        return False
+    if given is None:
+        return True
+    path = os.path.abspath(os.fsdecode(err.filename))
+    paths = [os.path.abspath(value) for value in given if value]
+    return any(path == value or value.startswith(path + os.sep) or path.startswith(value + os.sep) for value in paths)
+
+
+def config_strings(cfg: Any) -> list[str]:
+    """Every string value of the config `cfg` (resolved where it resolves): the paths a job may read or write."""
+    try:
+        tree = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    except OmegaConfBaseException:
+        tree = OmegaConf.to_container(cfg, resolve=False)
+    found, nodes = [], [tree]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, dict):
+            nodes += node.values()
+        elif isinstance(node, list):
+            nodes += node
+        elif isinstance(node, str):
+            found.append(node)
+    return found
 
 
 # What DDP's reducer says when a backward leaves some parameters without a gradient (torch 2.14), and what Lightning
@@ -138,7 +173,7 @@ def config_errors(section: str) -> Iterator[None]:
     negative LR, a Trainer argument), also when Hydra's instantiate wraps it, and Lightning's
     MisconfigurationException become `section: <message>`. One raised inside the user's own code is a bug there
     and keeps its traceback: its arguments were checked against the constructor's signature and hints before
-    the call (config/schema.py).
+    the call (config/schema.py); so is one raised in the engine's own code (a call it made wrong).
     """
     try:
         yield
@@ -146,19 +181,20 @@ def config_errors(section: str) -> Iterator[None]:
         if as_user_error(err) is not None:
             raise
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ is not None else err
-        if isinstance(cause, ValueError | TypeError | MisconfigurationException) and not raised_in_users_code(cause):
+        if isinstance(cause, ValueError | TypeError | MisconfigurationException) and raised_in_a_library(cause):
             raise UserError(f"{section}: {first_line(cause)}") from err
         raise
 
 
-# Where installed code lives (the standard library, site-packages) and the engine's own package: code outside
-# them is the user's (their project's package, its entry points, a test's modules).
+# The engine's own package, and where installed code lives (the standard library, site-packages) besides it: code
+# outside them is the user's (their project's package, its entry points, a test's modules).
+ENGINE_DIR = str(Path(__file__).resolve().parent) + os.sep
 LIBRARY_DIRS = tuple(
     os.path.realpath(path) + os.sep
     for path in {
         *(sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")),
         *site.getsitepackages(),
-        str(Path(__file__).resolve().parent),
+        ENGINE_DIR,
     }
 )
 
@@ -173,6 +209,17 @@ def raised_in_users_code(err: BaseException) -> bool:
     return any(is_users_code(frame.filename) for frame in traceback.extract_tb(err.__traceback__))
 
 
+def raised_in_a_library(err: BaseException) -> bool:
+    """Whether `err` was raised by installed code that the engine called: its innermost frame is neither the
+    engine's (a call the engine made wrong fails there) nor the user's, and no frame runs the user's code."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return (
+        bool(frames)
+        and not raised_in_users_code(err)
+        and not os.path.realpath(frames[-1].filename).startswith(ENGINE_DIR)
+    )
+
+
 def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn a user mistake raised by a job into `error: <message>` on stderr and exit code 2. In a search's trial, the
     mistake is raised for the launcher to return as the trial's failure: the search records the trial as failed and
@@ -185,7 +232,7 @@ def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except Exception as err:
-            user_error = as_user_error(err)
+            user_error = as_user_error(err, config_strings(args[0]) if args else None)
             if user_error is None or tracebacks_asked():
                 raise
             if in_search():
@@ -300,73 +347,99 @@ def grammar_error(err: OverrideParseException) -> str:
     )
 
 
-FULL_ERROR = "HYDRA_FULL_ERROR"  # "1": Hydra raises what fails instead of reporting it (its run_and_report)
-_composing = False  # whether FULL_ERROR is one_line_composition_errors', until the job starts
+FULL_ERROR = "HYDRA_FULL_ERROR"  # "1": the user asks for the traceback behind an error (also Hydra's)
+MULTIRUN_FLAGS = ("-m", "--multirun")
+MODES = ("hydra.mode=RUN", "hydra.mode=MULTIRUN")  # what run_app adds to the overrides, as Hydra's _run_app
 
 
-def one_line_composition_errors(config_dir: Path, config_name: str) -> Callable[[Callable], Callable]:
-    """Decorate an `@hydra.main` entry point whose task function calls `job_started` first: a mistake in the
-    overrides that Hydra finds while it composes the config, before the job starts (so before `exit_on_user_error`),
-    ends in one line and exit code 2 instead of Hydra's message.
+def run_app(task_function: Callable[[DictConfig], Any], config_dir: Path, config_name: str) -> None:
+    """Run `task_function` as `@hydra.main(config_path=config_dir, config_name=config_name)` runs it on the command
+    line's overrides (`-m` included), with one difference: a mistake in the overrides that Hydra finds while it
+    composes the config (an unknown key, a group option that does not exist, an override it cannot parse) ends in
+    one `error:` line and exit code 2 instead of Hydra's message.
 
-    Only Hydra composes the config (a composition of the engine's before it cost 0.1 s a run): until the job starts,
-    HYDRA_FULL_ERROR=1 makes Hydra raise what fails instead of reporting it, and a mistake is turned into its line
-    here (composing again for the closest key: only then). From the job's start on, Hydra reports the job's own
-    errors as usual, a bug with its traceback. With Hydra's own flags (`--multirun`, `--cfg` ...), or a
-    HYDRA_FULL_ERROR of the user's, Hydra reports as usual."""
+    Hydra's own steps, which raise what fails (its `@hydra.main` reports it and exits 1): an error raised outside
+    `task_function` is the composition's (Hydra's, its callbacks' or a sweeper's), turned into its line here where
+    it is a mistake in the overrides, composing again only then for the closest key; the job's own errors, and any
+    other, Hydra reports as usual (a bug with its traceback). With Hydra's other flags (`--cfg`, `--help` ...)
+    `@hydra.main` runs as it is."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import (
+        create_automatic_config_search_path,
+        detect_calling_file_or_module_from_task_function,
+        detect_task_name,
+    )
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
 
-    def decorate(hydra_main: Callable) -> Callable:
-        @functools.wraps(hydra_main)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            global _composing
-            overrides = sys.argv[1:]
-            if args or kwargs or any(arg.startswith("-") for arg in overrides) or FULL_ERROR in os.environ:
-                return hydra_main(*args, **kwargs)
-            os.environ[FULL_ERROR], _composing = "1", True
-            try:
-                return hydra_main()
-            except Exception as err:
-                if not _composing:  # the job's own, which Hydra raises under a debugger
-                    raise
-                job_started()
-                exit_on_composition_error(err, config_dir, config_name, overrides)
-                return hydra_main()  # no mistake of the overrides: Hydra composes again and reports what fails
-            finally:
-                job_started()
+    arguments = sys.argv[1:]
+    if any(arg.startswith("-") and arg not in MULTIRUN_FLAGS for arg in arguments):
+        hydra.main(version_base="1.3", config_path=str(config_dir), config_name=config_name)(task_function)()
+        return
+    overrides = [arg for arg in arguments if arg not in MULTIRUN_FLAGS]
+    calling_file, calling_module = detect_calling_file_or_module_from_task_function(task_function)
+    search_path = create_automatic_config_search_path(calling_file, calling_module, str(config_dir))
+    task_name = detect_task_name(calling_file, calling_module)
+    app = Hydra.create_main_hydra2(task_name=task_name, config_search_path=search_path)
+    try:
+        # As Hydra's _run_app: the config may choose the mode itself (hydra.mode: MULTIRUN in a search's config).
+        mode, flag = app.get_mode(config_name=config_name, overrides=overrides), len(overrides) < len(arguments)
+        if mode is None or (flag and mode == RunMode.RUN):
+            mode = RunMode.MULTIRUN if flag else RunMode.RUN
+            overrides = [*overrides, f"hydra.mode={mode.name}"]
+        run = app.multirun if mode == RunMode.MULTIRUN else app.run
+        run(config_name=config_name, task_function=task_function, overrides=overrides)
+    except Exception as err:
+        GlobalHydra.instance().clear()  # a Hydra of its own composes the closest key
+        if not raised_in(task_function, err) and not tracebacks_asked():
+            exit_on_composition_error(err, config_dir, config_name, [o for o in overrides if o not in MODES])
+        report_as_hydra(err)
+    finally:
+        GlobalHydra.instance().clear()
 
-        return wrapper
 
-    return decorate
+def raised_in(function: Callable[..., Any], err: BaseException) -> bool:
+    """Whether `err` was raised while `function` ran (one of its traceback's frames runs `function`'s code)."""
+    code = inspect.unwrap(function).__code__
+    return any(frame.f_code is code for frame, _ in traceback.walk_tb(err.__traceback__))
+
+
+def report_as_hydra(err: Exception) -> None:
+    """Report `err` as `@hydra.main` does: its traceback without Hydra's frames and exit code 1 (raised where the
+    user set HYDRA_FULL_ERROR=1, or under a debugger)."""
+    from hydra._internal.utils import run_and_report
+
+    def reraise() -> None:
+        raise err
+
+    run_and_report(reraise)
 
 
 def tracebacks_asked() -> bool:
-    """Whether the user set HYDRA_FULL_ERROR=1 to see the traceback behind a user error too (not
-    `one_line_composition_errors`, which sets it while Hydra composes)."""
-    return os.environ.get(FULL_ERROR) == "1" and not _composing
-
-
-def job_started() -> None:
-    """The first call of the task function (or of the search's sweeper) under `one_line_composition_errors`: the
-    config is composed, and Hydra reports errors as usual again (the engine's own checks of a HYDRA_FULL_ERROR the
-    user set see none); the processes the job starts (a launcher's ranks) inherit no HYDRA_FULL_ERROR."""
-    global _composing
-    if _composing:
-        del os.environ[FULL_ERROR]
-        _composing = False
+    """Whether the user set HYDRA_FULL_ERROR=1 to see the traceback behind a user error too."""
+    return os.environ.get(FULL_ERROR) == "1"
 
 
 def exit_on_composition_error(err: Exception, config_dir: Path, config_name: str, overrides: list[str]) -> None:
     """On an unknown key or group option behind Hydra's composition error `err` (composing `config_name` with
-    `overrides`), `error: <message>` and exit 2."""
+    `overrides`, a sweep's among them), `error: <message>` and exit 2."""
     from scaleup.config.project import compose_project  # it imports this module
 
     def composed(given: list[str]) -> DictConfig:
-        return compose_project(config_name, given, configs=config_dir)
+        return compose_project(config_name, single_values(given), configs=config_dir)
 
     user_error = composition_error(err, composed, overrides, job=config_name)
     if user_error is not None:
         print(f"error: {user_error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
+
+
+def single_values(overrides: list[str]) -> list[str]:
+    """`overrides` without those that sweep (`seed=1,2`), which only a multirun takes: the config they vary."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    return [o for o in overrides if not parser.parse_override(o).is_sweep_override()]
 
 
 def new_directories(path: Path) -> list[Path]:

@@ -212,16 +212,16 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
     if isinstance(strategy, FSDPStrategy):
         trainer_kwargs["precision"], precision_plugins = model_parallel_precision(plan.precision)
         plugins += precision_plugins
-    with config_errors("trainer"):
-        trainer = L.Trainer(
-            **trainer_kwargs,
-            strategy=strategy,
-            callbacks=callbacks,
-            logger=loggers or False,
-            plugins=plugins,
-            default_root_dir=run_dir,
-            use_distributed_sampler=False,  # the data module's samplers split the data: Lightning adds none
-        )
+    # The values of the config were checked by Lightning before (check_trainer_arguments): what fails here is a bug.
+    trainer = L.Trainer(
+        **trainer_kwargs,
+        strategy=strategy,
+        callbacks=callbacks,
+        logger=loggers or False,
+        plugins=plugins,
+        default_root_dir=run_dir,
+        use_distributed_sampler=False,  # the data module's samplers split the data: Lightning adds none
+    )
     if trainer.is_global_zero:
         remove_interrupted_writes(config.checkpoint.dirpath)
     return TrainerJob(trainer, stop, best)
@@ -243,17 +243,16 @@ def build_eval_trainer(topology: Topology, precision: Any, plan: Plan, run_dir: 
     tf32, channels_last = plan.tf32, plan.channels_last  # as trained
     set_tf32(tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
     callbacks = [ExactEvalMetrics(), RunFiles(run_dir / "metrics.json"), PerformanceSettings(tf32, channels_last), stop]
-    with config_errors("trainer"):
-        trainer = L.Trainer(
-            accelerator=topology.accelerator,
-            devices=topology.devices,
-            num_nodes=topology.num_nodes,
-            precision=precision,
-            callbacks=callbacks,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=progress_bar,
-            default_root_dir=run_dir,
-            use_distributed_sampler=False,  # the data module's samplers split the data: Lightning adds none
-        )
+    trainer = L.Trainer(  # every value checked before (the topology, the precision): what fails here is a bug
+        accelerator=topology.accelerator,
+        devices=topology.devices,
+        num_nodes=topology.num_nodes,
+        precision=precision,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=progress_bar,
+        default_root_dir=run_dir,
+        use_distributed_sampler=False,  # the data module's samplers split the data: Lightning adds none
+    )
     return TrainerJob(trainer, stop)

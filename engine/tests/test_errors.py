@@ -1106,3 +1106,36 @@ def test_an_engine_bug_in_a_config_section_keeps_its_traceback():
     with pytest.raises(Exception) as raised:
         build_datamodule(data, {}, seed=0)
     assert as_user_error(raised.value) is None
+
+
+def test_a_mistake_under_torchrun_is_one_line_printed_once_and_exit_2(tmp_path, monkeypatch, capsys):
+    """Every torchrun worker finds the same mistake: rank 0 prints it, each rank records it for torchrun's agent, and
+    the engine's wrapper (distributed/torchrun.py) exits 2 adding only another rank's line that differs."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from scaleup.distributed.torchrun import mistakes_unsaid
+    from scaleup.errors import exit_on_user_error
+
+    def job(message: str) -> Callable[[], None]:
+        def refuse() -> None:
+            raise UserError(message)
+
+        return exit_on_user_error(refuse)
+
+    def worker(rank: int, message: str) -> ProcessFailure:
+        error_file = tmp_path / f"rank{rank}" / "error.json"
+        error_file.parent.mkdir(exist_ok=True)
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        with pytest.raises(SystemExit) as exited:
+            job(message)()
+        assert exited.value.code == EXIT_USER_ERROR
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=EXIT_USER_ERROR, error_file=str(error_file))
+
+    same = {rank: worker(rank, "seed=-5 must be an integer in [0, 4294967295]") for rank in (0, 1)}
+    assert capsys.readouterr().err == "error: seed=-5 must be an integer in [0, 4294967295]\n"  # rank 0's, once
+    assert mistakes_unsaid(ChildFailedError("train.py", same)) == []
+    other = {0: same[0], 1: worker(1, "data: rank 1's shard is unreadable")}
+    assert mistakes_unsaid(ChildFailedError("train.py", other)) == ["error: data: rank 1's shard is unreadable"]
+    crashed = {0: same[0], 1: ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file="")}
+    assert mistakes_unsaid(ChildFailedError("train.py", crashed)) is None  # a bug somewhere: torchrun's summary

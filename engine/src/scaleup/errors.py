@@ -17,17 +17,19 @@ import difflib
 import functools
 import importlib.util
 import inspect
+import json
 import os
 import shutil
 import site
 import sys
 import sysconfig
 import tempfile
+import time
 import traceback
 import typing
 from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -120,10 +122,10 @@ def a_given_path(err: OSError, given: Collection[str] | None) -> bool:
     return any(path == value or value.startswith(path + os.sep) or path.startswith(value + os.sep) for value in paths)
 
 
-def config_strings(cfg: Any) -> list[str]:
+def config_strings(cfg: DictConfig) -> list[str]:
     """Every string value of the config `cfg` (resolved where it resolves): the paths a job may read or write."""
     try:
-        tree = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+        tree = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException:
         tree = OmegaConf.to_container(cfg, resolve=False)
     found, nodes = [], [tree]
@@ -232,16 +234,33 @@ def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except Exception as err:
-            user_error = as_user_error(err, config_strings(args[0]) if args else None)
+            config = args[0] if args and isinstance(args[0], DictConfig) else None
+            user_error = as_user_error(err, None if config is None else config_strings(config))
             if user_error is None or tracebacks_asked():
                 raise
             if in_search():
                 raise user_error from err
             remove_refused_hydra_run()
-            print(f"error: {user_error}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USER_ERROR)
+            exit_with(user_error)
 
     return wrapper
+
+
+# torchrun's agent names, in each of its workers, the file where a worker records why it failed; it reads the file
+# back into its summary (torch.distributed.elastic.multiprocessing.errors.ProcessFailure: a message and a timestamp).
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+
+
+def exit_with(user_error: UserError) -> NoReturn:
+    """`error: <message>` on stderr and exit code 2. In a torchrun job, where every rank finds the same mistake in the
+    same config, only rank 0 prints it; each rank records its line for torchrun's agent, whose summary (and the
+    engine's wrapper, distributed/torchrun.py) shows another rank's where it differs."""
+    line = f"error: {user_error}"
+    if error_file := os.environ.get(ERROR_FILE):
+        Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+    if not error_file or os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)
 
 
 def did_you_mean(word: str, known: Iterable[str], prefix: str = "") -> str:
@@ -430,8 +449,7 @@ def exit_on_composition_error(err: Exception, config_dir: Path, config_name: str
 
     user_error = composition_error(err, composed, overrides, job=config_name)
     if user_error is not None:
-        print(f"error: {user_error}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USER_ERROR)
+        exit_with(user_error)
 
 
 def single_values(overrides: list[str]) -> list[str]:

@@ -10,7 +10,8 @@ with 124 (distributed/watchdog.py), and the agent raises ChildFailedError too. A
 or a script cannot tell a hang from a crash. This runs torchrun's own `main` in this process (the same agent, the same
 options) and exits 143 where the agent got SIGTERM, and the workers' code where every failed worker ended with the
 same one of 143 (or killed by SIGTERM before its handler was installed) and 124; any other failure keeps torchrun's
-exit code.
+exit code. A mistake of the user's, which every worker finds and rank 0 prints in one line (exit 2), ends in exit 2
+without torchrun's traceback.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from scaleup.callbacks.preemption import EXIT_PREEMPTED
 from scaleup.distributed.watchdog import EXIT_HUNG
+from scaleup.errors import EXIT_USER_ERROR
 
 # The workers' exit codes passed on, and what each says; a worker killed by SIGTERM counts as EXIT_PREEMPTED.
 PASSED_ON = {
@@ -49,12 +51,26 @@ def outcome(error: SignalException | ChildFailedError) -> tuple[int, str] | None
     return code, "its workers stopped on SIGTERM" if code == EXIT_PREEMPTED else f"every failed worker exited {code}"
 
 
+def mistakes_unsaid(error: ChildFailedError) -> list[str] | None:
+    """Where every failed worker exited EXIT_USER_ERROR (a mistake in one line: errors.exit_with, which only rank 0
+    prints), the lines of the other ranks that differ from rank 0's, from the files they recorded; else None."""
+    if {failure.exitcode for failure in error.failures.values()} != {EXIT_USER_ERROR}:
+        return None
+    said = error.failures[0].message if 0 in error.failures else None
+    lines = [f.message for rank, f in sorted(error.failures.items()) if rank != 0 and isinstance(f.message, str)]
+    return list(dict.fromkeys(line for line in lines if line.startswith("error: ") and line != said))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run torchrun with `argv` (default: this command's arguments); exit 143 where it ended in a pre-emption, 124
-    where its workers hung."""
+    where its workers hung, 2 (the workers' one line, no traceback) on a mistake of the user's."""
     try:
         run.main(argv)
     except (SignalException, ChildFailedError) as error:
+        unsaid = mistakes_unsaid(error) if isinstance(error, ChildFailedError) else None
+        if unsaid is not None:
+            print(*unsaid, sep="\n", file=sys.stderr, end="\n" if unsaid else "")
+            sys.exit(EXIT_USER_ERROR)
         ended = outcome(error)
         if ended is None:
             raise

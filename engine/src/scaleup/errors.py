@@ -295,8 +295,7 @@ def composition_error(
     if (unseen := engine_groups_unseen()) is not None:
         return UserError(unseen)
     if (added := added_twice(err, overrides)) is not None:
-        key, fixed = _override_key(added), added.removeprefix("+")
-        return UserError(f"{added}: {key} is already in the config; set it with {fixed} (a leading + adds a new key)")
+        return UserError(already_in_config(added))
     if isinstance(err, MissingConfigException) and err.options is not None and err.missing_cfg_file:
         group, _, option = err.missing_cfg_file.rpartition("/")
         hint = did_you_mean(option, err.options, f"{group}=")
@@ -317,6 +316,12 @@ def composition_error(
     known = [*(node.keys() if isinstance(node, DictConfig) else ()), *([] if parent else extra)]
     hint = did_you_mean(name, known, f"{parent}." if parent else "")
     return UserError(f"{key}: there is no such key{hint} (a key of your own: +{key}=VALUE)")
+
+
+def already_in_config(added: str) -> str:
+    """Why the override `+key=VALUE` adds nothing: the config holds `key`, which `key=VALUE` sets."""
+    key, fixed = _override_key(added), added.removeprefix("+")
+    return f"{added}: {key} is already in the config; set it with {fixed} (a leading + adds a new key)"
 
 
 def engine_groups_unseen() -> str | None:
@@ -368,6 +373,7 @@ def grammar_error(err: OverrideParseException) -> str:
 
 FULL_ERROR = "HYDRA_FULL_ERROR"  # "1": the user asks for the traceback behind an error (also Hydra's)
 MULTIRUN_FLAGS = ("-m", "--multirun")
+VERSION_BASE = "1.3"  # the Hydra defaults the engine's configs are written for
 MODES = ("hydra.mode=RUN", "hydra.mode=MULTIRUN")  # what run_app adds to the overrides, as Hydra's _run_app
 
 
@@ -382,6 +388,7 @@ def run_app(task_function: Callable[[DictConfig], Any], config_dir: Path, config
     it is a mistake in the overrides, composing again only then for the closest key; the job's own errors, and any
     other, Hydra reports as usual (a bug with its traceback). With Hydra's other flags (`--cfg`, `--help` ...)
     `@hydra.main` runs as it is."""
+    from hydra import version
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import (
         create_automatic_config_search_path,
@@ -393,9 +400,10 @@ def run_app(task_function: Callable[[DictConfig], Any], config_dir: Path, config
 
     arguments = sys.argv[1:]
     if any(arg.startswith("-") and arg not in MULTIRUN_FLAGS for arg in arguments):
-        hydra.main(version_base="1.3", config_path=str(config_dir), config_name=config_name)(task_function)()
+        hydra.main(version_base=VERSION_BASE, config_path=str(config_dir), config_name=config_name)(task_function)()
         return
     overrides = [arg for arg in arguments if arg not in MULTIRUN_FLAGS]
+    version.setbase(VERSION_BASE)  # as @hydra.main(version_base=...): Hydra's 1.3 defaults (no chdir into the run)
     calling_file, calling_module = detect_calling_file_or_module_from_task_function(task_function)
     search_path = create_automatic_config_search_path(calling_file, calling_module, str(config_dir))
     task_name = detect_task_name(calling_file, calling_module)

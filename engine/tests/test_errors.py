@@ -116,6 +116,14 @@ CASES = [
     ("shuffle", "train", ["+data.shuffle=true"], "remove data.shuffle"),
     ("tiny limit", "train", ["trainer.limit_train_batches=0.01"], "limit_train_batches=0.01 keeps less than one"),
     (
+        "validation interval beyond the epoch",  # Lightning refuses it once fit has started
+        "train",
+        ["trainer.val_check_interval=500", "dry_run=true"],
+        "trainer.val_check_interval=500 is more than the 19 training batches of an epoch on each device: validate "
+        "every N <= 19 batches, every share of an epoch (0.5), or every 500 batches across epochs with "
+        "trainer.check_val_every_n_epoch=null",
+    ),
+    (
         "bad interpolation",
         "train",
         ["data.num_workers=${{nowhere}}"],
@@ -364,6 +372,18 @@ ENTRY_POINTS = {
         "eval.py",
         ["ckpt_pat=x.ckpt", "hydra.run.dir={tmp}/ckpt_pat"],
         "error: ckpt_pat: there is no such key; did you mean ckpt_path? (a key of your own: +ckpt_pat=VALUE)",
+    ),
+    "a trainer key the template sets": (
+        "train.py",
+        ["trainer.strategy=ddp_spawn", "dry_run=true", "hydra.run.dir={tmp}/trainer_strategy"],
+        "error: trainer.strategy is set by the template, not in trainer: choose it with strategy.name=VALUE (ddp, "
+        "ddp_spawn or fsdp; strategy=fsdp for FSDP's own keys)",
+    ),
+    # ... also in a sweep, for a key it does not vary (Hydra composes the sweep's config first)
+    "misspelled key in a sweep": (
+        "train.py",
+        ["-m", "seed=1,2", "trainer.max_epoch=1", "dry_run=true", "hydra.sweep.dir={tmp}/sweep_typo"],
+        "error: trainer.max_epoch is not a key of trainer; did you mean trainer.max_epochs?",
     ),
     # a refused run in a directory that holds an earlier one (a resume) leaves what is there
     "refused in an existing run directory": (
@@ -971,6 +991,13 @@ def complete(tmp_path_factory) -> Callable[[dict[str, Any], str], dict[str, Any]
             "strategy.mixed_precision?",
         ),
         ({"strategy": {"name": "ddp", "sharding": "hybrid"}}, "train", FSDP_KEY),
+        (  # Lightning takes both: 0 divides by zero at the first epoch's end, maybe is taken as true
+            {"trainer": {"check_val_every_n_epoch": 0, "deterministic": "maybe"}},
+            "train",
+            "trainer.check_val_every_n_epoch=0 must be an integer >= 1 (validate every N epochs) or null (with an "
+            "integer val_check_interval: every N batches across epochs); trainer.deterministic=maybe must be true, "
+            "false, warn or null",
+        ),
         (  # a target that does not import: its arguments are not checked
             {"model": {"_target_": "no.such.module.Model", "width": "abc"}},
             "train",
@@ -985,6 +1012,53 @@ def test_schema_messages(config, job, message, complete):
     assert str(raised.value) == message
 
 
+@pytest.mark.parametrize(
+    ("config", "override", "message"),
+    [
+        (  # the Trainer argument the template sets itself: where the setting lives, not the same key again
+            {"trainer": {"strategy": "ddp_spawn"}},
+            "+trainer.strategy=ddp_spawn",
+            "trainer.strategy is set by the template, not in trainer: choose it with strategy.name=VALUE (ddp, "
+            "ddp_spawn or fsdp; strategy=fsdp for FSDP's own keys)",
+        ),
+        (
+            {"trainer": {"callbacks": []}},
+            "+trainer.callbacks=[]",
+            "trainer.callbacks is set by the template, not in trainer: yours are the callbacks group's "
+            "(callbacks=[default,early_stopping], or +callbacks.<name>={_target_: ...}), the template adds its own",
+        ),
+        (  # Hydra takes + over a null, refuses it over a value: both are refused alike
+            {"trainer": {"limit_train_batches": 0.5}},
+            "+trainer.limit_train_batches=0.5",
+            "+trainer.limit_train_batches=0.5: trainer.limit_train_batches is already in the config; set it with "
+            "trainer.limit_train_batches=0.5 (a leading + adds a new key)",
+        ),
+        (
+            {"ckpt_path": "x.ckpt"},
+            "+ckpt_path=x.ckpt",
+            "+ckpt_path=x.ckpt: ckpt_path is already in the config; set it with ckpt_path=x.ckpt (a leading + adds a "
+            "new key)",
+        ),
+        (  # a top-level key that nothing reads, as a known name at the top level is (+lr=0.5)
+            {"warmup_epoch": 1, "lr_schedule": {}},
+            "+warmup_epoch=1",
+            "+warmup_epoch=1: nothing reads a top-level warmup_epoch; did you mean lr_schedule.warmup_epochs? (a key "
+            "of your own belongs in your configs/train.yaml)",
+        ),
+    ],
+)
+def test_a_key_added_with_plus_is_refused_where_it_adds_nothing(config, override, message, complete):
+    with pytest.raises(UserError) as raised:
+        validate_config(complete(config, "train"), "train", [override])
+    assert str(raised.value) == message
+
+
+def test_a_key_of_your_own_added_with_plus_passes(complete):
+    """A new key in a section that passes keys on (data, model), and a group chosen with + (an experiment)."""
+    config = complete({"data": {"anything": 1}, "model": {"net": {"depth": 3}}}, "train")
+    validate_config(config, "train", ["+data.anything=1", "+experiment=goyal_imagenet", "++trainer.max_epochs=2"])
+
+
 ACCEPTED = [
     *({"trainer": {"devices": devices}} for devices in (1, 8, -1, "-1", "auto", [0, 1], "0,1", "3,")),
     *({"trainer": {"precision": precision}} for precision in ("auto", "64-true", 16, "bf16-mixed")),
@@ -996,7 +1070,7 @@ ACCEPTED = [
     # null (the data fills it in) and what Hydra builds pass
     {"model": {"_target_": f"{__name__}.Widget", "size": None, "scale": {"_target_": "math.sqrt"}}},
     # a Trainer argument the schema does not check, and the data module's own arguments
-    {"trainer": {"enable_checkpointing": True}, "data": {"anything": 1}},
+    {"trainer": {"benchmark": True}, "data": {"anything": 1}},
 ]
 
 
@@ -1016,6 +1090,16 @@ def test_schema_accepts(config, complete):
         (
             {"val_check_interval": 0.5, "max_time": {"hourz": 1}},
             "trainer.max_time={hourz: 1}: 'hourz' is an invalid keyword argument for __new__()",
+        ),
+        (  # Lightning takes it, and stops at max_epochs
+            {"min_epochs": 20, "max_epochs": 12},
+            "trainer.min_epochs=20 is above trainer.max_epochs=12, which would stop the run first: lower "
+            "trainer.min_epochs or raise trainer.max_epochs",
+        ),
+        (
+            {"min_steps": 10, "max_steps": 5},
+            "trainer.min_steps=10 is above trainer.max_steps=5, which would stop the run first: lower "
+            "trainer.min_steps or raise trainer.max_steps",
         ),
         (  # refused together only: the message names both
             {"barebones": True},

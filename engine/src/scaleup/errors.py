@@ -113,13 +113,23 @@ def as_user_error(err: BaseException, given: Collection[str] | None = None) -> U
 def a_given_path(err: OSError, given: Collection[str] | None) -> bool:
     """Whether the file error `err` is about a path of the config's (see `as_user_error`), not raised in the user's
     own code."""
-    if raised_in_users_code(err):
+    if opened_by_users_code(err):
         return False
     if given is None:
         return True
     path = os.path.abspath(os.fsdecode(err.filename))
     paths = [os.path.abspath(value) for value in given if value]
     return any(path == value or value.startswith(path + os.sep) or path.startswith(value + os.sep) for value in paths)
+
+
+def opened_by_users_code(err: OSError) -> bool:
+    """Whether the user's code met the file error `err` itself: the innermost frame of its traceback that is not a
+    library's (the standard library's, an installed package's) is the user's, not the engine's."""
+    frames = traceback.extract_tb(err.__traceback__)
+    owners = [
+        f.filename for f in frames if is_users_code(f.filename) or os.path.realpath(f.filename).startswith(ENGINE_DIR)
+    ]
+    return bool(owners) and is_users_code(owners[-1])
 
 
 def config_strings(cfg: DictConfig) -> list[str]:

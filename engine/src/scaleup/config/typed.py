@@ -52,8 +52,11 @@ def export_config(cfg: DictConfig) -> ExportConfig:
 def command_line() -> list[str]:
     """The command line's overrides that composed the running job's config (none outside a Hydra job)."""
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    if not HydraConfig.initialized():
+        return []
+    return OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)  # as typed: ${...} unresolved
 
 
 def data_batches(data: dict[str, Any]) -> DataBatches:
@@ -80,7 +83,7 @@ def record(cls: type[Any], config: dict[str, Any], job: str, **given: Any) -> An
 def needed(config: dict[str, Any], name: str, job: str) -> Any:
     """`config[name]`, which `job` reads: where the config does not hold it (`~data` removed it, leaving only the
     batch keys the top config states for any data module), a UserError naming the form that sets it."""
-    if name not in config or (name == "data" and "_target_" not in (config[name] or {})):
+    if name not in config or (job == "train" and name == "data" and "_target_" not in (config[name] or {})):
         raise UserError(missing_key_message(job, name))
     return config[name]
 

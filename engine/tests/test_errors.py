@@ -1117,8 +1117,9 @@ def test_a_trainer_value_lightning_refuses_is_its_message_in_one_line(values, me
 
 
 def test_a_run_composes_its_config_as_hydra_does_and_no_more(monkeypatch, tmp_path):
-    """`python train.py` leaves the composition to @hydra.main: a mistake in the overrides is one line from Hydra's
-    own composition (raised, not reported, until the job starts), not from composing the config once before it."""
+    """`python train.py` leaves the composition to Hydra: a mistake in the overrides is one line from Hydra's own
+    composition (run through Hydra's steps, which raise), not from composing the config once before it; and no
+    environment variable carries the engine's choice."""
     import scaleup.train
     from scaleup.config import project
 
@@ -1134,7 +1135,7 @@ def test_a_run_composes_its_config_as_hydra_does_and_no_more(monkeypatch, tmp_pa
     monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *overrides])
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     assert composed == [] and (tmp_path / "run" / "plan.json").exists()
-    # Hydra raised rather than reported while it composed; the job, and the processes it starts, see none of that.
+    # The job, and the processes it starts, see no HYDRA_FULL_ERROR the user did not set.
     assert seen == [None] and "HYDRA_FULL_ERROR" not in os.environ
 
 

@@ -1,13 +1,14 @@
 """User mistakes end in one clear message and a non-zero exit, never a traceback.
 
-Two kinds of error count as the user's:
+Where an error comes from and what it is about decide whose it is, not its type alone:
 - a `UserError` that the code raises on purpose, naming the fix;
-- an error that says the user's input is wrong wherever it is raised: a config value left `???` or a broken
-  interpolation (omegaconf), a path that cannot be read or written (an OSError naming a file), and, while
-  objects are built from a config section (`config_errors`), the ValueError or TypeError that a library's or the
-  engine's constructor raises for a bad value.
-Anything else is a bug and keeps its traceback: an exception raised inside the user's own code among them.
-`HYDRA_FULL_ERROR=1` shows the traceback behind a user error too.
+- a config value left `???` or a broken interpolation (omegaconf);
+- a file that cannot be read or written, where the engine or a library met it and it is a path of the config's;
+- while objects are built from a config section (`config_errors`), the ValueError or TypeError that a library's
+  constructor raises for a value.
+Anything else is a bug and keeps its traceback: an error raised inside the user's own code (a file it opens among
+them), and one raised by the engine's own code. A mistake in the command line's overrides that Hydra finds while it
+composes the config is one line too (`run_app`). `HYDRA_FULL_ERROR=1` shows the traceback behind a user error too.
 """
 
 from __future__ import annotations

@@ -418,8 +418,8 @@ def run_app(task_function: Callable[[DictConfig], Any], config_dir: Path, config
     calling_file, calling_module = detect_calling_file_or_module_from_task_function(task_function)
     search_path = create_automatic_config_search_path(calling_file, calling_module, str(config_dir))
     task_name = detect_task_name(calling_file, calling_module)
-    app = Hydra.create_main_hydra2(task_name=task_name, config_search_path=search_path)
     try:
+        app = Hydra.create_main_hydra2(task_name=task_name, config_search_path=search_path)
         # As Hydra's _run_app: the config may choose the mode itself (hydra.mode: MULTIRUN in a search's config).
         mode, flag = app.get_mode(config_name=config_name, overrides=overrides), len(overrides) < len(arguments)
         if mode is None or (flag and mode == RunMode.RUN):

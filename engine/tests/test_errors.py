@@ -1224,3 +1224,23 @@ def test_a_mistake_under_torchrun_is_one_line_printed_once_and_exit_2(tmp_path, 
     assert mistakes_unsaid(ChildFailedError("train.py", other)) == ["error: data: rank 1's shard is unreadable"]
     crashed = {0: same[0], 1: ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file="")}
     assert mistakes_unsaid(ChildFailedError("train.py", crashed)) is None  # a bug somewhere: torchrun's summary
+
+
+def test_the_torchrun_wrapper_names_the_rank_that_raised_as_the_root_cause(tmp_path, monkeypatch):
+    """Rank 1 raised and recorded its error (the watchdog's record, for torchrun's agent); rank 0 stopped because of
+    it, within the same second: torchrun's summary names rank 1, not the first rank of the tie."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from scaleup.distributed.torchrun import root_cause_first
+    from scaleup.errors import record_for_launcher
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "rank1.json"))
+    assert record_for_launcher("rank 1 (pid 101) failed at step 5:\nValueError: rank 1 cannot go on")
+    failures = {
+        0: ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(tmp_path / "rank0.json")),
+        1: ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file=str(tmp_path / "rank1.json")),
+    }
+    failures[0].timestamp = failures[1].timestamp  # stopped within the same second
+    named = root_cause_first(ChildFailedError("train.py", failures))
+    assert named.get_first_failure()[0] == 1 and "ValueError: rank 1 cannot go on" in named.format_msg()
+    assert sorted(named.failures) == [0, 1]

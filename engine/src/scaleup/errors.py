@@ -267,11 +267,18 @@ def exit_with(user_error: UserError) -> NoReturn:
     same config, only rank 0 prints it; each rank records its line for torchrun's agent, whose summary (and the
     engine's wrapper, distributed/torchrun.py) shows another rank's where it differs."""
     line = f"error: {user_error}"
-    if error_file := os.environ.get(ERROR_FILE):
-        Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
-    if not error_file or os.environ.get("RANK", "0") == "0":
+    if not record_for_launcher(line) or os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
     sys.exit(EXIT_USER_ERROR)
+
+
+def record_for_launcher(message: str) -> bool:
+    """In a torchrun worker, record why it fails in the file its agent names, for the agent's summary (which names the
+    failure that recorded first as the root cause): the worker's own error, not a peer's. Whether there is one."""
+    if (error_file := os.environ.get(ERROR_FILE)) is None:
+        return False
+    Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+    return True
 
 
 def did_you_mean(word: str, known: Iterable[str], prefix: str = "") -> str:

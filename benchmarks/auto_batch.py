@@ -64,8 +64,8 @@ def recipe(args: argparse.Namespace) -> list[str]:
             "trainer.accelerator=cpu",
             f"trainer.max_steps={args.steps}",
             "trainer.num_sanity_val_steps=0",
-            "+trainer.limit_val_batches=1",
-            "+trainer.limit_test_batches=1",
+            "trainer.limit_val_batches=1",
+            "trainer.limit_test_batches=1",
         ]
     return [
         "experiment=goyal_imagenet",
@@ -75,8 +75,8 @@ def recipe(args: argparse.Namespace) -> list[str]:
         "data.test_size=512",
         f"trainer.max_steps={args.steps}",
         "trainer.num_sanity_val_steps=0",
-        "+trainer.limit_val_batches=2",
-        "+trainer.limit_test_batches=2",
+        "trainer.limit_val_batches=2",
+        "trainer.limit_test_batches=2",
         "logger=none",
     ]
 

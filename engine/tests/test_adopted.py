@@ -9,8 +9,10 @@ import struct
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from conftest import QUICK, TOLERANCE, assert_same_weights, check, in_process, read_json, run, weights
+from scaleup.build import check_model_fits_data
 from scaleup.errors import UserError
 
 PAIR = ["data=lht_mnist", "model=lht_mnist", *QUICK]
@@ -48,6 +50,27 @@ def test_the_train_loaders_batch_size_is_the_global_batch_unless_the_config_sets
     assert (
         "the plan's per-device batch replaces the batch_size=64 of MNISTDataModule's own loaders"
         in (tmp_path / "set" / "train.log").read_text()
+    )
+
+
+def test_what_the_data_module_knows_fills_the_nets_null_keys_and_every_missing_one_is_named(mnist, tmp_path):
+    """The pair's DataModule has a `num_classes` property: a net that waits for it (`null`) gets it, as from the
+    template's own modules' `model_settings()`; what no one gives is named, every key at once."""
+    cnn = [*mnist, "model=digits_cnn", "dry_run=true"]
+    with pytest.raises(UserError) as raised:
+        in_process([*cnn, f"hydra.run.dir={tmp_path / 'missing'}"])
+    assert str(raised.value) == (
+        "model.net.in_channels is null, to be taken from the data, and the data (testbed.lht_mnist.MNISTDataModule) "
+        "does not give it (it gives model.net.num_classes): set model.net.in_channels=<value>"
+    )
+    in_process([*cnn, "model.net.in_channels=1", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["net"]["num_classes"] == 10
+    net = {"_target_": "testbed.models.DigitsCNN", "num_classes": None, "in_channels": None}
+    with pytest.raises(UserError) as raised:
+        check_model_fits_data({"_target_": "m", "net": net}, {"_target_": "d"}, {})
+    assert str(raised.value) == (
+        "model.net.num_classes, model.net.in_channels are null, to be taken from the data, and the data (d) does not "
+        "give them: set model.net.num_classes=<value> model.net.in_channels=<value>"
     )
 
 

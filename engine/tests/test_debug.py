@@ -40,9 +40,9 @@ def test_the_plan_follows_the_debug_flags(option, steps_per_epoch, warmup, total
 def test_flags_count_micro_batches_and_an_epochs_last_step(tmp_path):
     """limit_train_batches counts loader batches: 5 micro-batches at accumulation 2 are 3 optimizer steps, the
     last one on a single micro-batch (Lightning steps at the end of an epoch)."""
-    plan = plan_of("+trainer.limit_train_batches=5", "trainer.accumulate_grad_batches=2", tmp_path=tmp_path)
+    plan = plan_of("trainer.limit_train_batches=5", "trainer.accumulate_grad_batches=2", tmp_path=tmp_path)
     assert (plan["steps_per_epoch"], plan["total_steps"]) == (3, 36)
-    plan = plan_of("+trainer.limit_train_batches=0.5", "trainer.max_steps=50", tmp_path=tmp_path / "share")
+    plan = plan_of("trainer.limit_train_batches=0.5", "trainer.max_steps=50", tmp_path=tmp_path / "share")
     assert (plan["steps_per_epoch"], plan["total_steps"]) == (9, 50)  # int(19 * 0.5); max_steps ends it
 
 
@@ -83,7 +83,7 @@ def test_profiler_reports_where_the_time_goes(tmp_path):
     lightning_log = logging.getLogger("lightning.pytorch")  # Lightning's own console logger prints the report
     lightning_log.addHandler(handler)
     try:
-        run("profiler", tmp_path, "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=1")
+        run("profiler", tmp_path, "trainer.limit_train_batches=2", "trainer.limit_val_batches=1")
     finally:
         lightning_log.removeHandler(handler)
     assert "FIT Profiler Report" in report.getvalue() and "run_training_batch" in report.getvalue()
@@ -101,7 +101,7 @@ class AnomalyProbe(L.Callback):
 @pytest.mark.slow  # an end-to-end run
 def test_anomaly_detection_is_on_during_training(tmp_path):
     AnomalyProbe.seen.clear()
-    probe = [f"+callbacks.anomaly_probe._target_={__name__}.AnomalyProbe", "+trainer.limit_train_batches=2"]
-    run("anomaly", tmp_path, *probe, "+trainer.limit_val_batches=1")
+    probe = [f"+callbacks.anomaly_probe._target_={__name__}.AnomalyProbe", "trainer.limit_train_batches=2"]
+    run("anomaly", tmp_path, *probe, "trainer.limit_val_batches=1")
     assert AnomalyProbe.seen == [True, True]
     assert not torch.is_anomaly_enabled()  # and off again afterwards

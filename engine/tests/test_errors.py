@@ -134,6 +134,14 @@ CASES = [
     ("shuffle", "train", ["+data.shuffle=true"], "remove data.shuffle"),
     ("tiny limit", "train", ["trainer.limit_train_batches=0.01"], "limit_train_batches=0.01 keeps less than one"),
     (
+        "validation interval beyond the epoch",  # Lightning refuses it once fit has started
+        "train",
+        ["trainer.val_check_interval=500", "dry_run=true"],
+        "trainer.val_check_interval=500 is more than the 19 training batches of an epoch on each device: validate "
+        "every N <= 19 batches, every share of an epoch (0.5), or every 500 batches across epochs with "
+        "trainer.check_val_every_n_epoch=null",
+    ),
+    (
         "bad interpolation",
         "train",
         ["data.num_workers=${{nowhere}}"],
@@ -452,6 +460,18 @@ ENTRY_POINTS = {
         "eval.py",
         ["ckpt_pat=x.ckpt", "hydra.run.dir={tmp}/ckpt_pat"],
         "error: ckpt_pat: there is no such key; did you mean ckpt_path? (a key of your own: +ckpt_pat=VALUE)",
+    ),
+    "a trainer key the template sets": (
+        "train.py",
+        ["trainer.strategy=ddp_spawn", "dry_run=true", "hydra.run.dir={tmp}/trainer_strategy"],
+        "error: trainer.strategy is set by the template, not in trainer: choose it with strategy.name=VALUE (ddp, "
+        "ddp_spawn or fsdp; strategy=fsdp for FSDP's own keys)",
+    ),
+    # ... also in a sweep, for a key it does not vary (Hydra composes the sweep's config first)
+    "misspelled key in a sweep": (
+        "train.py",
+        ["-m", "seed=1,2", "trainer.max_epoch=1", "dry_run=true", "hydra.sweep.dir={tmp}/sweep_typo"],
+        "error: trainer.max_epoch is not a key of trainer; did you mean trainer.max_epochs?",
     ),
     # a refused run in a directory that holds an earlier one (a resume) leaves what is there
     "refused in an existing run directory": (
@@ -798,6 +818,7 @@ def overrides_in(run_dir: Path, script: str, overrides: list[str]) -> list[str]:
 
 
 BUGGY_INIT = "a bug in the user's __init__"  # not a mistake: exit 1 with its traceback
+USERS_FILE = "a file the user's __init__ opens"  # the same: a path written in the user's code, not in the config
 
 
 @pytest.fixture(scope="module")
@@ -809,11 +830,8 @@ def entry_point_results(paths) -> dict[str, tuple[dict[str, Any], Path]]:
     cases = {
         name: (script, [arg.format(**paths) for arg in args], None) for name, (script, args, _) in ENTRY_POINTS.items()
     }
-    cases[BUGGY_INIT] = (
-        "train.py",
-        [*QUIET, "model._target_=user_modules.BuggyClassifier", f"hydra.run.dir={tmp}/bug"],
-        None,
-    )
+    for name, module in ((BUGGY_INIT, "BuggyClassifier"), (USERS_FILE, "HardCodedPathClassifier")):
+        cases[name] = ("train.py", [*QUIET, f"model._target_=user_modules.{module}", f"hydra.run.dir={tmp}/bug"], None)
     for name, (script, args, _) in {**WRONG_VALUES, "half epochs": (*HALF_EPOCHS, "")}.items():
         run_dir = case_run_dir(tmp, name)
         cases[name] = (script, overrides_in(run_dir, script, args), run_dir)
@@ -1061,6 +1079,13 @@ def complete(tmp_path_factory) -> Callable[[dict[str, Any], str], dict[str, Any]
             "strategy.mixed_precision?",
         ),
         ({"strategy": {"name": "ddp", "sharding": "hybrid"}}, "train", FSDP_KEY),
+        (  # Lightning takes both: 0 divides by zero at the first epoch's end, maybe is taken as true
+            {"trainer": {"check_val_every_n_epoch": 0, "deterministic": "maybe"}},
+            "train",
+            "trainer.check_val_every_n_epoch=0 must be an integer >= 1 (validate every N epochs) or null (with an "
+            "integer val_check_interval: every N batches across epochs); trainer.deterministic=maybe must be true, "
+            "false, warn or null",
+        ),
         (  # a target that does not import: its arguments are not checked
             {"model": {"_target_": "no.such.module.Model", "width": "abc"}},
             "train",
@@ -1075,6 +1100,53 @@ def test_schema_messages(config, job, message, complete):
     assert str(raised.value) == message
 
 
+@pytest.mark.parametrize(
+    ("config", "override", "message"),
+    [
+        (  # the Trainer argument the template sets itself: where the setting lives, not the same key again
+            {"trainer": {"strategy": "ddp_spawn"}},
+            "+trainer.strategy=ddp_spawn",
+            "trainer.strategy is set by the template, not in trainer: choose it with strategy.name=VALUE (ddp, "
+            "ddp_spawn or fsdp; strategy=fsdp for FSDP's own keys)",
+        ),
+        (
+            {"trainer": {"callbacks": []}},
+            "+trainer.callbacks=[]",
+            "trainer.callbacks is set by the template, not in trainer: yours are the callbacks group's "
+            "(callbacks=[default,early_stopping], or +callbacks.<name>={_target_: ...}), the template adds its own",
+        ),
+        (  # Hydra takes + over a null, refuses it over a value: both are refused alike
+            {"trainer": {"limit_train_batches": 0.5}},
+            "+trainer.limit_train_batches=0.5",
+            "+trainer.limit_train_batches=0.5: trainer.limit_train_batches is already in the config; set it with "
+            "trainer.limit_train_batches=0.5 (a leading + adds a new key)",
+        ),
+        (
+            {"ckpt_path": "x.ckpt"},
+            "+ckpt_path=x.ckpt",
+            "+ckpt_path=x.ckpt: ckpt_path is already in the config; set it with ckpt_path=x.ckpt (a leading + adds a "
+            "new key)",
+        ),
+        (  # a top-level key that nothing reads, as a known name at the top level is (+lr=0.5)
+            {"warmup_epoch": 1, "lr_schedule": {}},
+            "+warmup_epoch=1",
+            "+warmup_epoch=1: nothing reads a top-level warmup_epoch; did you mean lr_schedule.warmup_epochs? (a key "
+            "of your own belongs in your configs/train.yaml)",
+        ),
+    ],
+)
+def test_a_key_added_with_plus_is_refused_where_it_adds_nothing(config, override, message, complete):
+    with pytest.raises(UserError) as raised:
+        validate_config(complete(config, "train"), "train", [override])
+    assert str(raised.value) == message
+
+
+def test_a_key_of_your_own_added_with_plus_passes(complete):
+    """A new key in a section that passes keys on (data, model), and a group chosen with + (an experiment)."""
+    config = complete({"data": {"anything": 1}, "model": {"net": {"depth": 3}}}, "train")
+    validate_config(config, "train", ["+data.anything=1", "+experiment=goyal_imagenet", "++trainer.max_epochs=2"])
+
+
 ACCEPTED = [
     *({"trainer": {"devices": devices}} for devices in (1, 8, -1, "-1", "auto", [0, 1], "0,1", "3,")),
     *({"trainer": {"precision": precision}} for precision in ("auto", "64-true", 16, "bf16-mixed")),
@@ -1086,7 +1158,7 @@ ACCEPTED = [
     # null (the data fills it in) and what Hydra builds pass
     {"model": {"_target_": f"{__name__}.Widget", "size": None, "scale": {"_target_": "math.sqrt"}}},
     # a Trainer argument the schema does not check, and the data module's own arguments
-    {"trainer": {"enable_checkpointing": True}, "data": {"anything": 1}},
+    {"trainer": {"benchmark": True}, "data": {"anything": 1}},
 ]
 
 
@@ -1107,6 +1179,16 @@ def test_schema_accepts(config, complete):
             {"val_check_interval": 0.5, "max_time": {"hourz": 1}},
             "trainer.max_time={hourz: 1}: 'hourz' is an invalid keyword argument for __new__()",
         ),
+        (  # Lightning takes it, and stops at max_epochs
+            {"min_epochs": 20, "max_epochs": 12},
+            "trainer.min_epochs=20 is above trainer.max_epochs=12, which would stop the run first: lower "
+            "trainer.min_epochs or raise trainer.max_epochs",
+        ),
+        (
+            {"min_steps": 10, "max_steps": 5},
+            "trainer.min_steps=10 is above trainer.max_steps=5, which would stop the run first: lower "
+            "trainer.min_steps or raise trainer.max_steps",
+        ),
         (  # refused together only: the message names both
             {"barebones": True},
             "trainer: `Trainer(barebones=True, enable_progress_bar=True)` was passed. The progress bar can impact raw "
@@ -1123,8 +1205,9 @@ def test_a_trainer_value_lightning_refuses_is_its_message_in_one_line(values, me
 
 
 def test_a_run_composes_its_config_as_hydra_does_and_no_more(monkeypatch, tmp_path):
-    """`python train.py` leaves the composition to @hydra.main: a mistake in the overrides is one line from Hydra's
-    own composition (raised, not reported, until the job starts), not from composing the config once before it."""
+    """`python train.py` leaves the composition to Hydra: a mistake in the overrides is one line from Hydra's own
+    composition (run through Hydra's steps, which raise), not from composing the config once before it; and no
+    environment variable carries the engine's choice."""
     import scaleup.train
     from scaleup.config import project
 
@@ -1140,7 +1223,7 @@ def test_a_run_composes_its_config_as_hydra_does_and_no_more(monkeypatch, tmp_pa
     monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *overrides])
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     assert composed == [] and (tmp_path / "run" / "plan.json").exists()
-    # Hydra raised rather than reported while it composed; the job, and the processes it starts, see none of that.
+    # The job, and the processes it starts, see no HYDRA_FULL_ERROR the user did not set.
     assert seen == [None] and "HYDRA_FULL_ERROR" not in os.environ
 
 
@@ -1148,9 +1231,104 @@ def test_a_run_composes_its_config_as_hydra_does_and_no_more(monkeypatch, tmp_pa
 def test_a_bug_in_the_users_init_keeps_its_traceback(entry_point_results):
     """A TypeError raised inside the user's LightningModule.__init__ is a bug in their code, not a config mistake:
     the traceback shows their file and line (an unknown argument in the config is still one line, by signature)."""
-    source = (TESTS / "user_modules.py").read_text().splitlines()
-    bug = next(number for number, line in enumerate(source, 1) if line.endswith("# the bug"))
+    bug = line_of("# the bug")
     failed, _ = entry_point_results[BUGGY_INIT]
     assert failed["rc"] == 1 and "error: model:" not in failed["stderr"]
     assert f'user_modules.py", line {bug}, in __init__' in failed["stderr"]
     assert "TypeError: empty(): argument 'size' (position 1) must be tuple of ints" in failed["stderr"]
+
+
+def line_of(marker: str) -> int:
+    """The line of user_modules.py that ends with `marker`."""
+    source = (TESTS / "user_modules.py").read_text().splitlines()
+    return next(number for number, line in enumerate(source, 1) if line.endswith(marker))
+
+
+@pytest.mark.slow  # the entry points' interpreter
+def test_a_file_the_users_code_opens_keeps_its_traceback(entry_point_results):
+    """An OSError naming a file is a config mistake only where the file is a value of the config and the engine or a
+    library met it: a path written in the user's own __init__ is a bug there, shown with its file and line."""
+    failed, _ = entry_point_results[USERS_FILE]
+    assert failed["rc"] == 1 and "error:" not in failed["stderr"]
+    assert f'user_modules.py", line {line_of("# the missing file")}, in __init__' in failed["stderr"]
+    assert "FileNotFoundError: [Errno 2] No such file or directory: '/nonexistent/class_names.txt'" in failed["stderr"]
+
+
+def test_a_file_error_is_the_users_mistake_only_for_a_path_of_the_config(tmp_path):
+    """Where the engine meets a missing file, the one-line message is for a path the config gave (or a folder above
+    one); any other file is the engine's own and keeps its traceback."""
+    from scaleup.errors import as_user_error
+
+    missing = tmp_path / "nope" / "net.pt"
+    try:
+        missing.open()
+    except OSError as err:
+        raised = err
+    raised.__traceback__ = None  # as if met in installed code: no frame of this file
+    assert "check that path" in str(as_user_error(raised, given=["abc", str(missing)]))
+    assert "check that path" in str(as_user_error(raised, given=[str(missing / "below")]))
+    assert as_user_error(raised, given=["abc", str(tmp_path / "other")]) is None
+
+
+def test_an_engine_bug_in_a_config_section_keeps_its_traceback():
+    """A ValueError raised by the engine's own code while a section is built is a bug, not `data: <message>`: the
+    config's values were checked before the call (here an engine class that refuses its argument itself)."""
+    from scaleup.build import build_datamodule
+
+    data = {"_target_": "scaleup.data.permutation.FeistelPermutation", "n": 0, "seed": 0, "epoch": 0}
+    with pytest.raises(Exception) as raised:
+        build_datamodule(data, {}, seed=0)
+    assert as_user_error(raised.value) is None
+
+
+def test_a_mistake_under_torchrun_is_one_line_printed_once_and_exit_2(tmp_path, monkeypatch, capsys):
+    """Every torchrun worker finds the same mistake: rank 0 prints it, each rank records it for torchrun's agent, and
+    the engine's wrapper (distributed/torchrun.py) exits 2 adding only another rank's line that differs."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from scaleup.distributed.torchrun import mistakes_unsaid
+    from scaleup.errors import exit_on_user_error
+
+    def job(message: str) -> Callable[[], None]:
+        def refuse() -> None:
+            raise UserError(message)
+
+        return exit_on_user_error(refuse)
+
+    def worker(rank: int, message: str) -> ProcessFailure:
+        error_file = tmp_path / f"rank{rank}" / "error.json"
+        error_file.parent.mkdir(exist_ok=True)
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        with pytest.raises(SystemExit) as exited:
+            job(message)()
+        assert exited.value.code == EXIT_USER_ERROR
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=EXIT_USER_ERROR, error_file=str(error_file))
+
+    same = {rank: worker(rank, "seed=-5 must be an integer in [0, 4294967295]") for rank in (0, 1)}
+    assert capsys.readouterr().err == "error: seed=-5 must be an integer in [0, 4294967295]\n"  # rank 0's, once
+    assert mistakes_unsaid(ChildFailedError("train.py", same)) == []
+    other = {0: same[0], 1: worker(1, "data: rank 1's shard is unreadable")}
+    assert mistakes_unsaid(ChildFailedError("train.py", other)) == ["error: data: rank 1's shard is unreadable"]
+    crashed = {0: same[0], 1: ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file="")}
+    assert mistakes_unsaid(ChildFailedError("train.py", crashed)) is None  # a bug somewhere: torchrun's summary
+
+
+def test_the_torchrun_wrapper_names_the_rank_that_raised_as_the_root_cause(tmp_path, monkeypatch):
+    """Rank 1 raised and recorded its error (the watchdog's record, for torchrun's agent); rank 0 stopped because of
+    it, within the same second: torchrun's summary names rank 1, not the first rank of the tie."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from scaleup.distributed.torchrun import root_cause_first
+    from scaleup.errors import record_for_launcher
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "rank1.json"))
+    assert record_for_launcher("rank 1 (pid 101) failed at step 5:\nValueError: rank 1 cannot go on")
+    failures = {
+        0: ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(tmp_path / "rank0.json")),
+        1: ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file=str(tmp_path / "rank1.json")),
+    }
+    failures[0].timestamp = failures[1].timestamp  # stopped within the same second
+    named = root_cause_first(ChildFailedError("train.py", failures))
+    assert named.get_first_failure()[0] == 1 and "ValueError: rank 1 cannot go on" in named.format_msg()
+    assert sorted(named.failures) == [0, 1]

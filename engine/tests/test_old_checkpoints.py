@@ -18,9 +18,9 @@ RECIPE = [
     *QUICK,
     "model.net.width=8",
     "trainer.precision=64-true",
-    "+trainer.limit_train_batches=3",
-    "+trainer.limit_val_batches=1",
-    "+trainer.limit_test_batches=1",
+    "trainer.limit_train_batches=3",
+    "trainer.limit_val_batches=1",
+    "trainer.limit_test_batches=1",
 ]
 
 
@@ -52,8 +52,8 @@ def test_a_checkpoint_of_a_renamed_package_evaluates_without_a_key_naming_the_pa
     a rename). eval.py finds each stored target that no longer imports in your package as your configs name it
     (the model and data `_target_`s of configs/train.yaml), with no config key naming it; a target found nowhere is
     one line naming both places it looked."""
-    short = [*QUICK, "model.net.width=8", "trainer.max_epochs=1", "+trainer.limit_train_batches=3"]
-    metrics = in_process([*short, "+trainer.limit_val_batches=1", f"hydra.run.dir={tmp_path / 'run'}"])
+    short = [*QUICK, "model.net.width=8", "trainer.max_epochs=1", "trainer.limit_train_batches=3"]
+    metrics = in_process([*short, "trainer.limit_val_batches=1", f"hydra.run.dir={tmp_path / 'run'}"])
     (best,) = (tmp_path / "run" / "checkpoints").glob("best-*.ckpt")
     checkpoint = load_checkpoint(best)
     stored = json.dumps(checkpoint["scaleup"]["config"])

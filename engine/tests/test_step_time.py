@@ -52,9 +52,9 @@ STRAGGLER = [
     "model.net.width=8",
     "data.global_batch_size=32",
     "trainer.max_epochs=1",
-    "+trainer.limit_train_batches=10",
-    "+trainer.limit_val_batches=1",
-    "+trainer.limit_test_batches=1",
+    "trainer.limit_train_batches=10",
+    "trainer.limit_val_batches=1",
+    "trainer.limit_test_batches=1",
     "trainer.enable_progress_bar=false",
     "trainer.num_sanity_val_steps=0",
 ]

@@ -113,6 +113,15 @@ class BuggyClassifier(ImageClassifier):
         self.buffer = torch.empty(None)  # the bug
 
 
+class HardCodedPathClassifier(ImageClassifier):
+    """A bug in the user's own __init__: a file opened at a path written in the code, not given in the config."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        with open("/nonexistent/class_names.txt") as names:  # the missing file
+            self.class_names = names.read().split()
+
+
 class CallbackCensus(L.Callback):
     """Writes the classes of the Trainer's callbacks, in their order, to `path` (JSON) when fit starts."""
 

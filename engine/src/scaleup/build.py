@@ -177,9 +177,10 @@ def check_model_fits_data(model_cfg: dict[str, Any], data_cfg: dict[str, Any], s
         )
     if missing := [key for key in waiting if f"net.{key}" not in settings and refuses_none(net.get("_target_"), key)]:
         given = f" (it gives {', '.join(f'model.{key}' for key in settings)})" if settings else ""
+        keys, them = ", ".join(f"model.net.{key}" for key in missing), "them" if len(missing) > 1 else "it"
         raise UserError(
-            f"model.net.{missing[0]} is null, to be taken from the data, and the data ({data}) does not give it"
-            f"{given}: set model.net.{missing[0]}=<value>"
+            f"{keys} {'are' if len(missing) > 1 else 'is'} null, to be taken from the data, and the data ({data}) "
+            f"does not give {them}{given}: set {' '.join(f'model.net.{key}=<value>' for key in missing)}"
         )
 
 

@@ -12,12 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig
 
 from scaleup.distributed.run_dir import register_resolvers
 from scaleup.engine_pin import warn_if_another_engine
-from scaleup.errors import exit_on_user_error, job_started, one_line_composition_errors
+from scaleup.errors import exit_on_user_error, run_app
 
 # Each job's function, imported when it runs (eval.py need not import the training code).
 JOBS = {"train": "scaleup.train:train", "eval": "scaleup.evaluate:evaluate", "export": "scaleup.export:export"}
@@ -38,9 +37,7 @@ def main(job: str, configs: str | Path) -> None:
     run = exit_on_user_error(job_function(job))
 
     def start(cfg: DictConfig) -> Any:
-        job_started()  # the config composed: Hydra reports the job's own errors as usual
         warn_if_another_engine(configs.parent)  # the project's pyproject.toml, beside its configs/
         return run(cfg)
 
-    hydra_main = hydra.main(version_base="1.3", config_path=str(configs), config_name=job)(start)
-    one_line_composition_errors(configs, job)(hydra_main)()
+    run_app(start, configs, job)

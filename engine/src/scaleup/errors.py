@@ -1,13 +1,14 @@
 """User mistakes end in one clear message and a non-zero exit, never a traceback.
 
-Two kinds of error count as the user's:
+Where an error comes from and what it is about decide whose it is, not its type alone:
 - a `UserError` that the code raises on purpose, naming the fix;
-- an error that says the user's input is wrong wherever it is raised: a config value left `???` or a broken
-  interpolation (omegaconf), a path that cannot be read or written (an OSError naming a file), and, while
-  objects are built from a config section (`config_errors`), the ValueError or TypeError that a library's or the
-  engine's constructor raises for a bad value.
-Anything else is a bug and keeps its traceback: an exception raised inside the user's own code among them.
-`HYDRA_FULL_ERROR=1` shows the traceback behind a user error too.
+- a config value left `???` or a broken interpolation (omegaconf);
+- a file that cannot be read or written, where the engine or a library met it and it is a path of the config's;
+- while objects are built from a config section (`config_errors`), the ValueError or TypeError that a library's
+  constructor raises for a value.
+Anything else is a bug and keeps its traceback: an error raised inside the user's own code (a file it opens among
+them), and one raised by the engine's own code. A mistake in the command line's overrides that Hydra finds while it
+composes the config is one line too (`run_app`). `HYDRA_FULL_ERROR=1` shows the traceback behind a user error too.
 """
 
 from __future__ import annotations
@@ -16,18 +17,22 @@ import contextlib
 import difflib
 import functools
 import importlib.util
+import inspect
+import json
 import os
 import shutil
 import site
 import sys
 import sysconfig
 import tempfile
+import time
 import traceback
 import typing
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import (
     ConfigCompositionException,
@@ -77,11 +82,14 @@ def first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-def as_user_error(err: BaseException) -> UserError | None:
+def as_user_error(err: BaseException, given: Collection[str] | None = None) -> UserError | None:
     """The user mistake behind `err`, or None when `err` is a bug.
 
     A UserError counts also when a library re-raised it (Hydra's instantiate wraps errors); the others only
-    along explicit `raise ... from` links, so that an error raised while handling a file error stays a bug.
+    along explicit `raise ... from` links, so that an error raised while handling a file error stays a bug. A file
+    that cannot be read or written is the user's to fix where the engine or a library met it (not the user's own
+    code, which opened it) and it is one of the config's values `given` (the strings of the job's config), a folder
+    above one or a file below one: where `given` is None, any.
     """
     for link in _chain(err, implicit=True):
         if isinstance(link, UserError):
@@ -95,12 +103,52 @@ def as_user_error(err: BaseException) -> UserError | None:
         if isinstance(link, OmegaConfBaseException):
             where = f" (at {link.full_key})" if link.full_key else ""
             return UserError(f"the config does not resolve{where}: {first_line(link)}")
-        if isinstance(link, OSError) and link.filename is not None:
+        if isinstance(link, OSError) and link.filename is not None and a_given_path(link, given):
             return UserError(
                 f"{link.filename}: {link.strerror or first_line(link)}; check that path in your overrides "
                 "(a directory to write into must be creatable, a file to read must exist and be readable)"
             )
     return None
+
+
+def a_given_path(err: OSError, given: Collection[str] | None) -> bool:
+    """Whether the file error `err` is about a path of the config's (see `as_user_error`), not raised in the user's
+    own code."""
+    if opened_by_users_code(err):
+        return False
+    if given is None:
+        return True
+    path = os.path.abspath(os.fsdecode(err.filename))
+    paths = [os.path.abspath(value) for value in given if value]
+    return any(path == value or value.startswith(path + os.sep) or path.startswith(value + os.sep) for value in paths)
+
+
+def opened_by_users_code(err: OSError) -> bool:
+    """Whether the user's code met the file error `err` itself: the innermost frame of its traceback that is not a
+    library's (the standard library's, an installed package's) is the user's, not the engine's."""
+    frames = traceback.extract_tb(err.__traceback__)
+    owners = [
+        f.filename for f in frames if is_users_code(f.filename) or os.path.realpath(f.filename).startswith(ENGINE_DIR)
+    ]
+    return bool(owners) and is_users_code(owners[-1])
+
+
+def config_strings(cfg: DictConfig) -> list[str]:
+    """Every string value of the config `cfg` (resolved where it resolves): the paths a job may read or write."""
+    try:
+        tree = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException:
+        tree = OmegaConf.to_container(cfg, resolve=False)
+    found, nodes = [], [tree]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, dict):
+            nodes += node.values()
+        elif isinstance(node, list):
+            nodes += node
+        elif isinstance(node, str):
+            found.append(node)
+    return found
 
 
 # What DDP's reducer says when a backward leaves some parameters without a gradient (torch 2.14), and what Lightning
@@ -141,7 +189,7 @@ def config_errors(section: str) -> Iterator[None]:
     negative LR, a Trainer argument), also when Hydra's instantiate wraps it, and Lightning's
     MisconfigurationException become `section: <message>`. One raised inside the user's own code is a bug there
     and keeps its traceback: its arguments were checked against the constructor's signature and hints before
-    the call (config/schema.py).
+    the call (config/schema.py); so is one raised in the engine's own code (a call it made wrong).
     """
     try:
         yield
@@ -149,19 +197,20 @@ def config_errors(section: str) -> Iterator[None]:
         if as_user_error(err) is not None:
             raise
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ is not None else err
-        if isinstance(cause, ValueError | TypeError | MisconfigurationException) and not raised_in_users_code(cause):
+        if isinstance(cause, ValueError | TypeError | MisconfigurationException) and raised_in_a_library(cause):
             raise UserError(f"{section}: {first_line(cause)}") from err
         raise
 
 
-# Where installed code lives (the standard library, site-packages) and the engine's own package: code outside
-# them is the user's (their project's package, its entry points, a test's modules).
+# The engine's own package, and where installed code lives (the standard library, site-packages) besides it: code
+# outside them is the user's (their project's package, its entry points, a test's modules).
+ENGINE_DIR = str(Path(__file__).resolve().parent) + os.sep
 LIBRARY_DIRS = tuple(
     os.path.realpath(path) + os.sep
     for path in {
         *(sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")),
         *site.getsitepackages(),
-        str(Path(__file__).resolve().parent),
+        ENGINE_DIR,
     }
 )
 
@@ -176,6 +225,17 @@ def raised_in_users_code(err: BaseException) -> bool:
     return any(is_users_code(frame.filename) for frame in traceback.extract_tb(err.__traceback__))
 
 
+def raised_in_a_library(err: BaseException) -> bool:
+    """Whether `err` was raised by installed code that the engine called: its innermost frame is neither the
+    engine's (a call the engine made wrong fails there) nor the user's, and no frame runs the user's code."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return (
+        bool(frames)
+        and not raised_in_users_code(err)
+        and not os.path.realpath(frames[-1].filename).startswith(ENGINE_DIR)
+    )
+
+
 def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn a user mistake raised by a job into `error: <message>` on stderr and exit code 2. In a search's trial, the
     mistake is raised for the launcher to return as the trial's failure: the search records the trial as failed and
@@ -188,16 +248,40 @@ def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except Exception as err:
-            user_error = as_user_error(err)
+            config = args[0] if args and isinstance(args[0], DictConfig) else None
+            user_error = as_user_error(err, None if config is None else config_strings(config))
             if user_error is None or tracebacks_asked():
                 raise
             if in_search():
                 raise user_error from err
             remove_refused_hydra_run()
-            print(f"error: {user_error}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USER_ERROR)
+            exit_with(user_error)
 
     return wrapper
+
+
+# torchrun's agent names, in each of its workers, the file where a worker records why it failed; it reads the file
+# back into its summary (torch.distributed.elastic.multiprocessing.errors.ProcessFailure: a message and a timestamp).
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+
+
+def exit_with(user_error: UserError) -> NoReturn:
+    """`error: <message>` on stderr and exit code 2. In a torchrun job, where every rank finds the same mistake in the
+    same config, only rank 0 prints it; each rank records its line for torchrun's agent, whose summary (and the
+    engine's wrapper, distributed/torchrun.py) shows another rank's where it differs."""
+    line = f"error: {user_error}"
+    if not record_for_launcher(line) or os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)
+
+
+def record_for_launcher(message: str) -> bool:
+    """In a torchrun worker, record why it fails in the file its agent names, for the agent's summary (which names the
+    failure that recorded first as the root cause): the worker's own error, not a peer's. Whether there is one."""
+    if (error_file := os.environ.get(ERROR_FILE)) is None:
+        return False
+    Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+    return True
 
 
 def did_you_mean(word: str, known: Iterable[str], prefix: str = "") -> str:
@@ -232,8 +316,7 @@ def composition_error(
     if (unseen := engine_groups_unseen()) is not None:
         return UserError(unseen)
     if (added := added_twice(err, overrides)) is not None:
-        key, fixed = _override_key(added), added.removeprefix("+")
-        return UserError(f"{added}: {key} is already in the config; set it with {fixed} (a leading + adds a new key)")
+        return UserError(already_in_config(added))
     if isinstance(err, MissingConfigException) and err.options is not None and err.missing_cfg_file:
         group, _, option = err.missing_cfg_file.rpartition("/")
         hint = did_you_mean(option, err.options, f"{group}=")
@@ -254,6 +337,12 @@ def composition_error(
     known = [*(node.keys() if isinstance(node, DictConfig) else ()), *([] if parent else extra)]
     hint = did_you_mean(name, known, f"{parent}." if parent else "")
     return UserError(f"{key}: there is no such key{hint} (a key of your own: +{key}=VALUE)")
+
+
+def already_in_config(added: str) -> str:
+    """Why the override `+key=VALUE` adds nothing: the config holds `key`, which `key=VALUE` sets."""
+    key, fixed = _override_key(added), added.removeprefix("+")
+    return f"{added}: {key} is already in the config; set it with {fixed} (a leading + adds a new key)"
 
 
 def engine_groups_unseen() -> str | None:
@@ -303,73 +392,101 @@ def grammar_error(err: OverrideParseException) -> str:
     )
 
 
-FULL_ERROR = "HYDRA_FULL_ERROR"  # "1": Hydra raises what fails instead of reporting it (its run_and_report)
-_composing = False  # whether FULL_ERROR is one_line_composition_errors', until the job starts
+FULL_ERROR = "HYDRA_FULL_ERROR"  # "1": the user asks for the traceback behind an error (also Hydra's)
+MULTIRUN_FLAGS = ("-m", "--multirun")
+VERSION_BASE = "1.3"  # the Hydra defaults the engine's configs are written for
+MODES = ("hydra.mode=RUN", "hydra.mode=MULTIRUN")  # what run_app adds to the overrides, as Hydra's _run_app
 
 
-def one_line_composition_errors(config_dir: Path, config_name: str) -> Callable[[Callable], Callable]:
-    """Decorate an `@hydra.main` entry point whose task function calls `job_started` first: a mistake in the
-    overrides that Hydra finds while it composes the config, before the job starts (so before `exit_on_user_error`),
-    ends in one line and exit code 2 instead of Hydra's message.
+def run_app(task_function: Callable[[DictConfig], Any], config_dir: Path, config_name: str) -> None:
+    """Run `task_function` as `@hydra.main(config_path=config_dir, config_name=config_name)` runs it on the command
+    line's overrides (`-m` included), with one difference: a mistake in the overrides that Hydra finds while it
+    composes the config (an unknown key, a group option that does not exist, an override it cannot parse) ends in
+    one `error:` line and exit code 2 instead of Hydra's message.
 
-    Only Hydra composes the config (a composition of the engine's before it cost 0.1 s a run): until the job starts,
-    HYDRA_FULL_ERROR=1 makes Hydra raise what fails instead of reporting it, and a mistake is turned into its line
-    here (composing again for the closest key: only then). From the job's start on, Hydra reports the job's own
-    errors as usual, a bug with its traceback. With Hydra's own flags (`--multirun`, `--cfg` ...), or a
-    HYDRA_FULL_ERROR of the user's, Hydra reports as usual."""
+    Hydra's own steps, which raise what fails (its `@hydra.main` reports it and exits 1): an error raised outside
+    `task_function` is the composition's (Hydra's, its callbacks' or a sweeper's), turned into its line here where
+    it is a mistake in the overrides, composing again only then for the closest key; the job's own errors, and any
+    other, Hydra reports as usual (a bug with its traceback). With Hydra's other flags (`--cfg`, `--help` ...)
+    `@hydra.main` runs as it is."""
+    from hydra import version
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import (
+        create_automatic_config_search_path,
+        detect_calling_file_or_module_from_task_function,
+        detect_task_name,
+    )
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
 
-    def decorate(hydra_main: Callable) -> Callable:
-        @functools.wraps(hydra_main)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            global _composing
-            overrides = sys.argv[1:]
-            if args or kwargs or any(arg.startswith("-") for arg in overrides) or FULL_ERROR in os.environ:
-                return hydra_main(*args, **kwargs)
-            os.environ[FULL_ERROR], _composing = "1", True
-            try:
-                return hydra_main()
-            except Exception as err:
-                if not _composing:  # the job's own, which Hydra raises under a debugger
-                    raise
-                job_started()
-                exit_on_composition_error(err, config_dir, config_name, overrides)
-                return hydra_main()  # no mistake of the overrides: Hydra composes again and reports what fails
-            finally:
-                job_started()
+    arguments = sys.argv[1:]
+    if any(arg.startswith("-") and arg not in MULTIRUN_FLAGS for arg in arguments):
+        hydra.main(version_base=VERSION_BASE, config_path=str(config_dir), config_name=config_name)(task_function)()
+        return
+    overrides = [arg for arg in arguments if arg not in MULTIRUN_FLAGS]
+    version.setbase(VERSION_BASE)  # as @hydra.main(version_base=...): Hydra's 1.3 defaults (no chdir into the run)
+    calling_file, calling_module = detect_calling_file_or_module_from_task_function(task_function)
+    search_path = create_automatic_config_search_path(calling_file, calling_module, str(config_dir))
+    task_name = detect_task_name(calling_file, calling_module)
+    try:
+        app = Hydra.create_main_hydra2(task_name=task_name, config_search_path=search_path)
+        # As Hydra's _run_app: the config may choose the mode itself (hydra.mode: MULTIRUN in a search's config).
+        mode, flag = app.get_mode(config_name=config_name, overrides=overrides), len(overrides) < len(arguments)
+        if mode is None or (flag and mode == RunMode.RUN):
+            mode = RunMode.MULTIRUN if flag else RunMode.RUN
+            overrides = [*overrides, f"hydra.mode={mode.name}"]
+        run = app.multirun if mode == RunMode.MULTIRUN else app.run
+        run(config_name=config_name, task_function=task_function, overrides=overrides)
+    except Exception as err:
+        GlobalHydra.instance().clear()  # a Hydra of its own composes the closest key
+        if not raised_in(task_function, err) and not tracebacks_asked():
+            exit_on_composition_error(err, config_dir, config_name, [o for o in overrides if o not in MODES])
+        report_as_hydra(err)
+    finally:
+        GlobalHydra.instance().clear()
 
-        return wrapper
 
-    return decorate
+def raised_in(function: Callable[..., Any], err: BaseException) -> bool:
+    """Whether `err` was raised while `function` ran (one of its traceback's frames runs `function`'s code)."""
+    code = inspect.unwrap(function).__code__
+    return any(frame.f_code is code for frame, _ in traceback.walk_tb(err.__traceback__))
+
+
+def report_as_hydra(err: Exception) -> None:
+    """Report `err` as `@hydra.main` does: its traceback without Hydra's frames and exit code 1 (raised where the
+    user set HYDRA_FULL_ERROR=1, or under a debugger)."""
+    from hydra._internal.utils import run_and_report
+
+    def reraise() -> None:
+        raise err
+
+    run_and_report(reraise)
 
 
 def tracebacks_asked() -> bool:
-    """Whether the user set HYDRA_FULL_ERROR=1 to see the traceback behind a user error too (not
-    `one_line_composition_errors`, which sets it while Hydra composes)."""
-    return os.environ.get(FULL_ERROR) == "1" and not _composing
-
-
-def job_started() -> None:
-    """The first call of the task function (or of the search's sweeper) under `one_line_composition_errors`: the
-    config is composed, and Hydra reports errors as usual again (the engine's own checks of a HYDRA_FULL_ERROR the
-    user set see none); the processes the job starts (a launcher's ranks) inherit no HYDRA_FULL_ERROR."""
-    global _composing
-    if _composing:
-        del os.environ[FULL_ERROR]
-        _composing = False
+    """Whether the user set HYDRA_FULL_ERROR=1 to see the traceback behind a user error too."""
+    return os.environ.get(FULL_ERROR) == "1"
 
 
 def exit_on_composition_error(err: Exception, config_dir: Path, config_name: str, overrides: list[str]) -> None:
     """On an unknown key or group option behind Hydra's composition error `err` (composing `config_name` with
-    `overrides`), `error: <message>` and exit 2."""
+    `overrides`, a sweep's among them), `error: <message>` and exit 2."""
     from scaleup.config.project import compose_project  # it imports this module
 
     def composed(given: list[str]) -> DictConfig:
-        return compose_project(config_name, given, configs=config_dir)
+        return compose_project(config_name, single_values(given), configs=config_dir)
 
     user_error = composition_error(err, composed, overrides, job=config_name)
     if user_error is not None:
-        print(f"error: {user_error}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USER_ERROR)
+        exit_with(user_error)
+
+
+def single_values(overrides: list[str]) -> list[str]:
+    """`overrides` without those that sweep (`seed=1,2`), which only a multirun takes: the config they vary."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    return [o for o in overrides if not parser.parse_override(o).is_sweep_override()]
 
 
 def new_directories(path: Path) -> list[Path]:

@@ -34,7 +34,7 @@ from scaleup.plan.make import make_plan
 from scaleup.plan.resolve import Plan
 from scaleup.plan.topology import resolve_topology
 from scaleup.search.trial import in_search
-from scaleup.trainer import build_trainer, check_trainer_arguments
+from scaleup.trainer import build_trainer, check_trainer_arguments, check_validation_interval
 
 log = logging.getLogger("scaleup")
 
@@ -71,6 +71,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     plan = make_plan(
         config, topology, launch, model, dataset_sizes, on_meta=on_meta and (config.dry_run or recording is not None)
     )
+    check_validation_interval(config.trainer, plan)  # in batches, which only the plan counts
     resume = resume_point(None if config.dry_run else config.ckpt_path, config, plan, model, datamodule, run_dir)
     if resume.tested:
         return already_finished(run_dir, resume, config.monitor.metric)

@@ -141,6 +141,7 @@ def check_trainer_arguments(settings: TrainerArgs) -> None:
     process-wide settings (`deterministic`, `benchmark`) are the run's own, set before the data and the model are
     built rather than after.
     """
+    check_minimum_length(settings)
     given = {name: value for name, value in values(settings).items() if name not in PLANNED}
     refused = trainer_refusal(given)
     if refused is None:
@@ -150,6 +151,34 @@ def check_trainer_arguments(settings: TrainerArgs) -> None:
         if alone is not None:
             raise UserError(f"trainer.{name}={render(value)}: {first_line(alone)}") from alone
     raise UserError(f"trainer: {first_line(refused)}") from refused
+
+
+def check_minimum_length(settings: TrainerArgs) -> None:
+    """Refuse a minimum length above the maximum (`trainer.min_epochs` over `max_epochs`, `min_steps` over
+    `max_steps`): Lightning takes it and stops at the maximum, silently shorter than asked."""
+    for unit in ("epochs", "steps"):
+        least, most = getattr(settings, f"min_{unit}"), getattr(settings, f"max_{unit}")
+        if least is not None and most not in (None, -1) and least > most:
+            raise UserError(
+                f"trainer.min_{unit}={least} is above trainer.max_{unit}={most}, which would stop the run first: "
+                f"lower trainer.min_{unit} or raise trainer.max_{unit}"
+            )
+
+
+def check_validation_interval(settings: TrainerArgs, plan: Plan) -> None:
+    """Refuse a `trainer.val_check_interval` in batches that an epoch does not reach, as Lightning would once fit has
+    started: each device's epoch is the plan's steps x accumulation batches (checked per epoch unless
+    `trainer.check_val_every_n_epoch=null`)."""
+    interval, batches = values(settings).get("val_check_interval"), plan.steps_per_epoch
+    if not isinstance(interval, int) or isinstance(interval, bool) or batches is None:
+        return
+    batches *= plan.accumulate_grad_batches or 1
+    if settings.check_val_every_n_epoch is not None and interval > batches:
+        raise UserError(
+            f"trainer.val_check_interval={interval} is more than the {batches} training batches of an epoch on each "
+            f"device: validate every N <= {batches} batches, every share of an epoch (0.5), or every {interval} "
+            "batches across epochs with trainer.check_val_every_n_epoch=null"
+        )
 
 
 def trainer_refusal(arguments: dict[str, Any]) -> Exception | None:
@@ -210,16 +239,16 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
     if isinstance(strategy, FSDPStrategy):
         trainer_kwargs["precision"], precision_plugins = model_parallel_precision(plan.precision)
         plugins += precision_plugins
-    with config_errors("trainer"):
-        trainer = L.Trainer(
-            **trainer_kwargs,
-            strategy=strategy,
-            callbacks=callbacks,
-            logger=loggers or False,
-            plugins=plugins,
-            default_root_dir=run_dir,
-            use_distributed_sampler=False,  # the data module's samplers split the data: Lightning adds none
-        )
+    # The values of the config were checked by Lightning before (check_trainer_arguments): what fails here is a bug.
+    trainer = L.Trainer(
+        **trainer_kwargs,
+        strategy=strategy,
+        callbacks=callbacks,
+        logger=loggers or False,
+        plugins=plugins,
+        default_root_dir=run_dir,
+        use_distributed_sampler=False,  # the data module's samplers split the data: Lightning adds none
+    )
     install_fit_loop_fixes(trainer)  # after require(EPOCH_END_RESUME)
     if trainer.is_global_zero:
         remove_interrupted_writes(config.checkpoint.dirpath)
@@ -242,17 +271,16 @@ def build_eval_trainer(topology: Topology, precision: Any, plan: Plan, run_dir: 
     tf32, channels_last = plan.tf32, plan.channels_last  # as trained
     set_tf32(tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
     callbacks = [ExactEvalMetrics(), RunFiles(run_dir / "metrics.json"), PerformanceSettings(tf32, channels_last), stop]
-    with config_errors("trainer"):
-        trainer = L.Trainer(
-            accelerator=topology.accelerator,
-            devices=topology.devices,
-            num_nodes=topology.num_nodes,
-            precision=precision,
-            callbacks=callbacks,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=progress_bar,
-            default_root_dir=run_dir,
-            use_distributed_sampler=False,  # the data module's samplers split the data: Lightning adds none
-        )
+    trainer = L.Trainer(  # every value checked before (the topology, the precision): what fails here is a bug
+        accelerator=topology.accelerator,
+        devices=topology.devices,
+        num_nodes=topology.num_nodes,
+        precision=precision,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=progress_bar,
+        default_root_dir=run_dir,
+        use_distributed_sampler=False,  # the data module's samplers split the data: Lightning adds none
+    )
     return TrainerJob(trainer, stop)

@@ -20,9 +20,6 @@ class SearchSweeper(Sweeper):
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
 
-        from scaleup.errors import job_started
-
-        job_started()  # the config is composed: from here on Hydra reports errors as usual
         try:
             from scaleup.search.runner import Search, SearchSettings
         except ModuleNotFoundError as err:

@@ -44,7 +44,7 @@ from pydantic.fields import FieldInfo
 from scaleup.compat.precision import PRECISIONS
 from scaleup.conf import engine_groups
 from scaleup.config.plain import lookup, to_plain
-from scaleup.errors import UserError, did_you_mean, is_users_code
+from scaleup.errors import UserError, already_in_config, did_you_mean, is_users_code
 from scaleup.plan.lr import DECAYS, SCALING_RULES
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -268,12 +268,45 @@ class TrainerArgs(ClosedSection):
         description="a number >= 0 or null (below 0 the clipping would turn the gradients around)"
     )
 
+    # Lightning takes them, and runs differently than asked: 0 divides by zero at the first epoch's end, `maybe`
+    # turns deterministic algorithms on as true would.
+    check_val_every_n_epoch: PositiveInt | None = Field(
+        description="an integer >= 1 (validate every N epochs) or null (with an integer val_check_interval: every N "
+        "batches across epochs)"
+    )
+    deterministic: bool | Literal["warn"] | None
+    min_epochs: NonNegativeInt | None
+    min_steps: NonNegativeInt | None
+
     @classmethod
     def known_keys(cls, section: Mapping[str, Any]) -> list[str]:
-        """Every argument of lightning.Trainer (the section passes to it), not only those checked here."""
+        """Every argument of lightning.Trainer (the section passes to it) but those the template sets itself, not only
+        those checked here."""
         import lightning as L
 
-        return list(dict.fromkeys([*cls.model_fields, *inspect.signature(L.Trainer).parameters]))
+        arguments = [name for name in inspect.signature(L.Trainer).parameters if name not in TEMPLATE_SETS]
+        return list(dict.fromkeys([*cls.model_fields, *arguments]))
+
+    @classmethod
+    def unknown_key(cls, path: str, name: str, section: Mapping[str, Any]) -> str:
+        """A Trainer argument the template sets itself: where the setting lives."""
+        if name in TEMPLATE_SETS:
+            return f"{dotted(path, name)} is set by the template, not in {path}: {TEMPLATE_SETS[name]}"
+        return super().unknown_key(path, name, section)
+
+
+# The lightning.Trainer arguments the template sets itself (trainer.py), and where a run chooses what they hold.
+TEMPLATE_SETS = {
+    "strategy": "choose it with strategy.name=VALUE (ddp, ddp_spawn or fsdp; strategy=fsdp for FSDP's own keys)",
+    "callbacks": "yours are the callbacks group's (callbacks=[default,early_stopping], or "
+    "+callbacks.<name>={_target_: ...}), the template adds its own",
+    "logger": "choose it with the logger group: logger=<option> (tensorboard, csv, mlflow, wandb, many or none)",
+    "plugins": "it chooses the checkpoint writer, the cluster environment and the precision plugin (trainer.precision)",
+    "default_root_dir": "the run directory is hydra.run.dir=DIR",
+    "enable_checkpointing": "every run writes last.ckpt and the best checkpoint (the checkpoint section: "
+    "checkpoint.dirpath, checkpoint.every_n_train_steps)",
+    "use_distributed_sampler": "its samplers split the data the same way on any device count",
+}
 
 
 class EvalKeys(Section):
@@ -319,11 +352,17 @@ SECTIONS: dict[str, dict[str, type[Section]]] = {
 BUILT = {"train": ("data", "model", "callbacks", "logger"), "eval": (), "export": ()}
 
 
-def validate_config(cfg: DictConfig | Mapping[str, Any], job: str = "train") -> dict[str, Any]:
+def validate_config(
+    cfg: DictConfig | Mapping[str, Any], job: str = "train", overrides: Sequence[str] = ()
+) -> dict[str, Any]:
     """Refuse every value of `job`'s config (train, eval, export) whose type or range is wrong: one UserError
-    with one `key=value must be ...` per key. Returns the config it checked, resolved into plain dicts."""
+    with one `key=value must be ...` per key; and each of the command line's `overrides` that adds with `+` a key
+    the config always holds, or a top-level key that nothing reads. Returns the config it checked, resolved into
+    plain dicts."""
     config = to_plain(cfg) if isinstance(cfg, DictConfig) else cfg
     problems: dict[str, str] = dict(misplaced_keys(config, job))
+    for key, text in added_keys(config, job, overrides):
+        problems.setdefault(key, text)
     for path, schema in SECTIONS[job].items():
         for key, text in section_problems(config, path, schema):
             problems.setdefault(key, text)
@@ -407,6 +446,60 @@ def misplaced_keys(config: Mapping[str, Any], job: str) -> list[tuple[str, str]]
                 (name, f"{name}={given} at the top level changes nothing: the key is {key}; pass {key}={given}")
             )
     return problems
+
+
+def added_keys(config: Mapping[str, Any], job: str, overrides: Sequence[str]) -> list[tuple[str, str]]:
+    """(key, message) for each `+key=VALUE` among `overrides` that Hydra took but that adds nothing: a key of a
+    section the template reads (and the batch keys of `data`), which the config always holds (Hydra takes `+` over
+    a null there only: `+trainer.limit_train_batches` would pass where `+trainer.max_steps` is refused), or a
+    top-level key that no part of the job reads (`+warmup_epoch=1`), with the closest setting."""
+    sections = SECTIONS[job]
+    top = {*sections[""].model_fields, *(path.split(".")[0] for path in sections), *BUILT[job], *engine_groups()}
+    problems = []
+    for override in overrides:
+        if not override.startswith("+") or override.startswith("++"):
+            continue
+        key = override[1:].partition("=")[0]
+        path, _, name = key.rpartition(".")
+        if always_there(config, job, path, name):
+            problems.append((key, already_in_config(override)))
+        elif "." not in key and key in config and key not in top and key not in dict(misplaced_keys(config, job)):
+            problems.append(
+                (
+                    key,
+                    f"{override}: nothing reads a top-level {key}{closest_setting(config, key)} (a key of your own "
+                    f"belongs in your configs/{job}.yaml)",
+                )
+            )
+    return problems
+
+
+def always_there(config: Mapping[str, Any], job: str, path: str, name: str) -> bool:
+    """Whether `job`'s config always holds the key `name` of the section at `path`: a key the template reads in its
+    own sections, at the top level, or a batch key of a training run's `data` (its top config states them)."""
+    schema = SECTIONS[job].get(path)
+    if schema is None:
+        return False
+    if path == "":
+        return name in schema.model_fields
+    if path == "data":
+        return job == "train" and name in TEMPLATE_BATCH_KEYS
+    section = lookup(config, path)
+    return schema.closed and name in schema.known_keys(section if isinstance(section, Mapping) else {})
+
+
+def closest_setting(config: Mapping[str, Any], name: str) -> str:
+    """`; did you mean <dotted key>?` for the key of `config`'s sections (not Hydra's) whose name is closest to
+    `name`, or ""."""
+    dotted_keys: dict[str, str] = {}
+    nodes = [(path, node) for path, node in config.items() if path != "hydra"]
+    while nodes:
+        path, node = nodes.pop()
+        if isinstance(node, Mapping):
+            nodes += [(dotted(path, str(key)), value) for key, value in node.items()]
+        dotted_keys.setdefault(path.rpartition(".")[2], path)
+    hint = did_you_mean(name, [key for key in dotted_keys if key != name])
+    return hint and f"; did you mean {dotted_keys[hint.removeprefix('; did you mean ').removesuffix('?')]}?"
 
 
 def section_keys(config: Mapping[str, Any], path: str, schema: type[Section]) -> set[str]:

@@ -95,7 +95,7 @@ def job_mistake(config_name: str, overrides: list[str], num: int) -> UserError |
     try:
         cfg = job_config(config_name, overrides, num)
         HydraConfig.instance().set_config(cfg)  # for the ${hydra:...} interpolations the values resolve
-        validate_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), config_name)
+        validate_config(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), config_name, overrides)
         if config_name == "train":
             dry_run(cfg)
     except Exception as err:

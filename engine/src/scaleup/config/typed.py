@@ -36,17 +36,27 @@ from scaleup.errors import UserError
 def train_config(cfg: DictConfig) -> TrainConfig:
     """`python train.py`'s composed config, every value checked (one UserError naming each wrong one), as the
     typed record the job reads."""
-    return TrainConfig.of(validate_config(cfg, "train"))
+    return TrainConfig.of(validate_config(cfg, "train", command_line()))
 
 
 def eval_config(cfg: DictConfig) -> EvalConfig:
     """`python eval.py`'s config, checked, as the record the job reads."""
-    return EvalConfig.of(validate_config(cfg, "eval"))
+    return EvalConfig.of(validate_config(cfg, "eval", command_line()))
 
 
 def export_config(cfg: DictConfig) -> ExportConfig:
     """`python export.py`'s config, checked, as the record the job reads."""
-    return ExportConfig.of(validate_config(cfg, "export"))
+    return ExportConfig.of(validate_config(cfg, "export", command_line()))
+
+
+def command_line() -> list[str]:
+    """The command line's overrides that composed the running job's config (none outside a Hydra job)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized():
+        return []
+    return OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)  # as typed: ${...} unresolved
 
 
 def data_batches(data: dict[str, Any]) -> DataBatches:
@@ -71,9 +81,9 @@ def record(cls: type[Any], config: dict[str, Any], job: str, **given: Any) -> An
 
 
 def needed(config: dict[str, Any], name: str, job: str) -> Any:
-    """`config[name]`, which `job` reads: where the config does not hold it (`~data` removed it), a UserError naming
-    the form that sets it."""
-    if name not in config:
+    """`config[name]`, which `job` reads: where the config does not hold it (`~data` removed it, leaving only the
+    batch keys the top config states for any data module), a UserError naming the form that sets it."""
+    if name not in config or (job == "train" and name == "data" and "_target_" not in (config[name] or {})):
         raise UserError(missing_key_message(job, name))
     return config[name]
 

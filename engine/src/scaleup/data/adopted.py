@@ -27,11 +27,17 @@ SPLITS = {"train": "train_dataloader", "val": "val_dataloader", "test": "test_da
 LOADER_SETTINGS = ("collate_fn", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "worker_init_fn")
 
 
+# What the template's own data modules give a net (data/classification.py, the example's text data), read from an
+# adopted module that has it as an attribute or a property (lightning-hydra-template's MNIST has `num_classes`).
+DATA_GIVEN = ("num_classes", "in_channels", "vocab_size", "block_size")
+
+
 class AdoptedDataModule(GlobalBatchDataModule):
     """`module`, a LightningDataModule, with the template's loaders. Lightning sees this one; the module's own
     batch hooks (`transfer_batch_to_device`, `on_before_batch_transfer`, `on_after_batch_transfer`) and state
     (`state_dict`) are its own, and any other attribute (a `num_classes` a LightningModule reads through
-    `trainer.datamodule`) is read from it."""
+    `trainer.datamodule`) is read from it; what it knows of the data (`num_classes`, ...) fills the net keys the
+    model config leaves null, as the template's own modules' `model_settings()` do."""
 
     def __init__(self, module: L.LightningDataModule, **loader_kwargs: Any) -> None:
         super().__init__(**loader_kwargs)
@@ -46,6 +52,15 @@ class AdoptedDataModule(GlobalBatchDataModule):
 
     def prepare_data(self) -> None:
         self.module.prepare_data()
+
+    def model_settings(self) -> dict[str, Any]:
+        """The module's own `model_settings()` where it has one, else each of DATA_GIVEN it holds as an integer (read
+        after its `setup`), for the net keys the model config leaves null."""
+        own = getattr(self.module, "model_settings", None)
+        if callable(own):
+            return own()
+        given = {name: getattr(self.module, name, None) for name in DATA_GIVEN}
+        return {f"net.{name}": value for name, value in given.items() if type(value) is int}
 
     def build_splits(self) -> dict[str, Any]:
         name = type(self.module).__name__

@@ -10,11 +10,14 @@ with 124 (distributed/watchdog.py), and the agent raises ChildFailedError too. A
 or a script cannot tell a hang from a crash. This runs torchrun's own `main` in this process (the same agent, the same
 options) and exits 143 where the agent got SIGTERM, and the workers' code where every failed worker ended with the
 same one of 143 (or killed by SIGTERM before its handler was installed) and 124; any other failure keeps torchrun's
-exit code.
+exit code. A mistake of the user's, which every worker finds and rank 0 prints in one line (exit 2), ends in exit 2
+without torchrun's traceback. Any other failure keeps torchrun's report, naming as its root cause the rank that
+raised (torchrun's own names rank 0 where it stopped within the same second).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -24,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from scaleup.callbacks.preemption import EXIT_PREEMPTED
 from scaleup.distributed.watchdog import EXIT_HUNG
+from scaleup.errors import EXIT_USER_ERROR
 
 # The workers' exit codes passed on, and what each says; a worker killed by SIGTERM counts as EXIT_PREEMPTED.
 PASSED_ON = {
@@ -49,13 +53,37 @@ def outcome(error: SignalException | ChildFailedError) -> tuple[int, str] | None
     return code, "its workers stopped on SIGTERM" if code == EXIT_PREEMPTED else f"every failed worker exited {code}"
 
 
+def mistakes_unsaid(error: ChildFailedError) -> list[str] | None:
+    """Where every failed worker exited EXIT_USER_ERROR (a mistake in one line: errors.exit_with, which only rank 0
+    prints), the lines of the other ranks that differ from rank 0's, from the files they recorded; else None."""
+    if {failure.exitcode for failure in error.failures.values()} != {EXIT_USER_ERROR}:
+        return None
+    said = error.failures[0].message if 0 in error.failures else None
+    lines = [f.message for rank, f in sorted(error.failures.items()) if rank != 0 and isinstance(f.message, str)]
+    return list(dict.fromkeys(line for line in lines if line.startswith("error: ") and line != said))
+
+
+def root_cause_first(error: ChildFailedError) -> ChildFailedError:
+    """`error` with the failures that recorded their error (the rank that raised: errors.record_for_launcher) before
+    those that did not (the ranks that stopped because of it). torchrun names as the root cause the failure with the
+    earliest timestamp, in whole seconds, the first one on a tie: rank 0, which stopped within the same second."""
+    recorded = {rank: f for rank, f in error.failures.items() if os.path.isfile(f.error_file)}
+    return ChildFailedError(error.name, {**recorded, **error.failures})
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run torchrun with `argv` (default: this command's arguments); exit 143 where it ended in a pre-emption, 124
-    where its workers hung."""
+    where its workers hung, 2 (the workers' one line, no traceback) on a mistake of the user's."""
     try:
         run.main(argv)
     except (SignalException, ChildFailedError) as error:
+        unsaid = mistakes_unsaid(error) if isinstance(error, ChildFailedError) else None
+        if unsaid is not None:
+            print(*unsaid, sep="\n", file=sys.stderr, end="\n" if unsaid else "")
+            sys.exit(EXIT_USER_ERROR)
         ended = outcome(error)
+        if ended is None and isinstance(error, ChildFailedError):
+            raise root_cause_first(error) from None
         if ended is None:
             raise
         code, how = ended

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scaleup.errors import EXIT_USER_ERROR, as_user_error, is_users_code
+from scaleup.errors import EXIT_USER_ERROR, as_user_error, is_users_code, record_for_launcher
 
 log = logging.getLogger("scaleup")
 
@@ -647,7 +647,9 @@ class Watchdog:
             if not self._store.check(["failure"]) and communication_error(err):
                 self._lost_peer(err)
             elif self._store.add("failures", 1) == 1:
-                self._store.set("failure", json.dumps(self._record(err)))
+                record = self._record(err)
+                self._store.set("failure", json.dumps(record))
+                record_for_launcher(record["text"])  # torchrun's summary: this rank is the root cause
                 self._follow_failure(None, own=err, first=True)
             self._follow_failure(None, own=err)
         except (OSError, RuntimeError, dist.DistError):  # the store is gone: the ordinary traceback

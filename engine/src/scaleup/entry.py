@@ -14,9 +14,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from scaleup.config.composition import run_app
 from scaleup.distributed.run_dir import register_resolvers
 from scaleup.engine_pin import warn_if_another_engine
-from scaleup.errors import exit_on_user_error, run_app
+from scaleup.errors import exit_on_user_error
 
 # Each job's function, imported when it runs (eval.py need not import the training code).
 JOBS = {"train": "scaleup.train:train", "eval": "scaleup.evaluate:evaluate", "export": "scaleup.export:export"}

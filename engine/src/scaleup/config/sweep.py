@@ -21,8 +21,9 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from scaleup.config.composition import composition_error
 from scaleup.config.schema import SECTIONS, validate_config
-from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error, composition_error, tracebacks_asked
+from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error, tracebacks_asked
 
 
 def sweep_jobs(config: DictConfig) -> tuple[list[list[str]], set[str]]:

@@ -34,6 +34,7 @@ from typing import Any
 from torch.utils.data import Dataset, Subset
 
 from scaleup.config.arguments import split_arguments
+from scaleup.config.composition import composition_error
 from scaleup.config.project import compose_project
 from scaleup.data.index import SPLITS
 from scaleup.data.shards.format import (
@@ -45,7 +46,7 @@ from scaleup.data.shards.format import (
     sample_bytes,
 )
 from scaleup.data.shards.index import INDEX, index_document
-from scaleup.errors import UserError, composition_error
+from scaleup.errors import UserError
 
 CONVERTED = re.compile(r"(\.partial-)?shard-\d{6}\.tar|" + re.escape(INDEX))  # what `convert` writes in a split
 OPTIONS = {"out": None, "samples_per_shard": "1024", "workers": str(min(8, os.cpu_count() or 1))}

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from scaleup.checkpoints.io import exists
 from scaleup.config.arguments import split_arguments
+from scaleup.config.composition import composition_error
 from scaleup.config.project import compose_project, set_up_run
 from scaleup.distributed.ray_worker import last_checkpoint, train_worker
 from scaleup.distributed.run_dir import register_resolvers
@@ -40,7 +41,6 @@ from scaleup.errors import (
     EXIT_USER_ERROR,
     UserError,
     as_user_error,
-    composition_error,
     new_directories,
     remove_refused_run,
     tracebacks_asked,

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from scaleup.build import build_data_and_model
 from scaleup.callbacks.loop_repairs import ignore_unresumable_loader_warning
-from scaleup.checkpoints.resume import ResumePoint, resume_point
+from scaleup.checkpoints.resume import ResumePoint, check_run_dir, resume_point
 from scaleup.config.outputs import check_outputs
 from scaleup.config.plain import write_yaml
 from scaleup.config.typed import TrainConfig, train_config
@@ -47,6 +47,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     config = train_config(cfg)  # every value's type and range, before the seed and the topology read theirs
     check_trainer_arguments(config.trainer)  # and the values passed to lightning.Trainer as they are, by Lightning
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    check_run_dir(config, run_dir)  # a directory that holds a run: resumed, started over on request, or refused
     topology = resolve_topology(config.trainer, dry_run=config.dry_run)
     check_outputs(config)  # before an epoch is trained, or data downloaded, for nothing
     check_launch(topology, dry_run=config.dry_run)

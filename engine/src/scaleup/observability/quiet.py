@@ -21,6 +21,9 @@ WARNINGS = (
     # torch deprecates the autograd all_gather behind Lightning's `strategy.all_gather` (the diagnostics' one per
     # epoch; a module's own `self.all_gather` too).
     (r"lightning\.fabric\.utilities\.distributed", r"torch\.distributed\.nn\.functional\.all_gather is deprecated"),
+    # Every resume's: a checkpoint directory that holds a run is resumed or refused before the Trainer is built
+    # (checkpoints/resume.py check_run_dir), never written into by a new run.
+    (r"lightning\.pytorch\.callbacks\.model_checkpoint", r"Checkpoint directory .* exists and is not empty"),
 )
 # Lightning's advertisement for its cloud logger, at every Trainer's start: (module, start of the message).
 LITLOGGER_TIP = ("logger_connector", "💡 Tip: For seamless cloud logging")

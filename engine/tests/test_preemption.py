@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import probes
-from conftest import QUICK, check, in_process, read_json, start
+from conftest import QUICK, check, in_process, read_json, run, start
 from scaleup.errors import UserError
 
 pytestmark = pytest.mark.slow
@@ -197,3 +197,14 @@ def test_with_stop_on_nonfinite_loss_false_a_nan_loss_trains_on(tmp_path):
     assert last_step(tmp_path) == STEPS_PER_EPOCH
     state = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert not all(tensor.isfinite().all() for tensor in state["state_dict"].values())
+
+
+def test_a_nan_loss_at_the_entry_point_exits_2_and_keeps_the_run_directory(tmp_path):
+    """`python train.py`: the line on stderr, exit 2, and the run directory stays with its train.log and failure.json
+    (a refusal before the start removes the directory it made; this run had started)."""
+    run_dir = tmp_path / "run"  # made by the run
+    args = [*RUN, "trainer.max_epochs=1", "trainer.log_every_n_steps=4", *NAN_FROM_STEP_5, f"hydra.run.dir={run_dir}"]
+    result = run(args)
+    assert (result.returncode, result.stderr.splitlines()[-1]) == (2, f"error: {NAN_LOSS_AT_STEP_5}")
+    assert read_json(run_dir / "failure.json")["exit_code"] == 2
+    assert NAN_LOSS_AT_STEP_5 in (run_dir / "train.log").read_text()

@@ -385,7 +385,7 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
         "LoopRepairs": LoopRepairs,
         "RunFiles": lambda: RunFiles(tmp / "metrics.json", {}, {}),
         "PerformanceSettings": lambda: PerformanceSettings(tf32=True, channels_last=False),
-        "JobControl": lambda: JobControl(tmp / "ckpt"),
+        "JobControl": lambda: JobControl(tmp / "ckpt", stop_on_nonfinite_loss=True),  # train.py's default
     }
     defaults = {  # engine/src/scaleup/conf/callbacks/default.yaml
         "ModelCheckpoint (best)": lambda: ModelCheckpoint(tmp / "ckpt", monitor="val/acc", mode="max"),

@@ -201,14 +201,35 @@ class SigtermAfterFit(L.Callback):
 
 
 class CtrlCAtBatch(L.Callback):
-    """Ctrl-C after training batch `batch_idx` of epoch 0: the KeyboardInterrupt Python raises for SIGINT."""
+    """Ctrl-C after training batch `batch_idx` of epoch 0: SIGINT to this process, as a terminal sends it, `presses`
+    times in a row."""
 
-    def __init__(self, batch_idx: int) -> None:
-        self.batch_idx = batch_idx
+    def __init__(self, batch_idx: int, presses: int = 1) -> None:
+        self.batch_idx, self.presses = batch_idx, presses
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int):
-        if batch_idx == self.batch_idx:
-            raise KeyboardInterrupt
+        if batch_idx == self.batch_idx and trainer.current_epoch == 0:
+            for _ in range(self.presses):
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+class NanWeightsAtStep(L.Callback):
+    """Sets the network's first parameter to NaN as optimizer step `step` starts, on rank `rank` (every rank: None):
+    weights that blew up, so that the loss is NaN from that step on."""
+
+    stopped_at: int | None = None  # the global step of the last run's error, in this process
+
+    def __init__(self, step: int, rank: int | None = None) -> None:
+        self.step, self.rank = step, rank
+        NanWeightsAtStep.stopped_at = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
+            with torch.no_grad():
+                next(pl_module.parameters()).fill_(float("nan"))
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        NanWeightsAtStep.stopped_at = trainer.global_step
 
 
 class SigtermOnLoad(torch.utils.data.Dataset):

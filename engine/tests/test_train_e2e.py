@@ -2,6 +2,7 @@
 (in this process, but for the 2-process evaluation)."""
 
 import json
+import re
 
 import hydra
 import pytest
@@ -150,3 +151,23 @@ def test_a_default_run_attaches_few_engine_callbacks_in_their_fixed_order(tmp_pa
     assert max(at("ExactEvalMetrics")) < min(at("ModelCheckpoint") + at("RunFiles"))  # exact before read
     # after every callback of the config (Lightning then appends the module's and moves the checkpoints last)
     assert at("JobControl") == [max(at("TrainingDiagnostics") + at("CallbackCensus")) + 1]
+
+
+CRASHES = {
+    "in training": (["+callbacks.fail={_target_:probes.FailOnRank,rank:0,step:3}"], "RuntimeError: injected failure"),
+    "in the module's __init__": (["model._target_=user_modules.BuggyClassifier"], "TypeError: empty(): argument"),
+}
+
+
+@pytest.mark.parametrize("where", CRASHES)
+def test_a_one_process_crash_leaves_its_traceback_in_train_log_and_failure_json(where, tmp_path):
+    """As a failing rank of several processes does (test_rank_failures): the traceback in train.log and failure.json
+    naming rank 0 and exit code 1, also for a bug in the user's __init__, before anything else is logged."""
+    overrides, error = CRASHES[where]
+    with pytest.raises(Exception, match=re.escape(error.split(": ", 1)[1])):
+        in_process(["trainer.max_epochs=1", "trainer.enable_progress_bar=false", "logger=none", *overrides,
+                    f"hydra.run.dir={tmp_path}"])  # fmt: skip
+    record = read_json(tmp_path / "failure.json")
+    assert record | {"message": ""} == {"what": "error", "ranks": [0], "exit_code": 1, "message": ""}
+    assert record["message"].startswith("Traceback (most recent call last):") and error in record["message"]
+    assert record["message"] in (tmp_path / "train.log").read_text()

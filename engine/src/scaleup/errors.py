@@ -324,8 +324,9 @@ def why_unwritable(directory: str | Path) -> OSError | None:
 def remove_refused_run(created: list[Path]) -> None:
     """A refused run leaves nothing behind: remove the run directory it made (`created`, from `new_directories`)
     with what Hydra and the job wrote there (`.hydra/`, the log, plan.json, config.yaml), and the parents it made
-    while they are empty. A directory that holds a checkpoint stays; one that existed before is not in `created`."""
-    if not created or any(path.name.endswith(".ckpt") for path in created[0].rglob("*")):
+    while they are empty. A directory that holds a checkpoint stays, and one whose run started and failed (its
+    failure.json says why, e.g. a NaN loss); one that existed before is not in `created`."""
+    if not created or any(path.name.endswith(".ckpt") or path.name == "failure.json" for path in created[0].rglob("*")):
         return
     shutil.rmtree(created[0], ignore_errors=True)
     for parent in created[1:]:

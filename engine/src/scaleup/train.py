@@ -15,7 +15,8 @@ from omegaconf import DictConfig
 
 from scaleup.build import build_data_and_model
 from scaleup.callbacks.loop_repairs import ignore_unresumable_loader_warning
-from scaleup.checkpoints.resume import ResumePoint, resume_point
+from scaleup.callbacks.preemption import FailureRecord
+from scaleup.checkpoints.resume import ResumePoint, check_run_dir, resume_point
 from scaleup.config.outputs import check_outputs
 from scaleup.config.plain import write_yaml
 from scaleup.config.typed import TrainConfig, train_config
@@ -43,10 +44,18 @@ ignore_unresumable_loader_warning()
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Plan the run, print and save the plan, then fit, test on the best checkpoint and summarise."""
+    """Plan the run, print and save the plan, then fit, test on the best checkpoint and summarise; a failure says why
+    in the run directory (train.log, failure.json)."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    with FailureRecord(run_dir) as failure:
+        return train_in(cfg, run_dir, failure)
+
+
+def train_in(cfg: DictConfig, run_dir: Path, failure: FailureRecord) -> dict[str, Any]:
+    """`train` in `run_dir`; `failure` is told when training starts."""
     config = train_config(cfg)  # every value's type and range, before the seed and the topology read theirs
     check_trainer_arguments(config.trainer)  # and the values passed to lightning.Trainer as they are, by Lightning
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    check_run_dir(config, run_dir)  # a directory that holds a run: resumed, started over on request, or refused
     topology = resolve_topology(config.trainer, dry_run=config.dry_run)
     check_outputs(config)  # before an epoch is trained, or data downloaded, for nothing
     check_launch(topology, dry_run=config.dry_run)
@@ -89,6 +98,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     hint = f"resume with: python train.py ckpt_path=last hydra.run.dir={run_dir} (plus your overrides)"
     if in_search():
         hint = "resume the search with the same command: it resumes this trial from its last.ckpt"
+    failure.started = True
     with job.running(hint):
         if resume.finished:
             log.info(f"{resume.path} finished training at step {resume.step}: running its test")

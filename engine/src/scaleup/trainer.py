@@ -211,7 +211,12 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     elif not any(isinstance(cb, ProgressBar) for cb in callbacks):
         callbacks.append(RichProgressBar(refresh_rate=4))
-    stop = JobControl(config.checkpoint.dirpath, config.strategy.hang_timeout_minutes, config.strategy.timeout_minutes)
+    stop = JobControl(
+        config.checkpoint.dirpath,
+        config.strategy.hang_timeout_minutes,
+        config.strategy.timeout_minutes,
+        stop_on_nonfinite_loss=config.stop_on_nonfinite_loss,
+    )
     callbacks.append(stop)
     with config_errors("logger"):
         loggers = instantiate_each(config.logger)

@@ -1,5 +1,6 @@
 """How a job ends other than by finishing: SIGTERM (a scheduler's "go now") stops every rank at the same step, saves
-last.ckpt and exits 143; a rank that fails, hangs or is killed is named and ends every rank (distributed/watchdog.py).
+last.ckpt and exits 143, Ctrl-C (SIGINT) the same way with exit 130; a rank that fails, hangs or is killed is named
+and ends every rank (distributed/watchdog.py).
 
 Schedulers (SLURM, Kubernetes, torchrun's agent) send SIGTERM, then SIGKILL after a grace period. `JobControl`
 (which replaces Lightning's own handling) stops every rank after the same micro-batch and writes last.ckpt there;
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,10 +25,13 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from scaleup.callbacks.nonfinite import FirstNonFiniteLoss, nonfinite_loss_error
 from scaleup.compat.launch import keep_sigterm_handler
 from scaleup.distributed.watchdog import (
+    EXIT_FAILED,
     Children,
     Progress,
     Watchdog,
@@ -34,7 +39,10 @@ from scaleup.distributed.watchdog import (
     exit_now,
     report,
     set_up_watch,
+    to_log_file,
+    write_failure,
 )
+from scaleup.errors import EXIT_USER_ERROR, as_user_error
 
 log = logging.getLogger("scaleup")
 
@@ -45,6 +53,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
 # within strategy.hang_timeout_minutes) and EXIT_FAILED = 1 (a rank raised, or died)
 SIGTERM_GRACE_SECONDS = 30.0  # a rank that got SIGTERM and reaches no next step in this time exits on its own
 HANG_TIMEOUT_MINUTES = 5.0  # eval.py's (it has no strategy section): the strategy configs' default
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # each stops every rank at the next step, saving in training
 
 
 def interrupted(err: BaseException) -> bool:
@@ -58,25 +67,48 @@ def interrupted(err: BaseException) -> bool:
 def exit_when_stopped(stop: JobControl, resume_hint: str) -> Iterator[None]:
     """Exit 143 when the stage ends because of SIGTERM, also when it ended in another error after the signal
     (a peer that stopped first closes its connections: the collective this rank waited in fails); exit 130 with
-    the same hint after Ctrl-C. The SIGTERM handler the job found is put back when it ends: a process that
-    trains twice (a notebook, a test session) and the processes it forks later still die on SIGTERM; the watchdog
-    stops."""
+    the same hint after Ctrl-C (SIGINT), saved as SIGTERM saves, or a KeyboardInterrupt (a second Ctrl-C). Rank 0
+    says so, once for the job. The SIGTERM and SIGINT handlers the job found are put back when it ends: a process
+    that trains twice (a notebook, a test session) and the processes it forks later still die on SIGTERM and stop
+    on Ctrl-C; the watchdog stops."""
     main_thread = threading.current_thread() is threading.main_thread()
-    found = signal.getsignal(signal.SIGTERM)
+    found = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     try:
         yield
     except BaseException as err:
-        if interrupted(err):
-            log.warning(f"interrupted (Ctrl-C); {resume_hint}")
-            sys.exit(EXIT_INTERRUPTED)
-        if not (stop.requested or isinstance(err, SIGTERMException)):
+        ctrl_c = interrupted(err) or stop.signum == signal.SIGINT
+        if not (ctrl_c or stop.requested or isinstance(err, SIGTERMException)):
             raise
-        log.warning(f"stopped by SIGTERM; {resume_hint}")
-        sys.exit(EXIT_PREEMPTED)
+        if rank_zero_only.rank == 0:
+            log.warning(f"{'interrupted (Ctrl-C)' if ctrl_c else 'stopped by SIGTERM'}; {resume_hint}")
+        sys.exit(EXIT_INTERRUPTED if ctrl_c else EXIT_PREEMPTED)
     finally:
         stop.finish()
         if main_thread:
-            signal.signal(signal.SIGTERM, found)
+            for signum, handler in found.items():
+                signal.signal(signum, handler)
+
+
+class FailureRecord(contextlib.AbstractContextManager):
+    """Around a whole job: one that fails leaves why in its run directory, as the watchdog leaves it for a failing
+    rank of several processes (which ends that process before this sees the error): rank 0 writes the traceback of
+    a bug (or a user mistake's `error:` line) into the log file, and failure.json (what, ranks, exit_code,
+    message). A bug in the user's code while the job builds (a LightningModule's `__init__`) counts; a mistake
+    refused before the job `started` (a bad setting, a run directory that holds a run) writes nothing."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.started = False  # set as training starts: from then on a user mistake is recorded too (a NaN loss)
+
+    def __exit__(self, kind: Any, err: BaseException | None, tb: Any) -> None:
+        if not isinstance(err, Exception) or rank_zero_only.rank != 0:
+            return  # finished, or a signal's exit (SystemExit) or Ctrl-C: exit_when_stopped said so
+        mistake = as_user_error(err)
+        if mistake is not None and not self.started:
+            return
+        text = f"error: {mistake}" if mistake else "".join(traceback.format_exception(err)).rstrip()
+        to_log_file(text)  # the terminal shows it already: Hydra's traceback, or exit_on_user_error's line
+        write_failure(self.run_dir, "error", [0], EXIT_USER_ERROR if mistake else EXIT_FAILED, text)
 
 
 class JobControl(Callback):
@@ -117,6 +149,10 @@ class JobControl(Callback):
     so that the failing rank is named and its traceback printed once (rank 0, last), and every rank ends.
     `hang_timeout_minutes`: strategy.hang_timeout_minutes (0 or None: no hang watch); `timeout_minutes`:
     strategy.timeout_minutes, the process group's, which bounds a slow stall (see the watchdog).
+
+    `stop_on_nonfinite_loss`: a training loss that turns NaN or inf stops every rank with one line naming the step
+    (callbacks/nonfinite.py), checked at logging steps, epoch ends and before each checkpoint is written (then none
+    is), and instead of the save after a signal.
     """
 
     def __init__(
@@ -124,7 +160,9 @@ class JobControl(Callback):
         dirpath: str | Path | None = None,
         hang_timeout_minutes: float | None = HANG_TIMEOUT_MINUTES,
         timeout_minutes: float | None = None,
+        stop_on_nonfinite_loss: bool = False,
     ) -> None:
+        self.nonfinite = FirstNonFiniteLoss() if stop_on_nonfinite_loss else None
         self.path = f"{str(dirpath).rstrip('/')}/last.ckpt" if dirpath is not None else None  # a local path or a URL
         self.hang_seconds = 60 * hang_timeout_minutes if hang_timeout_minutes else None
         self.collective_seconds = 60 * timeout_minutes if timeout_minutes else None
@@ -134,6 +172,7 @@ class JobControl(Callback):
         self.progress.enter("start")
         self._overdue: threading.Timer | None = None  # ends a rank that does not stop after SIGTERM
         self.requested = False
+        self.signum = 0  # the first stop signal received: SIGTERM or SIGINT
         self._trainer: L.Trainer | None = None
         self._ready = False  # set up once per job: the process group, the handler kept over Lightning's
         self._group: Any = None  # the CPU process group the flags travel in
@@ -144,10 +183,20 @@ class JobControl(Callback):
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.watchdog is not None and self.watchdog.ending:
             return  # the watch ends this rank already (torchrun's agent stops the ranks a hung one leaves behind)
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:  # Ctrl-C again: at once, as Python stops
+            signal.default_int_handler(signum, frame)
         if not self.requested:
-            log.warning(f"received signal {signum}: stopping at the next step")
+            self.signum = signum
+            if rank_zero_only.rank == 0:  # a terminal's Ctrl-C (a scheduler's SIGTERM) reaches every rank: said once
+                name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+                log.warning(
+                    f"received {name}: every rank stops at the next step (training saves last.ckpt there)"
+                    + ("; Ctrl-C again stops at once, without saving" if signum == signal.SIGINT else "")
+                )
             launcher = self._trainer.strategy.launcher if self._trainer is not None else None
-            if launcher is not None:  # Lightning's own launcher: pass it on to the processes it started
+            # Lightning's own launcher: SIGTERM passed on to the processes it started (Ctrl-C reached them already,
+            # and a second SIGINT would stop them at once)
+            if launcher is not None and signum == signal.SIGTERM:
                 launcher.kill(signum)
             grace = min(SIGTERM_GRACE_SECONDS, self.hang_seconds or SIGTERM_GRACE_SECONDS)
             self._overdue = threading.Timer(grace, self._stop_overdue, args=(self.progress.ticks, grace))
@@ -156,13 +205,17 @@ class JobControl(Callback):
         self.requested = True
 
     def _stop_overdue(self, ticks: int, grace: float) -> None:
-        """The grace period after SIGTERM ran out: a rank that made no progress since exits 143 with its stacks."""
+        """The grace period after the signal ran out: a rank that made no progress since exits 143 (130 after
+        Ctrl-C) with its stacks."""
         if self.progress.ticks != ticks or self._trainer is None:
             return
-        rank = self._trainer.global_rank
+        rank, code = self._trainer.global_rank, EXIT_INTERRUPTED if self.signum == signal.SIGINT else EXIT_PREEMPTED
         dump = dump_stacks(Path(self._trainer.default_root_dir), rank, self.progress)
-        report(f"rank {rank}: got SIGTERM {grace:.0f} s ago and reached no next step: exiting 143; its stack: {dump}")
-        exit_now(EXIT_PREEMPTED)
+        report(
+            f"rank {rank}: got {signal.Signals(self.signum).name} {grace:.0f} s ago and reached no next step: "
+            f"exiting {code}; its stack: {dump}"
+        )
+        exit_now(code)
 
     def finish(self) -> None:
         """The job ended: stop the watchdog and the timer of a SIGTERM's grace period."""
@@ -173,7 +226,8 @@ class JobControl(Callback):
 
     def _install(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_signal)
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, self._on_signal)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Lightning starts the process group just before `setup`, which every rank runs together.
@@ -226,6 +280,8 @@ class JobControl(Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
         self.progress.enter("forward")
+        if self.nonfinite is not None:
+            self.nonfinite.step = trainer.global_step
 
     def on_before_backward(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
         self.progress.enter("backward")
@@ -235,9 +291,20 @@ class JobControl(Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.progress.enter("data")
+        self._stop_on_nonfinite_loss()
 
     def on_save_checkpoint(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
         self.progress.enter(self.progress.phase)
+        if trainer.state.fn == "fit":
+            self._stop_on_nonfinite_loss()  # raised here, inside Trainer.save_checkpoint: nothing is written
+
+    def _nonfinite_step(self) -> int | None:
+        """The first step whose loss was NaN or inf on any rank (every rank gets the same answer), or None."""
+        return None if self.nonfinite is None else self.nonfinite.first(self._group, distributed=not self._alone)
+
+    def _stop_on_nonfinite_loss(self) -> None:
+        if (step := self._nonfinite_step()) is not None:
+            raise nonfinite_loss_error(step)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.progress.eval_batches = 0
@@ -267,6 +334,11 @@ class JobControl(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
         self.progress.micro_batches += 1
         self.progress.enter("data")
+        if self.nonfinite is not None:
+            self.nonfinite.record(args[1] if len(args) > 1 else kwargs.get("outputs"))
+            # After the optimizer step of a logging step: Lightning reads the logged values back there anyway.
+            if trainer.global_step != self.nonfinite.step and trainer.global_step % trainer.log_every_n_steps == 0:
+                self._stop_on_nonfinite_loss()
         # At a batch's end, where a mid-epoch ModelCheckpoint saves too: the resume path proven exact.
         if self._agreed(trainer):
             raise SIGTERMException
@@ -310,6 +382,11 @@ class JobControl(Callback):
         if self.watchdog is not None:  # an error of this rank, or a collective a peer left: named, and every rank ends
             self.watchdog.failed(exception)
         if self.path is not None and isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
+            if (step := self._nonfinite_step()) is not None:  # no save of weights trained on it
+                if trainer.is_global_zero:
+                    log.error(f"error: {nonfinite_loss_error(step)}")
+                return
             trainer.save_checkpoint(self.path)  # rank 0 writes, every rank waits at the barrier
             if trainer.is_global_zero:
-                log.warning(f"stopped by SIGTERM at step {trainer.global_step}; saved {self.path}")
+                how = "interrupted (Ctrl-C)" if self.signum == signal.SIGINT else "stopped by SIGTERM"
+                log.warning(f"{how} at step {trainer.global_step}; saved {self.path}")

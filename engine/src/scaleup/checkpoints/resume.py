@@ -6,11 +6,13 @@ Everything here runs before anything is written, so a refused resume leaves the 
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.utilities import rank_zero_only
 
 from scaleup.callbacks.run_files import holds_test_results
@@ -19,6 +21,7 @@ from scaleup.config.plain import flatten
 from scaleup.config.project import project_packages
 from scaleup.config.stored import stored_model, stored_plan
 from scaleup.data.samplers import GlobalBatchSampler, resumed_steps
+from scaleup.distributed.run_dir import is_rank_zero_from_env
 from scaleup.errors import UserError
 from scaleup.plan.progress import checkpoint_steps
 from scaleup.plan.resolve import Plan
@@ -31,6 +34,79 @@ log = logging.getLogger("scaleup")
 # What a run that trained leaves besides its checkpoints. (Not plan.json: this run's rank 0 may have written it
 # already when another rank looks.)
 RUN_FILES = ("metrics.json",)
+EVENT_FILES = "events.out.tfevents.*"  # TensorBoard's, under <run dir>/tensorboard/ (or a logger's own folder)
+REPLACED = "replaced"  # fresh_start=true moves an earlier run's files to <run dir>/replaced/<n>/
+KEPT_IN_PLACE = (".hydra", REPLACED)  # what a fresh start leaves, besides the job's log (which Hydra has open)
+
+
+def checkpoint_files(checkpoint_dir: str) -> list[str]:
+    """The checkpoints in `checkpoint_dir` (a local folder or a URL), sharded ones (folders) included."""
+    fs = get_filesystem(checkpoint_dir)
+    return sorted(str(path) for path in fs.glob(f"{checkpoint_dir.rstrip('/')}/*.ckpt"))
+
+
+def trained_files(run_dir: Path, checkpoint_dir: str) -> list[str]:
+    """What only a run that started training writes, found in `run_dir` and `checkpoint_dir`: checkpoints (also
+    SLURM's hpc_ckpt_N.ckpt), metrics.json and TensorBoard event files, named relative to `run_dir` where they are in
+    it. Not plan.json, config.yaml or train.log: a dry run writes them too, and this very run's rank 0 may have
+    written them when another rank looks (torchrun starts every rank at once). An earlier run moved aside by
+    fresh_start=true is not counted."""
+    found = [*checkpoint_files(checkpoint_dir), *map(str, run_dir.glob("hpc_ckpt_*.ckpt"))]
+    found += [str(run_dir / name) for name in RUN_FILES if (run_dir / name).is_file()]
+    found += [str(p) for p in sorted(run_dir.rglob(EVENT_FILES)) if REPLACED not in p.relative_to(run_dir).parts]
+    return [path.removeprefix(f"{run_dir}/") for path in found]
+
+
+def check_run_dir(config: TrainConfig, run_dir: Path) -> None:
+    """A run directory that holds a run is resumed (`ckpt_path=last`), or started over with `fresh_start=true` (its
+    files moved aside, nothing deleted); a new run there without either is refused before anything is written: it
+    would replace the earlier run's last.ckpt, metrics.json and plan.json, and mix their checkpoints and events.
+    Every rank decides alike, from files that only a run that trained writes (`trained_files`); rank 0 moves."""
+    if config.fresh_start and config.ckpt_path is not None:
+        raise UserError(
+            f"fresh_start=true starts a run from scratch, ckpt_path={config.ckpt_path} continues one: pass one of them"
+        )
+    if config.ckpt_path is not None:
+        return  # resumes this run, or continues in it from the checkpoint named (resolve_ckpt_path)
+    found = trained_files(run_dir, config.checkpoint.dirpath)
+    if not found:
+        return
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    if config.dry_run:
+        raise UserError(
+            f"{run_dir} holds a run ({shown}), whose plan.json and config.yaml a dry run would replace: pass "
+            "hydra.run.dir=<another directory> for the dry run"
+        )
+    if not config.fresh_start:
+        raise UserError(
+            f"{run_dir} holds a run ({shown}): resume it with ckpt_path=last, or start a new run in another directory "
+            f"with hydra.run.dir=<new dir> (fresh_start=true starts over here, moving its files to {run_dir}/"
+            f"{REPLACED}/<n>/ first)"
+        )
+    if is_rank_zero_from_env():
+        move_aside(run_dir, config.checkpoint.dirpath)
+
+
+def move_aside(run_dir: Path, checkpoint_dir: str) -> Path:
+    """Move the earlier run's files in `run_dir` into `<run_dir>/replaced/<n>/` (the next free n), all but the job's
+    log, which the starting run appends to, and Hydra's record of the command (`.hydra/`, written already); returns
+    that folder. Checkpoints outside `run_dir` cannot move with it: refused."""
+    outside = [path for path in checkpoint_files(checkpoint_dir) if not path.startswith(f"{run_dir}/")]
+    if outside:
+        raise UserError(
+            f"fresh_start=true moves the earlier run's files within {run_dir}, but its checkpoints are in "
+            f"{checkpoint_dir} ({', '.join(outside[:3])}): move or delete them, or pass checkpoint.dirpath=<another "
+            "location>"
+        )
+    replaced = run_dir / REPLACED
+    number = 1 + max((int(p.name) for p in replaced.glob("*") if p.name.isdigit()), default=0)
+    target = replaced / str(number)
+    target.mkdir(parents=True)
+    for path in sorted(run_dir.iterdir()):
+        if path.name not in KEPT_IN_PLACE and not (path.is_file() and path.suffix == ".log"):
+            shutil.move(path, target / path.name)
+    log.warning(f"fresh_start=true: moved the earlier run's files in {run_dir} to {target}")
+    return target
 
 
 @dataclass(frozen=True)
@@ -61,7 +137,7 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str, run_dir: Path)
     if candidates:
         return max(candidates, key=lambda p: p.stat().st_mtime_ns)
     earlier = [name for name in RUN_FILES if (run_dir / name).is_file()]
-    earlier += [str(p.relative_to(run_dir)) for p in sorted(Path(checkpoint_dir).glob("*.ckpt"))]
+    earlier += [path.removeprefix(f"{run_dir}/") for path in checkpoint_files(checkpoint_dir)]
     if earlier:
         raise UserError(
             f"ckpt_path=last: {run_dir} holds an earlier run ({', '.join(earlier)}) but no {last} to resume from; "

@@ -109,6 +109,8 @@ class TrainKeys(Section):
     dry_run: bool
     ckpt_path: str | None = Field(description="a checkpoint path, last, or null")
     diagnostics_from: str | None = Field(description="a run directory, or null")
+    fresh_start: bool = False  # a project's train.yaml from before these keys lacks them
+    stop_on_nonfinite_loss: bool = True
 
 
 class Monitor(ClosedSection):

@@ -103,6 +103,8 @@ class TrainConfig:
     dry_run: bool
     ckpt_path: str | None
     diagnostics_from: str | None
+    fresh_start: bool
+    stop_on_nonfinite_loss: bool
     monitor: Monitor
     checkpoint: Checkpointing
     performance: Performance
@@ -129,6 +131,9 @@ class TrainConfig:
             callbacks=config.get("callbacks") or {},  # callbacks=[] and logger=[] leave no key
             logger=config.get("logger") or {},
             plain=config,
+            # Keys a project's configs/train.yaml from an earlier engine does not hold: their defaults.
+            fresh_start=config.get("fresh_start", False),
+            stop_on_nonfinite_loss=config.get("stop_on_nonfinite_loss", True),
         )
 
 

@@ -708,6 +708,10 @@ class Watchdog:
         exit_now(EXIT_FAILED)
 
     def _write_failure(self, what: str, ranks: list[int], exit_code: int, message: str) -> None:
-        """Rank 0: the run directory's failure.json, beside the checkpoints that `ckpt_path=last` resumes from."""
-        record = {"what": what, "ranks": ranks, "exit_code": exit_code, "message": message}
-        (self.run_dir / "failure.json").write_text(json.dumps(record, indent=2) + "\n")
+        write_failure(self.run_dir, what, ranks, exit_code, message)
+
+
+def write_failure(run_dir: Path, what: str, ranks: list[int], exit_code: int, message: str) -> None:
+    """Rank 0: the run directory's failure.json, beside the checkpoints that `ckpt_path=last` resumes from."""
+    record = {"what": what, "ranks": ranks, "exit_code": exit_code, "message": message}
+    (run_dir / "failure.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -21,6 +21,9 @@ WARNINGS = (
     # torch deprecates the autograd all_gather behind Lightning's `strategy.all_gather` (the diagnostics' one per
     # epoch; a module's own `self.all_gather` too).
     (r"lightning\.fabric\.utilities\.distributed", r"torch\.distributed\.nn\.functional\.all_gather is deprecated"),
+    # Every resume's: a checkpoint directory that holds a run is resumed or refused before the Trainer is built
+    # (checkpoints/resume.py check_run_dir), never written into by a new run.
+    (r"lightning\.pytorch\.callbacks\.model_checkpoint", r"Checkpoint directory .* exists and is not empty"),
 )
 # torch.distributed.checkpoint's load saying that it assumes one process: the engine reads a sharded checkpoint on
 # one process without a process group on purpose (`no_dist=True`), in eval, export, a resume and init.weights=.

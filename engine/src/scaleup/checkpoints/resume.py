@@ -344,11 +344,14 @@ SAME_TRAINING = (
     "gradient_sync",
     "log_every_n_steps",
 )
+# What a resume that trains further (or less: trainer.max_epochs, max_steps) asks for on purpose: said, not warned.
+RUN_LENGTH = ("total_steps",)
 
 
 def log_changes(path: Path | str, previous: Plan | None, plan: Plan) -> None:
-    """The plan's changes since the checkpoint: those of another topology in the resume's line; any other one (an
-    override of the run's start left out, such as its LR) changes the recipe the run trained with, in a warning."""
+    """The plan's changes since the checkpoint: those of another topology or run length in the resume's line; any
+    other one (an override of the run's start left out, such as its LR) changes the recipe the run trained with, in a
+    warning."""
     skipped = set(NOT_COMPARED)
     if plan.max_per_device_batch_size == "auto":  # settled again at the start of fit
         skipped |= {"per_device_batch_size", "accumulate_grad_batches", "bn_batch_size"}
@@ -358,9 +361,9 @@ def log_changes(path: Path | str, previous: Plan | None, plan: Plan) -> None:
         for key, value in plan.to_dict().items()
         if key in before and before[key] != value and key not in skipped
     }
-    moved = [change for key, change in changed.items() if key in SAME_TRAINING]
+    moved = [change for key, change in changed.items() if key in SAME_TRAINING + RUN_LENGTH]
     log.info(f"resuming from {path}" + (f"; changed since: {', '.join(moved)}" if moved else ""))
-    if recipe := [change for key, change in changed.items() if key not in SAME_TRAINING]:
+    if recipe := [change for key, change in changed.items() if key not in SAME_TRAINING + RUN_LENGTH]:
         log.warning(
             f"the resume changes the recipe {path} trained with: {', '.join(recipe)}. If the run started with "
             "overrides, pass them again (this run's config.yaml and plan.json now hold the new values)"

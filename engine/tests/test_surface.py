@@ -30,10 +30,8 @@ import griffe
 import pytest
 
 import scaleup
+from conftest import PROJECT, ROOT, TESTS
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parents[1]  # the repository: the engine in engine/
-PROJECT = TESTS / "project"  # a project's configs/, as the template makes them
 KEYS = TESTS / "config_keys.txt"
 REGENERATE = "python engine/tests/test_surface.py"
 PROMISED = ("api", "entry.main", "testing")  # under `scaleup`: what a project imports

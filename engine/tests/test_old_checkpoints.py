@@ -1,6 +1,7 @@
 """Nothing on disk is stranded by a new engine version: a checkpoint written by the template before the engine
 became its own distribution (0.2.0, fixtures/v0.2.0/last.ckpt: the digits CNN at width 8, float64, 3 steps, written
-by `python train.py` of that version) evaluates, exports and resumes with today's engine."""
+by `python train.py` of that version) evaluates, exports, starts a run (init.weights) and resumes with today's engine
+(docs/checkpoints.md#across-versions: a resume across releases before 1.0 may be refused)."""
 
 import json
 import shutil
@@ -10,6 +11,7 @@ import torch
 
 from conftest import QUICK, TESTS, in_process, read_json
 from scaleup.checkpoints.io import load_checkpoint
+from scaleup.checkpoints.weights_file import open_weights
 from scaleup.errors import UserError
 
 OLD = TESTS / "fixtures" / "v0.2.0" / "last.ckpt"
@@ -38,6 +40,10 @@ def test_a_checkpoint_of_the_previous_layout_evaluates_exports_and_resumes(tmp_p
     net = torch.load(exported, weights_only=True)  # the network's state_dict, every weight of the checkpoint's
     stored = {k.removeprefix("net."): v for k, v in old["state_dict"].items() if k.startswith("net.")}
     assert net.keys() == stored.keys() and all(torch.equal(net[k], stored[k]) for k in net)
+
+    weights = open_weights(str(OLD))  # init.weights=<the old checkpoint>: what a new run's network loads
+    assert weights.shapes.keys() == old["state_dict"].keys() and weights.bn_batch_size == 64
+    assert all(torch.equal(weights.read(name), tensor) for name, tensor in old["state_dict"].items())
 
     run_dir = tmp_path / "resumed"
     (run_dir / "checkpoints").mkdir(parents=True)

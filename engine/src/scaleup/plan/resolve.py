@@ -7,9 +7,7 @@ the per-device batch for the topology. Moving to more devices then changes the s
 from __future__ import annotations
 
 import inspect
-import json
 import pkgutil
-import re
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
@@ -143,11 +141,10 @@ class Plan:
     @classmethod
     def from_dict(cls, stored: Mapping[str, Any]) -> Plan:
         """The plan `to_dict` wrote (plan.json, a checkpoint's `scaleup.plan`), typed again. A key this version does
-        not know is left out and one an older plan lacks takes its field's default (the sentences of a plan before
-        0.3 become the numbers they were made from where they state them: `from_sentences`); a plan without a field
-        that has none is refused in one line."""
+        not know is left out (the sentences a plan before 0.3 stored, too) and one an older plan lacks takes its
+        field's default; a plan without a field that has none is refused in one line."""
         known = {spec.name: spec for spec in fields(cls)}
-        values = {name: value for name, value in {**from_sentences(stored), **stored}.items() if name in known}
+        values = {name: value for name, value in stored.items() if name in known}
         for name in TUPLES & values.keys():
             values[name] = tuple(values[name])  # JSON has no tuples
         missing = [
@@ -356,42 +353,6 @@ LAUNCHERS = {
     "lightning": "Lightning's launcher, one process per device",
     "one_process": "one process",
 }
-
-
-def from_sentences(stored: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields of a plan written before 0.3 that held sentences (`sync_batchnorm_reason`, `early_stopping`,
-    `epoch_limit`, `launcher`), as the numbers and names they state. The sharding and initial-weights sentences
-    are left out: their names and counts were cut short."""
-    found: dict[str, Any] = {}
-    reason = stored.get("sync_batchnorm_reason")
-    if isinstance(reason, str):
-        starts = {text.split("{")[0]: rule for rule, text in SYNC_BATCHNORM_RULES.items()}
-        small = {"<": "small_batch", ">=": "large_batch"}
-        if sized := re.match(r"auto: \d+ samples per device (<|>=)", reason):
-            found["sync_batchnorm_rule"] = small[sized[1]]
-        else:
-            found["sync_batchnorm_rule"] = next(
-                (rule for start, rule in starts.items() if reason.startswith(start)), ""
-            )
-    early = stored.get("early_stopping")
-    if isinstance(early, str) and (parts := re.fullmatch(r"(.+) \((\w+), patience (\d+)\)", early)):
-        found.update(
-            early_stopping_monitor=parts[1], early_stopping_mode=parts[2], early_stopping_patience=int(parts[3])
-        )
-    limit = stored.get("epoch_limit")
-    if isinstance(limit, str) and (parts := re.fullmatch(r"trainer\.(\w+)=(.+)", limit)):
-        found.update(epoch_limit_flag=parts[1], epoch_limit_value=json.loads(parts[2].lower()))
-    launcher = stored.get("launcher")
-    if isinstance(launcher, str):
-        starts = {text.split("{")[0].split(",")[0]: kind for kind, text in LAUNCHERS.items()}
-        starts["torchrun in a Kubeflow pod"] = "kubeflow_torchrun"
-        kind = max((start for start in starts if launcher.startswith(start)), key=len, default=None)
-        found["launcher_kind"] = starts[kind] if kind else ""
-        if restarts := re.search(r"restart (\d+)", launcher):
-            found["launcher_restarts"] = int(restarts[1])
-        if job := re.match(r"SLURM srun, job ([^:]+):", launcher):
-            found["launcher_job"] = job[1]
-    return found
 
 
 def check_plan_inputs(

@@ -386,9 +386,9 @@ class HandlerAtSetupAndStart(L.Callback):
 
 
 def test_lightning_registers_its_own_sigterm_handler_after_setup(tmp_path):
-    """keep_sigterm_handler. A handler installed in `setup` is replaced by Lightning's own, registered by the
-    private `trainer._signal_connector.register_signal_handlers`, before the stage's first hook; the stage's end
-    puts it back."""
+    """compat/lightning_2_6.py SignalConnector. A handler installed in `setup` is replaced by Lightning's own,
+    registered by the private `trainer._signal_connector.register_signal_handlers`, before the stage's first hook;
+    the stage's end puts it back."""
     probe = HandlerAtSetupAndStart()
     before = signal.getsignal(signal.SIGTERM)
     try:

@@ -8,7 +8,8 @@ Where an error comes from and what it is about decide whose it is, not its type 
   constructor raises for a value.
 Anything else is a bug and keeps its traceback: an error raised inside the user's own code (a file it opens among
 them), and one raised by the engine's own code. A mistake in the command line's overrides that Hydra finds while it
-composes the config is one line too (`scaleup.config.composition`). `HYDRA_FULL_ERROR=1` shows the traceback behind a user error too.
+composes the config is one line too (`scaleup.config.composition`). `HYDRA_FULL_ERROR=1` shows the traceback
+behind a user error too.
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from scaleup.callbacks.nonfinite import FirstNonFiniteLoss, nonfinite_loss_error
-from scaleup.compat.launch import keep_sigterm_handler
 from scaleup.distributed.watchdog import (
     EXIT_FAILED,
     Children,
@@ -122,8 +121,8 @@ class JobControl(Callback):
 
     Here the handler only sets a flag. It is installed in `setup`, right after Lightning starts the process group,
     and stays until the job ends, where `exit_when_stopped` puts back the one it found: Lightning's own, registered
-    when each stage starts, is replaced at once (`keep_sigterm_handler`), and between stages Lightning restores the
-    handler it found, this one.
+    when each stage starts, is replaced at once (compat/lightning_2_6.py `SignalConnector`), and between stages
+    Lightning restores the handler it found, this one.
 
     Training checks the flag at the end of every micro-batch (the last callback, so the others finish that batch;
     where a mid-epoch ModelCheckpoint saves too): on one process the flag itself, on several an all-reduce (max)
@@ -236,7 +235,9 @@ class JobControl(Callback):
         self._install()
         if self._ready:
             return
-        keep_sigterm_handler(trainer, self._install)
+        from scaleup.compat import lightning_2_6  # Lightning's private connector: imported once its gate passed
+
+        lightning_2_6.install_signal_connector(trainer, self._install)  # ours stays in front of Lightning's handler
         self._alone = trainer.world_size == 1 or not dist.is_initialized()
         if not self._alone:
             # gloo runs on the CPU: NCCL's default group would sync the device.

@@ -106,6 +106,20 @@ META_REPLAY = PrivateUse(
     "operation writes only in OpOverload._schema; torchmetrics moves its states only in Module._apply",
     "test_the_replayed_build_equals_the_ordinary_build_bit_for_bit",
 )
+SIGTERM_TAKE_OVER = PrivateUse(
+    "compat/lightning_2_6.py",
+    "the template's SIGTERM handler stays in front of Lightning's from a stage's start",
+    "Lightning registers its own SIGTERM handler after setup, through Trainer._signal_connector: a subclass of its "
+    "_SignalConnector puts the template's back",
+    "test_lightning_registers_its_own_sigterm_handler_after_setup",
+)
+HYDRA_APP = PrivateUse(
+    "config/composition.py",
+    "a mistake in the command line's overrides is one line and exit code 2, also under -m",
+    "@hydra.main reports a composition error itself (exit 1) unless HYDRA_FULL_ERROR is set: run_app runs the steps "
+    "@hydra.main runs (Hydra, its search path, run_and_report) so that they raise",
+    "test_entry_point_exits_2_with_one_line",
+)
 EXACT_METRICS = PrivateUse(
     "callbacks/exact_metrics.py",
     "validation and test metrics of a plain self.log on N processes equal those on one",
@@ -121,12 +135,10 @@ EXACT_METRICS = PrivateUse(
 PRIVATE_NAMES = {
     "_results": EXACT_METRICS,
     "_computed": EXACT_METRICS,
-    "_signal_connector": PrivateUse(
-        "compat/launch.py",
-        "the template's SIGTERM handler stays in front of Lightning's from a stage's start",
-        "Lightning registers its own SIGTERM handler after setup, through Trainer._signal_connector",
-        "test_lightning_registers_its_own_sigterm_handler_after_setup",
-    ),
+    "_signal_connector": SIGTERM_TAKE_OVER,
+    "_SignalConnector": SIGTERM_TAKE_OVER,
+    "hydra._internal.hydra": HYDRA_APP,
+    "hydra._internal.utils": HYDRA_APP,
     "_FitLoop": PrivateUse(
         "compat/lightning_2_6.py",
         "a resume with trainer.max_steps from an epoch-end checkpoint trains what a resume without max_steps trains",
@@ -165,7 +177,7 @@ ACTIVATION_CHECKPOINTING = Workaround(
     (Private("torch.distributed._composable:checkpoint", params=("module",)),),
 )
 SIGTERM_HANDLER = Workaround(
-    "the SIGTERM take-over (keep_sigterm_handler)",
+    "the SIGTERM take-over (SignalConnector)",
     (Private("lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector.register_signal_handlers"),),
 )
 EPOCH_END_RESUME = Workaround(

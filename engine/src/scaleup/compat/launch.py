@@ -1,5 +1,5 @@
 """Starting and stopping processes the way Lightning's launchers do not: spawn workers that leave the process group
-together, and the template's SIGTERM handler kept in front of Lightning's.
+together.
 """
 
 from __future__ import annotations
@@ -45,23 +45,3 @@ class SpawnDDPStrategy(DDPStrategy):
     def setup(self, trainer: L.Trainer) -> None:
         super().setup(trainer)
         trainer.callbacks.append(LeaveProcessGroup(self.on_exit))
-
-
-def keep_sigterm_handler(trainer: L.Trainer, install: Callable[[], None]) -> None:
-    """Calls `install` (which puts our SIGTERM handler back) right after Lightning registers its own, as each of
-    `trainer`'s stages starts.
-
-    Lightning 2.6.6. Reason: the private `_SignalConnector.register_signal_handlers` puts Lightning's SIGTERM
-    handler (a broadcast inside the handler, a stop of its own rank alone) in front of ours after `setup`, and
-    a stage's first callback hook comes only after the process group's barrier and the loaders' setup: a signal
-    in between would reach Lightning's. Its SIGUSR1 handler (SLURM's requeue) is left as it is.
-    Canary: test_lightning_registers_its_own_sigterm_handler_after_setup.
-    """
-    connector = trainer._signal_connector
-    register = connector.register_signal_handlers
-
-    def register_then_install() -> None:
-        register()
-        install()
-
-    connector.register_signal_handlers = register_then_install

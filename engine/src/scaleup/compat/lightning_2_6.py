@@ -1,15 +1,19 @@
 """Fixes to Lightning 2.6's own code, written as the upstream patch would be, for the releases that need them.
 
-Imported only by the Trainer's build, for a Lightning in `AFFECTED` and after `gates.EPOCH_END_RESUME` has checked
-the private class it subclasses: nothing here runs for another release. Each fix names its canary in
+Imported only where a fix is installed, after its gate (compat/gates.py) has checked the private names it relies on:
+the fit loop for a Lightning in `AFFECTED` (`gates.EPOCH_END_RESUME`), the signal connector wherever
+`gates.SIGTERM_HANDLER` passes. Each fix names its canary in
 engine/tests/test_lightning_workarounds.py, which shows that plain Lightning still has the bug; when a release fixes
 it, the canary fails: narrow `AFFECTED` to the releases before it (and delete this file once none is supported).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import lightning as L
 from lightning.pytorch.loops.fit_loop import _FitLoop
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from packaging.specifiers import SpecifierSet
 
 #: The Lightning releases whose fit loop re-enters a finished epoch on a resume with max_steps.
@@ -44,3 +48,28 @@ def install_fit_loop(trainer: L.Trainer) -> None:
     built = trainer.fit_loop
     trainer.fit_loop = FitLoop(trainer, min_epochs=built.min_epochs, max_epochs=built.max_epochs)
     trainer.fit_loop.epoch_loop = built.epoch_loop
+
+
+class SignalConnector(_SignalConnector):
+    """Lightning's signal connector, with the handler of the job (`install`) put back in front of Lightning's own
+    SIGTERM handler as soon as Lightning registers it, at each stage's start.
+
+    Lightning 2.6 registers its SIGTERM handler after `setup`, and that handler runs a `dist.broadcast` inside the
+    signal handler (which can interleave with the step's collectives and hang) and stops its own rank alone. A stage's
+    first callback hook comes only after the process group's barrier and the loaders' set-up: a signal in between
+    would reach Lightning's handler. Its SIGUSR1 handler (SLURM's requeue) is left as it is.
+    Canary: test_lightning_registers_its_own_sigterm_handler_after_setup.
+    """
+
+    def __init__(self, trainer: L.Trainer, install: Callable[[], None]) -> None:
+        super().__init__(trainer)
+        self.install = install
+
+    def register_signal_handlers(self) -> None:
+        super().register_signal_handlers()
+        self.install()
+
+
+def install_signal_connector(trainer: L.Trainer, install: Callable[[], None]) -> None:
+    """Give `trainer` the signal connector above, before its stage registers its handlers (a callback's `setup`)."""
+    trainer._signal_connector = SignalConnector(trainer, install)

@@ -329,8 +329,17 @@ def exit_now(code: int) -> None:
 def own_children() -> list[multiprocessing.process.BaseProcess]:
     """This process's multiprocessing children (DataLoader workers). A process forked by other means from one that
     had children inherits its list of them (multiprocessing resets it only in the processes it starts): those are
-    not this process's, and are left alone (`_parent_pid`, set when a Process is made, tells them apart)."""
-    return [child for child in multiprocessing.active_children() if child._parent_pid == os.getpid()]
+    not this process's, and are left alone (told apart by their parent's pid, where the system shows it)."""
+    return [child for child in multiprocessing.active_children() if parent_pid(child.pid) in (os.getpid(), None)]
+
+
+def parent_pid(pid: int | None) -> int | None:
+    """The parent process of `pid` as Linux's /proc shows it; None where it does not (another system, gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:")), None)
 
 
 def end_children() -> None:

@@ -78,9 +78,10 @@ class ExactEvalMetrics(Callback):
     a float after each batch, so that Lightning's division by the world size is exact; sums, maxima and minima with
     `sync_dist=True` are exact as Lightning reduces them, and so are torchmetrics objects. Training-stage metrics
     are out of scope: each rank keeps its own. What cannot be made exact is named once, loudly, at the end of the
-    first validation or test: plain values logged in the module's own `on_validation_epoch_end`/`on_test_epoch_end`
-    (they are logged after this runs) and plain metrics of a second eval dataloader. Lightning refuses any other
-    `reduce_fx` itself.
+    first validation or test: values logged in the module's own `on_validation_epoch_end`/`on_test_epoch_end` (they
+    are logged after this runs) that differ between ranks, without `sync_dist` (rank 0's is reported) or with it as a
+    mean (the ranks' values averaged, however many samples each rank had), and plain metrics of a second eval
+    dataloader. Lightning refuses any other `reduce_fx` itself.
 
     Every rank runs the same collectives in the same order: one all_gather of the metric names (a name logged on
     some ranks only counts zero samples, or no maximum, on the others), then one all_reduce per kind of reduction,
@@ -190,14 +191,48 @@ class ExactEvalMetrics(Callback):
                 warnings.filterwarnings("ignore", message=rf"It is recommended to use `self.log\({name!r}")
 
     def _warn_once(self, trainer: L.Trainer) -> None:
-        if self._warned or trainer.world_size == 1:
+        if self._warned or trainer.world_size == 1 or not torch.distributed.is_initialized():
             return
         self._warned = True
-        inexact = sorted({metric.meta.name for _, metric in _epoch_tensor_metrics(trainer) if not _reducible(metric)})
+        inexact = _inexact_metrics(trainer)
         if inexact and trainer.is_global_zero:
             log.warning(
-                f"NOT EXACT on {trainer.world_size} processes: {', '.join(inexact)} (logged with a plain tensor in "
-                "on_validation_epoch_end/on_test_epoch_end, or from a second eval dataloader) is each rank's own "
-                "value, and rank 0's is reported. Log a torchmetrics Metric instead (or scaleup.observability.metrics."
-                "StageMetrics), which sums its state over all ranks once per epoch"
+                f"NOT EXACT on {trainer.world_size} processes: {', '.join(inexact)}: logged with a plain tensor in "
+                "on_validation_epoch_end/on_test_epoch_end, where the ranks hold different values, or from a second "
+                "eval dataloader. Log a torchmetrics Metric instead (or scaleup.observability.metrics.StageMetrics), "
+                "which sums its state over all ranks once per epoch"
             )
+
+
+def _rank_value(metric: Any) -> float:
+    """This rank's own value of an epoch-level tensor metric (a mean's sum over its sample count)."""
+    value = metric.value.double()
+    if REDUCTIONS[metric.meta.reduce_fx] == "mean":
+        value = value / metric.cumulated_batch_size.double()
+    return float(value)
+
+
+def _inexact_metrics(trainer: L.Trainer) -> list[str]:
+    """The names of this epoch's values no reduction made exact, each with what is reported: a plain value of a
+    second eval dataloader, and a value logged at the eval epoch's end (after the reduction) whose ranks differ,
+    without `sync_dist` (rank 0's reported) or with it as a mean (the ranks' values averaged, unweighted). A value
+    the same on every rank (a torchmetrics `compute()`, already over all ranks) is exact either way; so are the
+    sums, maxima and minima `sync_dist=True` makes of the ranks' values. Collective: runs on every rank."""
+    late = {
+        metric.meta.name: (_rank_value(metric), metric.meta.sync.should)
+        for _, metric in [*_epoch_tensor_metrics(trainer), *_epoch_tensor_metrics(trainer, synced=True)]
+        if metric.meta.fx in EPOCH_END_HOOKS
+        and (not metric.meta.sync.should or REDUCTIONS[metric.meta.reduce_fx] == "mean")
+    }
+    gathered: list[Any] = [None] * trainer.world_size
+    # A name logged on some ranks only differs too.
+    torch.distributed.all_gather_object(gathered, {name: value for name, (value, _) in late.items()})
+    named = {
+        name: "the ranks' values averaged" if synced else "rank 0's value reported"
+        for name, (_, synced) in late.items()
+        if any(ranks.get(name) != gathered[0].get(name) for ranks in gathered)
+    }
+    for _, metric in _epoch_tensor_metrics(trainer):
+        if metric.meta.dataloader_idx is not None and metric.meta.fx not in EPOCH_END_HOOKS:
+            named[metric.meta.name] = "rank 0's value reported"
+    return [f"{name} ({named[name]})" for name in sorted(named)]

@@ -15,6 +15,7 @@ from lightning.pytorch import Callback
 from torchmetrics import Metric
 
 from scaleup.errors import UserError
+from scaleup.observability.metrics import StageMetrics
 
 log = logging.getLogger("scaleup")
 
@@ -36,6 +37,8 @@ REDUCE_GROUPS = (
     ("min", torch.distributed.ReduceOp.MIN, float("inf")),
 )
 EPOCH_END_HOOKS = ("on_validation_epoch_end", "on_test_epoch_end")
+# The checkpoint's entry for the training epoch's running metric states: {"epoch": n, "ranks": [per-rank states]}.
+TRAINING_EPOCH = "training_epoch_metrics"
 
 
 def _epoch_tensor_metrics(trainer: L.Trainer, *, synced: bool = False) -> Iterator[tuple[str, Any]]:
@@ -52,6 +55,11 @@ def _epoch_tensor_metrics(trainer: L.Trainer, *, synced: bool = False) -> Iterat
             and meta.sync.should == synced
         ):
             yield key, metric
+
+
+def _training_stage_metrics(pl_module: L.LightningModule) -> list[tuple[str, StageMetrics]]:
+    """(name, module) of each StageMetrics in the module that has a training stage."""
+    return [(name, m) for name, m in pl_module.named_modules() if isinstance(m, StageMetrics) and "train" in m.stages]
 
 
 def _reducible(metric: Any) -> bool:
@@ -92,13 +100,50 @@ class ExactEvalMetrics(Callback):
     (ddp_spawn hands the module to its processes through shared memory, so on CPU every rank's states would be one
     shared tensor, each rank adding into the others' sums); and with `monitor` (training), a `monitor.metric` the
     module does not log is refused at the end of the first validation, naming the metrics it does log (instead of
-    ModelCheckpoint's traceback).
+    ModelCheckpoint's traceback); and the training epoch's running states of the module's `StageMetrics`
+    (`train/loss`, `train/samples`, `train/acc`: sums that torchmetrics keeps out of the state_dict) travel in every
+    checkpoint, every rank's, and a resume inside the same epoch continues them, each rank from its own (from its
+    share of them on fewer ranks, merged; more ranks start the rest empty), so that the epoch's values cover every
+    sample as in an uninterrupted run. A module's own torchmetrics objects outside StageMetrics are its own to save.
     """
 
     def __init__(self, monitor: str | None = None) -> None:
         self.monitor = monitor
         self._warned = False
         self._quiet: set[str] = set()
+        self._resumed_epoch: dict[str, Any] | None = None
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        """Every rank's training-epoch states into a checkpoint written before the epoch's last batch (inside it, or
+        at the end of an epoch cut short): after the last one the epoch is whole, and a resume starts the next.
+        Every rank saves: the gather is collective."""
+        local = {name: metrics.epoch_states("train") for name, metrics in _training_stage_metrics(pl_module)}
+        if not local or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            return
+        ranks = [local]
+        if trainer.world_size > 1 and torch.distributed.is_initialized():
+            ranks = [None] * trainer.world_size
+            torch.distributed.all_gather_object(ranks, local)
+        checkpoint[TRAINING_EPOCH] = {"epoch": trainer.current_epoch, "ranks": ranks}
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if trainer.state.fn == "fit":
+            self._resumed_epoch = checkpoint.get(TRAINING_EPOCH)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """After a resume into the checkpoint's epoch (the loops restored), its running states continue from the
+        checkpoint's. (Lightning calls no `on_train_epoch_start` for an epoch it resumes inside.)"""
+        resumed, self._resumed_epoch = self._resumed_epoch, None
+        if resumed is None or resumed["epoch"] != trainer.current_epoch:
+            return
+        share = resumed["ranks"][trainer.global_rank :: trainer.world_size]
+        for name, metrics in _training_stage_metrics(pl_module):
+            unmerged = metrics.restore_epoch_states("train", [states.get(name, {}) for states in share])
+            if unmerged and trainer.is_global_zero:
+                log.warning(
+                    f"train/{', train/'.join(unmerged)}: resumed on fewer ranks, this epoch's value covers the "
+                    "samples of some ranks only (a metric with full_state_update cannot merge ranks' states)"
+                )
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for module in pl_module.modules():

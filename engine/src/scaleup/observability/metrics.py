@@ -148,6 +148,40 @@ class StageMetrics(nn.Module):
         loss = [("loss", loss_mean)] if loss_mean.update_called else []
         return [*task, *loss, ("samples", samples)]
 
+    def epoch_states(self, stage: str) -> dict[str, dict[str, Any]]:
+        """This process's running states of `stage`'s metrics (the wrapped ones, `loss`, `samples`), by metric and
+        state name, copied to the CPU: what a mid-epoch checkpoint carries so that the epoch's values still cover
+        every sample after a resume (the states are not in the state_dict: torchmetrics keeps them out)."""
+        return {
+            name: {key: _on_cpu(value) for key, value in metric.metric_state.items()}
+            for name, metric in self._all(stage)
+        }
+
+    def restore_epoch_states(self, stage: str, saved: list[dict[str, dict[str, Any]]]) -> list[str]:
+        """Continue `stage`'s epoch from `epoch_states` saved by one or more processes (this process's share, when
+        the run resumes on fewer): the first set taken as it is, the others merged into it with each state's own
+        reduction (torchmetrics' `merge_state`). Returns the names of the metrics that cannot merge (a metric with
+        `full_state_update`): they keep the first set alone."""
+        unmerged = []
+        for name, metric in self._all(stage):
+            states = [entry[name] for entry in saved if name in entry]
+            if not states:
+                continue
+            for key, value in states[0].items():
+                setattr(metric, key, _on_device(value, metric.device))
+            for other in states[1:]:
+                try:
+                    metric.merge_state({key: _on_device(value, metric.device) for key, value in other.items()})
+                except RuntimeError:
+                    unmerged.append(name)
+                    break
+        return unmerged
+
+    def _all(self, stage: str) -> list[tuple[str, Metric]]:
+        """Every metric object of `stage`, `loss` included before its first update."""
+        collection, _, loss_mean, samples = self._stage(stage)
+        return [*collection.items(keep_base=False, copy_state=False), ("loss", loss_mean), ("samples", samples)]
+
     def log(self, module: L.LightningModule, stage: str, prog_bar: Iterable[str] = ()) -> None:
         """Log every metric of `stage` as `<stage>/<name>`: computed (and all-gathered) once per epoch.
 
@@ -158,3 +192,17 @@ class StageMetrics(nn.Module):
         prog_bar = set(prog_bar)
         for name, metric in self.items(stage):
             module.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name in prog_bar)
+
+
+def _on_cpu(value: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    """A metric state (a tensor, or a list of them) copied to the CPU."""
+    if isinstance(value, list):
+        return [item.detach().cpu().clone() for item in value]
+    return value.detach().cpu().clone()
+
+
+def _on_device(value: torch.Tensor | list[torch.Tensor], device: torch.device) -> torch.Tensor | list[torch.Tensor]:
+    """A saved metric state (a tensor, or a list of them) on `device`."""
+    if isinstance(value, list):
+        return [item.to(device) for item in value]
+    return value.to(device)

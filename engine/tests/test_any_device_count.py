@@ -28,6 +28,7 @@ from conftest import (
     performance,
     read_json,
     run,
+    training_epochs,
     weights,
 )
 from probes import limited
@@ -159,6 +160,10 @@ def test_two_process_mid_epoch_checkpoint_resumes_on_one_device(reference, tmp_p
     log = (tmp_path / "train.log").read_text()
     assert "world_size 2 -> 1" in log and "accumulate_grad_batches 1 -> 2" in log
     assert_equals_reference(reference, tmp_path)
+    # Epoch 1's sums of both ranks merged on the one: its figures are the 2-process run's.
+    resumed, uninterrupted = training_epochs(tmp_path), training_epochs(reference)
+    for tag, values in resumed.items():
+        assert values == pytest.approx({15: uninterrupted[tag][15], 23: uninterrupted[tag][23]}, rel=1e-12), tag
 
 
 @pytest.mark.slow

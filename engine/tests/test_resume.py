@@ -31,7 +31,9 @@ from conftest import (
     read_json,
     run,
     save_every,
+    scalars,
     start,
+    training_epochs,
     weights,
 )
 from scaleup.checkpoints.io import load_checkpoint
@@ -46,22 +48,8 @@ STOP_AFTER_2 = ["+callbacks.stop._target_=probes.StopAfterEpochs", "+callbacks.s
 EVERY_5 = "checkpoint.every_n_train_steps=5"
 
 
-def scalars(run_dir, tag):
-    """{step: value} of a scalar the run logged to TensorBoard."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tensorboard"))
-    events.Reload()
-    return {e.step: e.value for e in events.Scalars(tag)}
-
-
 def lr_curve(run_dir):
     return scalars(run_dir, LR_TAG)
-
-
-def training_epochs(run_dir):
-    """The training epochs' figures the run logged ({step at the epoch's end: value}): loss, samples, accuracy."""
-    return {tag: scalars(run_dir, f"train/{tag}") for tag in ("loss", "samples", "acc")}
 
 
 def last_weights(run_dir):

@@ -12,6 +12,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.utilities import move_data_to_device
 from torchmetrics import Metric
 
 from scaleup.errors import UserError
@@ -62,6 +63,11 @@ def _training_stage_metrics(pl_module: L.LightningModule) -> list[tuple[str, Sta
     return [(name, m) for name, m in pl_module.named_modules() if isinstance(m, StageMetrics) and "train" in m.stages]
 
 
+def _training_states(pl_module: L.LightningModule) -> dict[str, dict[str, Any]]:
+    """A copy of the training states of each StageMetrics in the module, by its name."""
+    return {name: metrics.epoch_states("train") for name, metrics in _training_stage_metrics(pl_module)}
+
+
 def _reducible(metric: Any) -> bool:
     """Logged before the epoch's end (a step or batch hook), from the only eval dataloader."""
     return metric.meta.dataloader_idx is None and metric.meta.fx not in EPOCH_END_HOOKS
@@ -102,9 +108,11 @@ class ExactEvalMetrics(Callback):
     module does not log is refused at the end of the first validation, naming the metrics it does log (instead of
     ModelCheckpoint's traceback); and the training epoch's running states of the module's `StageMetrics`
     (`train/loss`, `train/samples`, `train/acc`: sums that torchmetrics keeps out of the state_dict) travel in every
-    checkpoint, every rank's, and a resume inside the same epoch continues them, each rank from its own (from its
-    share of them on fewer ranks, merged; more ranks start the rest empty), so that the epoch's values cover every
-    sample as in an uninterrupted run. A module's own torchmetrics objects outside StageMetrics are its own to save.
+    checkpoint written inside an epoch, every rank's, as of the last optimizer step (a checkpoint between the
+    micro-batches of a step resumes at its start), and a resume inside the same epoch continues them, each rank
+    from its own (from its share of them on fewer ranks, merged; more ranks start the rest empty), so that the
+    epoch's values cover every sample as in an uninterrupted run. A module's own torchmetrics objects outside
+    StageMetrics are its own to save.
     """
 
     def __init__(self, monitor: str | None = None) -> None:
@@ -112,14 +120,29 @@ class ExactEvalMetrics(Callback):
         self._warned = False
         self._quiet: set[str] = set()
         self._resumed_epoch: dict[str, Any] | None = None
+        self._at_last_step: dict[str, Any] | None = None
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._remember_step(trainer, pl_module)  # the epoch's states, empty
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._remember_step(trainer, pl_module)  # every micro-batch of the step updated its metrics in training_step
+
+    def _remember_step(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """With accumulation, the training states as of the last optimizer step, kept on the device: a checkpoint
+        written between the micro-batches of a step (SIGTERM) resumes from the step's start and replays them, so it
+        carries the states without them."""
+        if trainer.accumulate_grad_batches > 1:
+            self._at_last_step = _training_states(pl_module)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        """Every rank's training-epoch states into a checkpoint written before the epoch's last batch (inside it, or
-        at the end of an epoch cut short): after the last one the epoch is whole, and a resume starts the next.
-        Every rank saves: the gather is collective."""
-        local = {name: metrics.epoch_states("train") for name, metrics in _training_stage_metrics(pl_module)}
-        if not local or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        """Every rank's training-epoch states (as of the last optimizer step) into a checkpoint written before the
+        epoch's last batch (inside it, or at the end of an epoch cut short): after the last one the epoch is whole,
+        and a resume starts the next. Every rank saves: the gather is collective."""
+        if not _training_stage_metrics(pl_module) or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             return
+        states = self._at_last_step if trainer.accumulate_grad_batches > 1 else None
+        local = move_data_to_device(states or _training_states(pl_module), "cpu")
         ranks = [local]
         if trainer.world_size > 1 and torch.distributed.is_initialized():
             ranks = [None] * trainer.world_size
@@ -144,6 +167,7 @@ class ExactEvalMetrics(Callback):
                     f"train/{', train/'.join(unmerged)}: resumed on fewer ranks, this epoch's value covers the "
                     "samples of some ranks only (a metric with full_state_update cannot merge ranks' states)"
                 )
+        self._remember_step(trainer, pl_module)  # a resume starts at a step's start
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for module in pl_module.modules():

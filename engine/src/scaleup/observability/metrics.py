@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import move_data_to_device
 from torch import nn
 from torchmetrics import Metric, MetricCollection
 
@@ -149,12 +150,11 @@ class StageMetrics(nn.Module):
         return [*task, *loss, ("samples", samples)]
 
     def epoch_states(self, stage: str) -> dict[str, dict[str, Any]]:
-        """This process's running states of `stage`'s metrics (the wrapped ones, `loss`, `samples`), by metric and
-        state name, copied to the CPU: what a mid-epoch checkpoint carries so that the epoch's values still cover
-        every sample after a resume (the states are not in the state_dict: torchmetrics keeps them out)."""
+        """A copy of this process's running states of `stage`'s metrics (the wrapped ones, `loss`, `samples`), by
+        metric and state name, where they are (no host read): what a mid-epoch checkpoint carries so that the
+        epoch's values still cover every sample after a resume (torchmetrics keeps them out of the state_dict)."""
         return {
-            name: {key: _on_cpu(value) for key, value in metric.metric_state.items()}
-            for name, metric in self._all(stage)
+            name: {key: _copy(value) for key, value in metric.metric_state.items()} for name, metric in self._all(stage)
         }
 
     def restore_epoch_states(self, stage: str, saved: list[dict[str, dict[str, Any]]]) -> list[str]:
@@ -168,10 +168,10 @@ class StageMetrics(nn.Module):
             if not states:
                 continue
             for key, value in states[0].items():
-                setattr(metric, key, _on_device(value, metric.device))
+                setattr(metric, key, move_data_to_device(value, metric.device))
             for other in states[1:]:
                 try:
-                    metric.merge_state({key: _on_device(value, metric.device) for key, value in other.items()})
+                    metric.merge_state(move_data_to_device(other, metric.device))
                 except RuntimeError:
                     unmerged.append(name)
                     break
@@ -194,15 +194,8 @@ class StageMetrics(nn.Module):
             module.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name in prog_bar)
 
 
-def _on_cpu(value: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
-    """A metric state (a tensor, or a list of them) copied to the CPU."""
+def _copy(value: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    """A metric state (a tensor, or a list of them) copied where it is."""
     if isinstance(value, list):
-        return [item.detach().cpu().clone() for item in value]
-    return value.detach().cpu().clone()
-
-
-def _on_device(value: torch.Tensor | list[torch.Tensor], device: torch.device) -> torch.Tensor | list[torch.Tensor]:
-    """A saved metric state (a tensor, or a list of them) on `device`."""
-    if isinstance(value, list):
-        return [item.to(device) for item in value]
-    return value.to(device)
+        return [item.detach().clone() for item in value]
+    return value.detach().clone()

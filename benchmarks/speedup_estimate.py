@@ -3,8 +3,9 @@
 Runs `python train.py` on 1, 2 and 3 CPU processes (gloo, one torch thread each) with the same global batch (48:
 48, 24 and 16 per process), one short epoch each, then estimates every run's time per optimizer step from each of
 the other runs with scaleup.observability.speedup (the model the dry run prints) and prints the ratio of estimate to
-measurement. On a machine with fewer cores than processes the processes share cores, which the model (compute per
-sample as measured) does not know: the ratios say how far that carries.
+measurement, and how many estimates fall within 15% of it. On a machine with fewer cores than processes the
+processes share cores, which the model (compute per sample as measured) does not know: the ratios say how far that
+carries.
 
     python benchmarks/speedup_estimate.py [--world-sizes 1 2 3] [--batches 30] [--json FILE]
 """
@@ -24,6 +25,7 @@ from scaleup.observability.speedup import estimate, measured_run, target_of
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 48  # divides into 1, 2 and 3 processes
+TOLERANCE = 0.15  # how far an estimate may be from the measured step (a ratio within 1 +- this)
 
 
 def train(run_dir: Path, world_size: int, batches: int) -> None:
@@ -86,11 +88,17 @@ def main() -> None:
             cells.append(f"{ratio:9.2f}{'' if result.comm is not None else '*'}")
         print(f"{source:>9d} " + "".join(cells))
     print("* communication unknown from a 1-process run: left out of the estimate (a lower bound)")
+    others = [row for row in rows if row["from"] != row["to"]]
+    beyond = [row for row in others if abs(row["ratio"] - 1) > TOLERANCE]
+    print(
+        f"within {TOLERANCE:.0%} of the measured step: {len(others) - len(beyond)} of {len(others)} estimates from "
+        "another run" + "".join(f"; {r['from']} -> {r['to']}: {r['ratio']:.2f}" for r in beyond)
+    )
     load = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()}
     print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}; {load['cpus']} CPUs")
     if args.json:
         report = {"date": time.strftime("%Y-%m-%d %H:%M"), "config": vars(args) | {"json": str(args.json)}}
-        report |= {"global_batch": GLOBAL_BATCH, "load_average": load, "rows": rows}
+        report |= {"global_batch": GLOBAL_BATCH, "load_average": load, "rows": rows, "tolerance": TOLERANCE}
         report["measured"] = {world: vars(m) for world, m in measured.items()}
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 

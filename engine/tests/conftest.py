@@ -556,3 +556,17 @@ def baseline(tmp_path_factory) -> Callable[[str], Path]:
         return directory
 
     return get
+
+
+def scalars(run_dir: Path, tag: str) -> dict[int, float]:
+    """{step: value} of a scalar the run logged to TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+def training_epochs(run_dir: Path) -> dict[str, dict[int, float]]:
+    """The training epochs' figures the run logged ({step at the epoch's end: value}): loss, samples, accuracy."""
+    return {tag: scalars(run_dir, f"train/{tag}") for tag in ("loss", "samples", "acc")}

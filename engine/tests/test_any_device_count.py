@@ -30,6 +30,7 @@ from conftest import (
     performance,
     read_json,
     run,
+    training_epochs,
     weights,
 )
 from probes import limited
@@ -199,6 +200,10 @@ def test_two_process_mid_epoch_checkpoint_resumes_on_one_device(reference, tmp_p
     log = (tmp_path / "train.log").read_text()
     assert "world_size 2 -> 1" in log and "accumulate_grad_batches 1 -> 2" in log
     assert_equals_reference(reference, tmp_path)
+    # Epoch 1's sums of both ranks merged on the one: its figures are the 2-process run's.
+    resumed, uninterrupted = training_epochs(tmp_path), training_epochs(reference)
+    for tag, values in resumed.items():
+        assert values == pytest.approx({15: uninterrupted[tag][15], 23: uninterrupted[tag][23]}, rel=1e-12), tag
 
 
 @pytest.mark.slow
@@ -255,6 +260,13 @@ def test_sigterm_between_micro_batches_resumes_with_another_accumulation(referen
     assert "world_size 1 -> 2" in log and "accumulate_grad_batches 2 -> 1" in log
     assert read_json(tmp_path / "plan.json")["world_size"] == 2
     assert_equals_reference(reference, tmp_path)
+    # The checkpoint carries epoch 1's sums as of step 13 (without the micro-batch the resume replays): epochs 1 and
+    # 2's figures are the 2-process run's (512 samples, not 544). (Lightning logs them at steps 16 and 24 here.)
+    resumed, uninterrupted = training_epochs(tmp_path), training_epochs(reference)
+    for tag, values in resumed.items():
+        epochs_1_and_2 = [value for _, value in sorted(values.items())][-2:]
+        assert epochs_1_and_2 == pytest.approx([uninterrupted[tag][15], uninterrupted[tag][23]], rel=1e-10), tag
+    assert resumed["samples"][16] == 512
 
 
 @pytest.mark.gpu

@@ -248,3 +248,18 @@ def test_equivalence_verdict_names_the_randomness_behind_a_difference():
         "NOT EQUIVALENT in float64: splitting the batch into micro-batches changes the result, and training steps "
         "drew from torch's global generator (randomness of your own"
     )
+    # Manual optimization (1 and 2 processes only, a GAN's torch.randn noise in training_step): the noise is named,
+    # not the loss and a hand-made all_reduce; a generator of its own too. Without either: the loss and all_reduce.
+    manual = {name: state for name, state in runs(off, one, one).items() if name != "1x2"}
+    code, lines = verdict(manual, "64-true", randomness=["torch's"])
+    assert code == 1 and lines[-1] == (
+        "NOT EQUIVALENT in float64: the whole batch on 1 process and its halves on 2 give other weights or optimizer "
+        "state, and training steps drew from torch's global generator (randomness of your own: the check turns off "
+        "torch's dropout layers only), so a whole batch draws other numbers than its halves on 2 processes. Turn "
+        "that randomness off for the check with an override and run it again; if the runs still differ, check the "
+        "loss is a mean over the device's batch, and that nothing divides by a global count."
+    )
+    assert verdict(manual, "64-true", ["noise in training_step()"])[1][-1].startswith(
+        "NOT EQUIVALENT in float64: training drew from generators of your own (noise in training_step())"
+    )
+    assert "hand-made all_reduce" in verdict(manual, "64-true")[1][-1]

@@ -87,12 +87,15 @@ def test_plain_self_log_val_and_test_loss_are_the_same_on_two_processes(one_proc
     for name in ("val_loss", "test_loss", *(f"{stage}_{name}" for stage in ("val", "test") for name in REDUCED)):
         assert two[name] == pytest.approx(one[name], rel=0, abs=EXACT_TO), name
     assert (two["val_samples"], two["test_samples"]) == (181, 359)
-    # Logged at the epoch's end, after the reduction: named once, loudly.
+    # Logged at the epoch's end, after the reduction, different on each rank: named once, loudly, with what is
+    # reported (with sync_dist=True, the average of rank 0 and 1: 0.5); the same on every rank: exact, not named.
     log = (tmp_path / "train.log").read_text()
-    assert log.count("NOT EXACT on 2 processes: val_rank (logged with a plain tensor") == 1
+    named = "val_rank (rank 0's value reported), val_synced_rank (the ranks' values averaged): logged with"
+    assert log.count(f"NOT EXACT on 2 processes: {named}") == 1
+    assert (two["val_rank"], two["val_synced_rank"], two["val_same"], two["val_synced_same"]) == (0, 0.5, 1, 1)
     # Nothing of torch's or Lightning's the user cannot act on, from either rank (observability/quiet.py); not
     # Lightning's advice to log val_rank with sync_dist=True beside the line above (an unweighted mean of the ranks).
-    noise = ("LeafSpec", "all_gather is deprecated", "litlogger", "sync_dist=True")
+    noise = ("LeafSpec", "all_gather is deprecated", "litlogger", "use sync_dist=True")
     printed = (result.stdout + result.stderr).splitlines()
     assert [line for line in printed if any(word in line for word in noise)] == []
 

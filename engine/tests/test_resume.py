@@ -32,7 +32,9 @@ from conftest import (
     read_json,
     run,
     save_every,
+    scalars,
     start,
+    training_epochs,
     weights,
 )
 from scaleup.checkpoints.io import load_checkpoint
@@ -48,11 +50,7 @@ EVERY_5 = "checkpoint.every_n_train_steps=5"
 
 
 def lr_curve(run_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tensorboard"))
-    events.Reload()
-    return {e.step: e.value for e in events.Scalars(LR_TAG)}
+    return scalars(run_dir, LR_TAG)
 
 
 def last_weights(run_dir):
@@ -136,6 +134,10 @@ def test_mid_epoch_resume_on_two_processes_equals_uninterrupted(baseline, tmp_pa
     assert lr_curve(tmp_path) == pytest.approx(
         {step: lr for step, lr in lr_curve(baseline("two")).items() if step >= 13}, rel=1e-12
     )
+    # Each rank continues its own share of epoch 1's sums: the epoch's figures are the uninterrupted run's.
+    resumed, uninterrupted = training_epochs(tmp_path), training_epochs(baseline("two"))
+    for tag, values in resumed.items():
+        assert values == pytest.approx({15: uninterrupted[tag][15], 23: uninterrupted[tag][23]}, rel=1e-12), tag
 
     before = files_written(tmp_path)
     requeued = check(run([*two, "ckpt_path=last"]))
@@ -189,6 +191,11 @@ def test_mid_epoch_checkpoint_resumes_exactly(baseline, interrupted, tmp_path):
     trained on, and the LR, the moments and the random numbers continue where they were."""
     in_process([*EXACT, f"ckpt_path={interrupted / 'steps/at-13.ckpt'}", f"hydra.run.dir={tmp_path}"])
     assert_same_weights(last_weights(baseline("one")), last_weights(tmp_path), rtol=0, atol=0)
+    # The resumed epoch's figures cover all of it (its first 5 steps' sums came with the checkpoint), bit for bit:
+    # epoch 1 (logged at step 15) counts its 512 samples, not the 192 trained after the resume.
+    uninterrupted = training_epochs(baseline("one"))
+    assert uninterrupted["samples"] == {7: 512, 15: 512, 23: 512}  # logged at the last step of each epoch (0-based)
+    assert training_epochs(tmp_path) == {tag: {15: v[15], 23: v[23]} for tag, v in uninterrupted.items()}
 
 
 def test_resume_twice_at_epoch_ends_trains_no_extra_epoch(baseline, interrupted, tmp_path):

@@ -85,6 +85,15 @@ def test_a_killed_search_resumes_its_trial_and_ends_with_the_trials_asked(search
         f"error: the study digits_lr in sqlite:///{sweep / 'study.db'} was made to minimize; monitor.mode=max would "
         "maximize: name another hydra.sweeper.study_name"
     ]
+    # Asked with another fixed recipe: refused, naming each key that changed, the study as it was.
+    changed = run([*searches["one"], "trainer.max_epochs=1", "model.optimizer.momentum=0.8"], cwd=searches["root"])
+    assert changed.returncode == 2
+    assert changed.stderr.strip().splitlines() == [
+        f"error: the study digits_lr in sqlite:///{sweep / 'study.db'} was made with another fixed recipe: "
+        "model.optimizer.momentum ((default) -> 0.8), trainer.max_epochs (2 -> 1); its trials would be ranked with "
+        "these: run it with the recipe it was made with, or name another hydra.sweeper.study_name"
+    ]
+    assert len(trials(sweep)) == 4
 
 
 @pytest.mark.slow
@@ -156,6 +165,27 @@ def test_a_bad_search_space_is_one_line_before_any_trial(override, message, tmp_
     assert result.returncode == 2
     assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "search").exists()
+
+
+def test_a_studys_recipe_leaves_out_where_files_go_the_topology_and_the_searchs_settings():
+    """What a study is made with: the fixed overrides that change a trial's numbers; a later one of a key wins."""
+    from scaleup.search.study import recipe, recipe_changes
+
+    fixed = ["hparams_search=digits_lr", "trainer.max_epochs=2", "trainer.max_epochs=3", "~callbacks.kill"]
+    same = [
+        "trainer.devices=4",
+        "trainer.num_nodes=2",
+        "data.num_workers=8",
+        "paths.log_dir=/x",
+        "hydra.sweeper.n_trials=9",
+    ]
+    made_with = recipe(fixed)
+    assert made_with == {"hparams_search": "digits_lr", "trainer.max_epochs": "3", "callbacks.kill": "(deleted)"}
+    assert recipe(fixed + same) == made_with
+    assert recipe_changes(made_with, recipe(fixed[:2])) == [
+        "callbacks.kill ((deleted) -> (default))",
+        "trainer.max_epochs (3 -> 2)",
+    ]
 
 
 @pytest.mark.parametrize(

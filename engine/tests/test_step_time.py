@@ -3,6 +3,7 @@ speedup estimate a dry run makes from a previous run (scaleup.observability.step
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from conftest import check, in_process, made_once, read_json, run
 from scaleup.data.adopted import AdoptedDataModule
-from scaleup.observability.speedup import Measured, Target, estimate, measured_run
+from scaleup.observability.speedup import Measured, Target, differences, estimate, estimate_lines, measured_run
 from scaleup.observability.step_time import (
     LoaderWorkers,
     RankTimes,
@@ -134,6 +135,16 @@ def test_a_dry_run_estimates_the_speedup_from_a_previous_run(straggler_run, tmp_
     assert f"(per-device batch 8 x 1 accumulation, global 32): about {1000 * result.step:.1f} ms" in target
     assert f"{result.over_measured:.2f}x the measured run" in target
     assert any(line.startswith("  the measured run had a straggler (rank 1): the estimate assumes") for line in lines)
+    # The healthy rank's rate, not the mean of rank 0's and the straggler's.
+    assert measured.compute == read_json(straggler_run / "metrics.json")["perf/rank0/compute_s"]
+    assert any(line.startswith("  measured per training batch (median of the ranks but 1): compute") for line in lines)
+    # The measured run's module was SlowRank, this one's the plain classifier: said first, loudly.
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "is not this" in r.message]
+    parameters = read_json(straggler_run / "plan.json")["parameters"]
+    assert warning.startswith(
+        f"the measured run ({straggler_run}) is not this run: model SlowRank(DigitsCNN), {parameters:,} parameters "
+        f"-> ImageClassifier(DigitsCNN), {parameters:,} parameters. The estimate scales its step times"
+    )
     assert any(line.startswith("  assumes: compute and data wait per sample as measured") for line in lines)
 
 
@@ -150,9 +161,44 @@ def test_the_speedup_model_on_known_figures():
     # One device: no communication; 8 devices, 8 per device: 3 ms of work, 4 ms x 1.75 of all-reduce, slower.
     assert estimate(measured, Target(1, 1, 64, 1)).step == pytest.approx(0.024)
     assert estimate(measured, Target(8, 1, 8, 1)).step == pytest.approx(0.003 + 0.007)
+    # One device would be slower than the measured two: keep them (not "fewer devices").
+    slower = [line for line in estimate_lines(measured, Target(1, 1, 64, 1), "run") if "slower" in line]
+    assert slower == ["  1 device(s) would be slower than the measured run: keep its 2 device(s)"]
     # From one device nothing is known of the all-reduce: left out, the step is a lower bound.
     alone = estimate(Measured(1, 1, 32, 1, 0.010, 0.002, 0.0, 0.012), Target(4, 1, 16, 1))
     assert alone.comm is None and alone.step == pytest.approx(0.006)
+
+
+def test_a_measured_run_with_a_straggler_is_estimated_at_the_healthy_ranks_rate_and_its_differences_named(tmp_path):
+    """2 ranks, rank 1 a straggler (62.5 ms against 11.1 ms): the estimate's compute is rank 0's, not their mean
+    (36.8 ms). A CPU float32 digits run asked for resnet18 on synthetic data on GPUs in bf16: each difference
+    named, measured -> planned; the same run: none."""
+    from omegaconf import OmegaConf
+
+    ranks = [RankTimes(0.001, 0.0111, 0.0525), RankTimes(0.001, 0.0625, 0.001)]
+    plan = {"world_size": 2, "num_nodes": 1, "per_device_batch_size": 16, "accumulate_grad_batches": 1}
+    plan |= {"parameters": 94186, "precision": "32-true", "accelerator": "cpu"}
+    config = {
+        "model": {"_target_": "m.ImageClassifier", "net": {"_target_": "m.DigitsCNN"}},
+        "data": {"_target_": "d.Digits"},
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    (tmp_path / "metrics.json").write_text(json.dumps(rank_metrics(ranks)))
+    OmegaConf.save(OmegaConf.create(config), tmp_path / "config.yaml")
+    measured = measured_run(str(tmp_path))
+    assert (measured.straggler, measured.compute) == (1, 0.0111)
+    assert differences(str(tmp_path), plan, config) == []
+    other = {
+        "model": {"_target_": "m.ImageClassifier", "net": {"_target_": "m.ResNet18"}},
+        "data": {"_target_": "d.Synthetic"},
+    }
+    planned = plan | {"parameters": 11181642, "precision": "bf16-mixed", "accelerator": "gpu", "world_size": 4}
+    assert differences(str(tmp_path), planned, other) == [
+        "model ImageClassifier(DigitsCNN), 94,186 parameters -> ImageClassifier(ResNet18), 11,181,642 parameters",
+        "data Digits -> Synthetic",
+        "precision 32-true -> bf16-mixed",
+        "accelerator cpu -> gpu",
+    ]
 
 
 def test_the_straggler_and_the_advice_from_per_rank_figures():

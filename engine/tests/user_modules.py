@@ -184,7 +184,8 @@ class ReductionLogger(L.Callback):
     """Logs, from the eval batch hooks, a metric for each reduction Lightning offers, each the same whatever the
     batches (a sample count, the largest and smallest per-sample pixel sum, a batch-size-weighted mean pixel, and the
     same mean with `sync_dist=True`, as many users write it); and, at the validation epoch's end, each rank's own
-    rank, which no reduction can make exact."""
+    rank, which no reduction can make exact, with and without `sync_dist=True`, and a value the same on every rank
+    (exact either way)."""
 
     def _log(self, pl_module: L.LightningModule, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         x = batch[0].flatten(1)
@@ -202,6 +203,9 @@ class ReductionLogger(L.Callback):
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pl_module.log("val_rank", float(trainer.global_rank))
+        pl_module.log("val_synced_rank", float(trainer.global_rank), sync_dist=True)
+        pl_module.log("val_same", 1.0)
+        pl_module.log("val_synced_same", 1.0, sync_dist=True)
 
 
 class DictSamples(torch.utils.data.Dataset):

@@ -316,21 +316,26 @@ def split_advice(drawn: list[str] | tuple[str, ...]) -> str:
     )
 
 
-def whole_batch_advice(randomness: list[str] | tuple[str, ...]) -> str:
-    """Why the whole batch differs from its micro-batches, BatchNorm and dropout layers being held (HeldLayers)."""
+SPLIT_DIFFERENCE = "splitting the batch into micro-batches changes the result"
+MANUAL_DIFFERENCE = "the whole batch on 1 process and its halves on 2 give other weights or optimizer state"
+
+
+def whole_batch_advice(
+    randomness: list[str] | tuple[str, ...], difference: str = SPLIT_DIFFERENCE, parts: str = "its micro-batches"
+) -> str:
+    """Why the whole batch differs from its `parts`, BatchNorm and dropout layers being held (HeldLayers):
+    `difference` in words."""
     if randomness:
         generators = f"{' and '.join(randomness)} global generator{'s' if len(randomness) > 1 else ''}"
         return (
-            f"splitting the batch into micro-batches changes the result, and training steps drew from {generators} "
-            "(randomness of your own: the check turns off torch's dropout layers only), so a whole batch draws "
-            "other numbers than its micro-batches. Turn that randomness off for the check with an override and run "
-            "it again; if the runs still differ, check the loss is a mean over the device's batch, and that nothing "
-            "divides by a global count."
+            f"{difference}, and training steps drew from {generators} (randomness of your own: the check turns off "
+            f"torch's dropout layers only), so a whole batch draws other numbers than {parts}. Turn that randomness "
+            "off for the check with an override and run it again; if the runs still differ, check the loss is a "
+            "mean over the device's batch, and that nothing divides by a global count."
         )
     return (
-        "splitting the batch into micro-batches changes the result. Check the loss is a mean over the device's "
-        "batch, and that nothing divides by a global count (BatchNorm and dropout layers were held: they are "
-        "not the cause)."
+        f"{difference}. Check the loss is a mean over the device's batch, and that nothing divides by a global "
+        "count (BatchNorm and dropout layers were held: they are not the cause)."
     )
 
 
@@ -372,7 +377,7 @@ def verdict(
             ),
         ]
     else:
-        checks = [(state["1"], state["2"], "2 processes vs 1 with the whole batch", MANUAL_ADVICE)]
+        checks = [(state["1"], state["2"], "2 processes vs 1 with the whole batch", manual_advice(drawn, randomness))]
     compared = [(*comparison(a, b, precision, what), advice) for a, b, what, advice in checks]
     lines = [line for _, line, _ in compared] + held_lines(held or {})
     for same, _, advice in compared:
@@ -381,11 +386,18 @@ def verdict(
     return 0, [*lines, f"EQUIVALENT in {name}: moving to more devices changes the speed, not the result"]
 
 
-MANUAL_ADVICE = (
-    "the whole batch on 1 process and its halves on 2 give other weights or optimizer state. Check each loss is a "
-    "mean over the device's batch and nothing divides by a global count; look for randomness of your own "
-    "(docs/randomness.md) and for a hand-made all_reduce that does not divide by the world size"
-)
+def manual_advice(drawn: list[str] | tuple[str, ...], randomness: list[str] | tuple[str, ...]) -> str:
+    """Why the whole batch on 1 process differs from its halves on 2 under manual optimization (no accumulation run
+    to tell the causes apart): the randomness training drew, as the automatic path names it, first."""
+    if drawn:
+        return split_advice(drawn)
+    if randomness:
+        return whole_batch_advice(randomness, MANUAL_DIFFERENCE, "its halves on 2 processes")
+    return (
+        f"{MANUAL_DIFFERENCE}. Check each loss is a mean over the device's batch and nothing divides by a global "
+        "count; look for randomness of your own (docs/randomness.md) and for a hand-made all_reduce that does not "
+        "divide by the world size"
+    )
 
 
 def main(argv: list[str]) -> int:

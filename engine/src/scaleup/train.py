@@ -11,7 +11,7 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from scaleup.build import build_data_and_model
 from scaleup.callbacks.loop_repairs import ignore_unresumable_loader_warning
@@ -28,7 +28,14 @@ from scaleup.finetune import prepare_start
 from scaleup.observability.loggers import close_loggers
 from scaleup.observability.quiet import quiet_reattached_callbacks
 from scaleup.observability.rows import log_rows
-from scaleup.observability.speedup import Measured, estimate_lines, measured_run, target_of
+from scaleup.observability.speedup import (
+    Measured,
+    differences,
+    differences_line,
+    estimate_lines,
+    measured_run,
+    target_of,
+)
 from scaleup.observability.step_time import loader_workers, summary_lines
 from scaleup.plan.checks import own_train_loader_warning, pitfall_warnings
 from scaleup.plan.make import make_plan
@@ -89,6 +96,8 @@ def train_in(cfg: DictConfig, run_dir: Path, failure: FailureRecord) -> dict[str
         announce(plan, config, run_dir, datamodule)
     if config.dry_run:
         if measured is not None and rank_zero_only.rank == 0:
+            if found := differences(config.diagnostics_from, plan.to_dict(), OmegaConf.to_container(cfg)):
+                log.warning(differences_line(found, config.diagnostics_from))
             for line in estimate_lines(measured, target_of(plan.to_dict()), config.diagnostics_from):
                 log.info(line)
         return plan.to_dict()

@@ -12,9 +12,11 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.utilities import move_data_to_device
 from torchmetrics import Metric
 
 from scaleup.errors import UserError
+from scaleup.observability.metrics import StageMetrics
 from scaleup.observability.quiet import SYNC_DIST_ADVICE, QuietBetweenHooks
 
 log = logging.getLogger("scaleup")
@@ -37,6 +39,8 @@ REDUCE_GROUPS = (
     ("min", torch.distributed.ReduceOp.MIN, float("inf")),
 )
 EPOCH_END_HOOKS = ("on_validation_epoch_end", "on_test_epoch_end")
+# The checkpoint's entry for the training epoch's running metric states: {"epoch": n, "ranks": [per-rank states]}.
+TRAINING_EPOCH = "training_epoch_metrics"
 
 
 def _epoch_tensor_metrics(trainer: L.Trainer, *, synced: bool = False) -> Iterator[tuple[str, Any]]:
@@ -53,6 +57,16 @@ def _epoch_tensor_metrics(trainer: L.Trainer, *, synced: bool = False) -> Iterat
             and meta.sync.should == synced
         ):
             yield key, metric
+
+
+def _training_stage_metrics(pl_module: L.LightningModule) -> list[tuple[str, StageMetrics]]:
+    """(name, module) of each StageMetrics in the module that has a training stage."""
+    return [(name, m) for name, m in pl_module.named_modules() if isinstance(m, StageMetrics) and "train" in m.stages]
+
+
+def _training_states(pl_module: L.LightningModule) -> dict[str, dict[str, Any]]:
+    """A copy of the training states of each StageMetrics in the module, by its name."""
+    return {name: metrics.epoch_states("train") for name, metrics in _training_stage_metrics(pl_module)}
 
 
 def _reducible(metric: Any) -> bool:
@@ -79,9 +93,10 @@ class ExactEvalMetrics(Callback):
     a float after each batch, so that Lightning's division by the world size is exact; sums, maxima and minima with
     `sync_dist=True` are exact as Lightning reduces them, and so are torchmetrics objects. Training-stage metrics
     are out of scope: each rank keeps its own. What cannot be made exact is named once, loudly, at the end of the
-    first validation or test: plain values logged in the module's own `on_validation_epoch_end`/`on_test_epoch_end`
-    (they are logged after this runs) and plain metrics of a second eval dataloader. Lightning refuses any other
-    `reduce_fx` itself.
+    first validation or test: values logged in the module's own `on_validation_epoch_end`/`on_test_epoch_end` (they
+    are logged after this runs) that differ between ranks, without `sync_dist` (rank 0's is reported) or with it as a
+    mean (the ranks' values averaged, however many samples each rank had), and plain metrics of a second eval
+    dataloader. Lightning refuses any other `reduce_fx` itself.
 
     Every rank runs the same collectives in the same order: one all_gather of the metric names (a name logged on
     some ranks only counts zero samples, or no maximum, on the others), then one all_reduce per kind of reduction,
@@ -92,7 +107,13 @@ class ExactEvalMetrics(Callback):
     (ddp_spawn hands the module to its processes through shared memory, so on CPU every rank's states would be one
     shared tensor, each rank adding into the others' sums); and with `monitor` (training), a `monitor.metric` the
     module does not log is refused at the end of the first validation, naming the metrics it does log (instead of
-    ModelCheckpoint's traceback).
+    ModelCheckpoint's traceback); and the training epoch's running states of the module's `StageMetrics`
+    (`train/loss`, `train/samples`, `train/acc`: sums that torchmetrics keeps out of the state_dict) travel in every
+    checkpoint written inside an epoch, every rank's, as of the last optimizer step (a checkpoint between the
+    micro-batches of a step resumes at its start), and a resume inside the same epoch continues them, each rank
+    from its own (from its share of them on fewer ranks, merged; more ranks start the rest empty), so that the
+    epoch's values cover every sample as in an uninterrupted run. A module's own torchmetrics objects outside
+    StageMetrics are its own to save.
     """
 
     def __init__(self, monitor: str | None = None) -> None:
@@ -100,6 +121,55 @@ class ExactEvalMetrics(Callback):
         self._warned = False
         self._quiet: set[str] = set()
         self._advice = QuietBetweenHooks(SYNC_DIST_ADVICE)
+        self._resumed_epoch: dict[str, Any] | None = None
+        self._at_last_step: dict[str, Any] | None = None
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._remember_step(trainer, pl_module)  # the epoch's states, empty
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._remember_step(trainer, pl_module)  # every micro-batch of the step updated its metrics in training_step
+
+    def _remember_step(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """With accumulation, the training states as of the last optimizer step, kept on the device: a checkpoint
+        written between the micro-batches of a step (SIGTERM) resumes from the step's start and replays them, so it
+        carries the states without them."""
+        if trainer.accumulate_grad_batches > 1:
+            self._at_last_step = _training_states(pl_module)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        """Every rank's training-epoch states (as of the last optimizer step) into a checkpoint written before the
+        epoch's last batch (inside it, or at the end of an epoch cut short): after the last one the epoch is whole,
+        and a resume starts the next. Every rank saves: the gather is collective."""
+        if not _training_stage_metrics(pl_module) or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            return
+        states = self._at_last_step if trainer.accumulate_grad_batches > 1 else None
+        local = move_data_to_device(states or _training_states(pl_module), "cpu")
+        ranks = [local]
+        if trainer.world_size > 1 and torch.distributed.is_initialized():
+            ranks = [None] * trainer.world_size
+            torch.distributed.all_gather_object(ranks, local)
+        checkpoint[TRAINING_EPOCH] = {"epoch": trainer.current_epoch, "ranks": ranks}
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if trainer.state.fn == "fit":
+            self._resumed_epoch = checkpoint.get(TRAINING_EPOCH)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """After a resume into the checkpoint's epoch (the loops restored), its running states continue from the
+        checkpoint's. (Lightning calls no `on_train_epoch_start` for an epoch it resumes inside.)"""
+        resumed, self._resumed_epoch = self._resumed_epoch, None
+        if resumed is None or resumed["epoch"] != trainer.current_epoch:
+            return
+        share = resumed["ranks"][trainer.global_rank :: trainer.world_size]
+        for name, metrics in _training_stage_metrics(pl_module):
+            unmerged = metrics.restore_epoch_states("train", [states.get(name, {}) for states in share])
+            if unmerged and trainer.is_global_zero:
+                log.warning(
+                    f"train/{', train/'.join(unmerged)}: resumed on fewer ranks, this epoch's value covers the "
+                    "samples of some ranks only (a metric with full_state_update cannot merge ranks' states)"
+                )
+        self._remember_step(trainer, pl_module)  # a resume starts at a step's start
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for module in pl_module.modules():
@@ -206,14 +276,48 @@ class ExactEvalMetrics(Callback):
                 warnings.filterwarnings("ignore", message=rf"It is recommended to use `self.log\({name!r}")
 
     def _warn_once(self, trainer: L.Trainer) -> None:
-        if self._warned or trainer.world_size == 1:
+        if self._warned or trainer.world_size == 1 or not torch.distributed.is_initialized():
             return
         self._warned = True
-        inexact = sorted({metric.meta.name for _, metric in _epoch_tensor_metrics(trainer) if not _reducible(metric)})
+        inexact = _inexact_metrics(trainer)
         if inexact and trainer.is_global_zero:
             log.warning(
-                f"NOT EXACT on {trainer.world_size} processes: {', '.join(inexact)} (logged with a plain tensor in "
-                "on_validation_epoch_end/on_test_epoch_end, or from a second eval dataloader) is each rank's own "
-                "value, and rank 0's is reported. Log a torchmetrics Metric instead (or scaleup.observability.metrics."
-                "StageMetrics), which sums its state over all ranks once per epoch"
+                f"NOT EXACT on {trainer.world_size} processes: {', '.join(inexact)}: logged with a plain tensor in "
+                "on_validation_epoch_end/on_test_epoch_end, where the ranks hold different values, or from a second "
+                "eval dataloader. Log a torchmetrics Metric instead (or scaleup.observability.metrics.StageMetrics), "
+                "which sums its state over all ranks once per epoch"
             )
+
+
+def _rank_value(metric: Any) -> float:
+    """This rank's own value of an epoch-level tensor metric (a mean's sum over its sample count)."""
+    value = metric.value.double()
+    if REDUCTIONS[metric.meta.reduce_fx] == "mean":
+        value = value / metric.cumulated_batch_size.double()
+    return float(value)
+
+
+def _inexact_metrics(trainer: L.Trainer) -> list[str]:
+    """The names of this epoch's values no reduction made exact, each with what is reported: a plain value of a
+    second eval dataloader, and a value logged at the eval epoch's end (after the reduction) whose ranks differ,
+    without `sync_dist` (rank 0's reported) or with it as a mean (the ranks' values averaged, unweighted). A value
+    the same on every rank (a torchmetrics `compute()`, already over all ranks) is exact either way; so are the
+    sums, maxima and minima `sync_dist=True` makes of the ranks' values. Collective: runs on every rank."""
+    late = {
+        metric.meta.name: (_rank_value(metric), metric.meta.sync.should)
+        for _, metric in [*_epoch_tensor_metrics(trainer), *_epoch_tensor_metrics(trainer, synced=True)]
+        if metric.meta.fx in EPOCH_END_HOOKS
+        and (not metric.meta.sync.should or REDUCTIONS[metric.meta.reduce_fx] == "mean")
+    }
+    gathered: list[Any] = [None] * trainer.world_size
+    # A name logged on some ranks only differs too.
+    torch.distributed.all_gather_object(gathered, {name: value for name, (value, _) in late.items()})
+    named = {
+        name: "the ranks' values averaged" if synced else "rank 0's value reported"
+        for name, (_, synced) in late.items()
+        if any(ranks.get(name) != gathered[0].get(name) for ranks in gathered)
+    }
+    for _, metric in _epoch_tensor_metrics(trainer):
+        if metric.meta.dataloader_idx is not None and metric.meta.fx not in EPOCH_END_HOOKS:
+            named[metric.meta.name] = "rank 0's value reported"
+    return [f"{name} ({named[name]})" for name in sorted(named)]

@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import move_data_to_device
 from torch import nn
 from torchmetrics import Metric, MetricCollection
 
@@ -148,6 +149,39 @@ class StageMetrics(nn.Module):
         loss = [("loss", loss_mean)] if loss_mean.update_called else []
         return [*task, *loss, ("samples", samples)]
 
+    def epoch_states(self, stage: str) -> dict[str, dict[str, Any]]:
+        """A copy of this process's running states of `stage`'s metrics (the wrapped ones, `loss`, `samples`), by
+        metric and state name, where they are (no host read): what a mid-epoch checkpoint carries so that the
+        epoch's values still cover every sample after a resume (torchmetrics keeps them out of the state_dict)."""
+        return {
+            name: {key: _copy(value) for key, value in metric.metric_state.items()} for name, metric in self._all(stage)
+        }
+
+    def restore_epoch_states(self, stage: str, saved: list[dict[str, dict[str, Any]]]) -> list[str]:
+        """Continue `stage`'s epoch from `epoch_states` saved by one or more processes (this process's share, when
+        the run resumes on fewer): the first set taken as it is, the others merged into it with each state's own
+        reduction (torchmetrics' `merge_state`). Returns the names of the metrics that cannot merge (a metric with
+        `full_state_update`): they keep the first set alone."""
+        unmerged = []
+        for name, metric in self._all(stage):
+            states = [entry[name] for entry in saved if name in entry]
+            if not states:
+                continue
+            for key, value in states[0].items():
+                setattr(metric, key, move_data_to_device(value, metric.device))
+            for other in states[1:]:
+                try:
+                    metric.merge_state(move_data_to_device(other, metric.device))
+                except RuntimeError:
+                    unmerged.append(name)
+                    break
+        return unmerged
+
+    def _all(self, stage: str) -> list[tuple[str, Metric]]:
+        """Every metric object of `stage`, `loss` included before its first update."""
+        collection, _, loss_mean, samples = self._stage(stage)
+        return [*collection.items(keep_base=False, copy_state=False), ("loss", loss_mean), ("samples", samples)]
+
     def log(self, module: L.LightningModule, stage: str, prog_bar: Iterable[str] = ()) -> None:
         """Log every metric of `stage` as `<stage>/<name>`: computed (and all-gathered) once per epoch.
 
@@ -158,3 +192,10 @@ class StageMetrics(nn.Module):
         prog_bar = set(prog_bar)
         for name, metric in self.items(stage):
             module.log(f"{stage}/{name}", metric, on_step=False, on_epoch=True, prog_bar=name in prog_bar)
+
+
+def _copy(value: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    """A metric state (a tensor, or a list of them) copied where it is."""
+    if isinstance(value, list):
+        return [item.detach().clone() for item in value]
+    return value.detach().clone()

@@ -3,8 +3,8 @@
 `python train.py dry_run=true trainer.devices=M diagnostics_from=<run dir>` reads the run's plan.json and the
 per-rank step times its metrics.json holds (scaleup.observability.step_time) and applies a simple model:
 
-- compute and data wait per sample stay as measured (the median rank's), so a device's time per optimizer step
-  is accumulation x per-device batch x (compute + data wait) per sample;
+- compute and data wait per sample stay as measured (the median rank's, a straggler left out), so a device's time
+  per optimizer step is accumulation x per-device batch x (compute + data wait) per sample;
 - the gradient all-reduce is a ring all-reduce, 2(M-1)/M x gradient bytes / bandwidth, with the bandwidth that
   makes the measured run's exposed communication (its pace-setting rank's wait in the reduction) come out: the
   exposed part scales by (2(M-1)/M) / (2(N-1)/N), and the gradient bytes cancel;
@@ -15,15 +15,20 @@ What it leaves out, printed with every estimate: a smaller per-device batch usua
 on a GPU (optimistic), a shorter backward hides less communication (optimistic when the per-device batch shrinks),
 and a network between nodes is usually slower than the links within one (a run on one node says nothing about
 several). From a 1-device run there is no communication to scale: the estimate is compute alone, a lower bound.
+The estimate scales the measured run's own step times: where the planned run has another model, data, precision or
+accelerator, it says so first, loudly (`differences`).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from scaleup.errors import UserError
 from scaleup.observability.step_time import find_straggler, pace_setter, ranks_from_metrics
@@ -45,8 +50,9 @@ class Target:
 
 @dataclass(frozen=True)
 class Measured(Target):
-    """A run's topology and its step times: compute and data wait in seconds per training batch (the median
-    rank's), exposed communication and the measured step in seconds per optimizer step (the pace-setting rank's)."""
+    """A run's topology and its step times: compute and data wait in seconds per training batch (the median of
+    the ranks', a straggler left out), exposed communication and the measured step in seconds per optimizer step
+    (the pace-setting rank's)."""
 
     compute: float
     data_wait: float
@@ -136,13 +142,15 @@ def measured_run(directory: str) -> Measured:
     pace = ranks[pace_setter(ranks)]
     accumulation = int(plan["accumulate_grad_batches"])
     straggler = find_straggler(ranks)
+    # The healthy ranks' rate: a straggler left out (of 2 ranks, the median would be its mean with the other's).
+    healthy = [times for rank, times in enumerate(ranks) if straggler is None or rank != straggler.rank]
     return Measured(
         world_size=int(plan["world_size"]),
         num_nodes=int(plan["num_nodes"]),
         per_device_batch=int(plan["per_device_batch_size"]),
         accumulation=accumulation,
-        compute=statistics.median(r.compute for r in ranks),
-        data_wait=statistics.median(r.data_wait for r in ranks),
+        compute=statistics.median(r.compute for r in healthy),
+        data_wait=statistics.median(r.data_wait for r in healthy),
         comm=None if pace.comm is None else pace.comm * accumulation,
         step=pace.step * accumulation,
         gradient_bytes=gradient_bytes(int(plan.get("trainable_parameters", 0)), str(plan.get("precision", ""))),
@@ -180,8 +188,9 @@ def estimate_lines(measured: Measured, target: Target, source: str) -> list[str]
             )
     elif measured.comm is None:
         comm = "communication not measured (strategy=fsdp, or a comm hook of the run's own)"
+    ranks = "median rank" if measured.straggler is None else f"median of the ranks but {measured.straggler}"
     lines.append(
-        f"  measured per training batch (median rank): compute {ms * measured.compute:.2f} ms, data wait "
+        f"  measured per training batch ({ranks}): compute {ms * measured.compute:.2f} ms, data wait "
         f"{ms * measured.data_wait:.2f} ms; {comm}"
     )
     comm_part = "communication unknown (left out)" if result.comm is None else f"{ms * result.comm:.2f} ms all-reduce"
@@ -193,11 +202,14 @@ def estimate_lines(measured: Measured, target: Target, source: str) -> list[str]
         f"(efficiency {result.efficiency(target.world_size):.0%})"
     )
     if result.over_measured < 1:
-        lines.append(f"  {target.world_size} device(s) would be slower than the measured run: stay on fewer devices")
+        lines.append(
+            f"  {target.world_size} device(s) would be slower than the measured run: keep its "
+            f"{measured.world_size} device(s)"
+        )
     if measured.straggler is not None:
         lines.append(
             f"  the measured run had a straggler (rank {measured.straggler}): the estimate assumes every rank "
-            "computes at the median rank's rate"
+            "computes at the other ranks' median rate"
         )
     if result.comm is None:
         lines.append("  the communication was not measured: the step time is a lower bound, the speedup an upper one")
@@ -212,3 +224,49 @@ def estimate_lines(measured: Measured, target: Target, source: str) -> list[str]
         )
     )
     return lines
+
+
+def _model_name(config: Mapping[str, Any]) -> str:
+    """The model's class and its network's, as the config names them: `ImageClassifier(DigitsCNN)`."""
+    model = config.get("model") or {}
+    name = str(model.get("_target_", "?")).rsplit(".", 1)[-1]
+    net = model.get("net")
+    if isinstance(net, Mapping) and "_target_" in net:
+        return f"{name}({str(net['_target_']).rsplit('.', 1)[-1]})"
+    return name
+
+
+def _data_name(config: Mapping[str, Any]) -> str:
+    return str((config.get("data") or {}).get("_target_", "?")).rsplit(".", 1)[-1]
+
+
+def differences(directory: str, plan: dict[str, Any], config: Mapping[str, Any]) -> list[str]:
+    """What the measured run in `directory` differs in from the planned one (`plan`, `config`: its plan and
+    resolved config): `what measured -> planned` for its model (class, network, parameter count), data (class),
+    precision and accelerator. Its step times are those of its own model, data, precision and accelerator."""
+    run = Path(directory)
+    measured_plan = json.loads((run / "plan.json").read_text())
+    found = []
+    if (run / "config.yaml").is_file():  # the resolved config every run writes
+        measured_config = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"))
+        then, now = (
+            f"{_model_name(c)}, {int(p.get('parameters', 0)):,} parameters"
+            for c, p in ((measured_config, measured_plan), (config, plan))
+        )
+        if then != now:
+            found.append(f"model {then} -> {now}")
+        if (then := _data_name(measured_config)) != (now := _data_name(config)):
+            found.append(f"data {then} -> {now}")
+    for key in ("precision", "accelerator"):
+        if (then := measured_plan.get(key)) != (now := plan.get(key)):
+            found.append(f"{key} {then} -> {now}")
+    return found
+
+
+def differences_line(found: list[str], source: str) -> str:
+    """The warning that the estimate is of another run than the planned one."""
+    return (
+        f"the measured run ({source}) is not this run: {'; '.join(found)}. The estimate scales its step times, so it "
+        "is for its model, data, precision and accelerator on the planned devices: measure a short run of this one "
+        "and estimate from it"
+    )

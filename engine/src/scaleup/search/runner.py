@@ -20,7 +20,16 @@ from scaleup.errors import EXIT_USER_ERROR, UserError, as_user_error, new_direct
 from scaleup.observability.rows import log_rows
 from scaleup.search.results import report
 from scaleup.search.space import SearchSpace, parse_space
-from scaleup.search.study import OVERRIDES, PRUNED_AT_STEP, best_value, open_storage, storage_url
+from scaleup.search.study import (
+    OVERRIDES,
+    PRUNED_AT_STEP,
+    RECIPE,
+    best_value,
+    open_storage,
+    recipe,
+    recipe_changes,
+    storage_url,
+)
 
 log = logging.getLogger("scaleup")
 
@@ -81,7 +90,7 @@ class Search:
             rows = [(key, repr(dist)) for key, dist in space.distributions.items()]
             log_rows("search space (dry run: no trial starts; each would be a run of its own)", rows)
             return None
-        study = self.open_study()
+        study = self.open_study(recipe(space.fixed))
         OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
         for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             log.info(f"search: trial {trial.number} was interrupted; resuming it from its last checkpoint")
@@ -90,10 +99,11 @@ class Search:
             self.launch(study, [self.ask(study, space) for _ in range(min(self.settings.n_jobs, left))])
         return report(study, self.sweep_dir, space, self.config.hydra.job.config_name)
 
-    def open_study(self) -> optuna.Study:
+    def open_study(self, fixed: dict[str, str]) -> optuna.Study:
         """The study in the sweep directory's database (or `storage`), created on the first run and loaded on the
-        next ones (the same command resumes it). Where the database cannot be opened, the directories made for it
-        are removed."""
+        next ones (the same command resumes it). A study belongs to the fixed recipe (`fixed`, study.recipe) it was
+        made with: another one is refused, its trials would be ranked with trials they cannot be compared with.
+        Where the database cannot be opened, the directories made for it are removed."""
         created = new_directories(self.sweep_dir)
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         url, direction = storage_url(self.settings.storage, self.sweep_dir), "maximize" if self.maximize else "minimize"
@@ -108,6 +118,14 @@ class Search:
             raise UserError(
                 f"the study {study.study_name} in {url} was made to {study.direction.name.lower()}; "
                 f"monitor.mode={self.config.monitor.mode} would {direction}: name another hydra.sweeper.study_name"
+            )
+        if RECIPE not in study.user_attrs:  # a new study (or one made before studies kept their recipe)
+            study.set_user_attr(RECIPE, fixed)
+        elif changes := recipe_changes(study.user_attrs[RECIPE], fixed):
+            raise UserError(
+                f"the study {study.study_name} in {url} was made with another fixed recipe: {', '.join(changes)}; "
+                "its trials would be ranked with these: run it with the recipe it was made with, or name another "
+                "hydra.sweeper.study_name"
             )
         return study
 

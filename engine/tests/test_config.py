@@ -11,7 +11,18 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from test_adopted import write_mnist
 
-from conftest import ENGINE_CONF, PROJECT, ROOT, check, clean_env, config_groups, in_process, read_json, run
+from conftest import (
+    ENGINE_CONF,
+    PROJECT,
+    ROOT,
+    check,
+    clean_env,
+    config_groups,
+    engine_option,
+    in_process,
+    read_json,
+    run,
+)
 from scaleup.build import build_model
 from scaleup.config.plain import instantiate_each
 from scaleup.data.datamodule import apply_model_settings
@@ -229,7 +240,15 @@ def test_eval_help_shows_its_config_not_the_training_groups():
 
 # The template's own settings, each said once where it is set: the group files it owns (Lightning's Trainer
 # arguments and Hydra's launchers are documented by their projects), and its sections of the top config.
-OWN_GROUPS = ("lr_schedule/linear", "strategy/ddp", "strategy/fsdp", "loader/default", "init/default", "paths/default")
+OWN_GROUPS = (
+    "lr_schedule/linear",
+    "strategy/_base",
+    "strategy/ddp",
+    "strategy/fsdp",
+    "loader/default",
+    "init/default",
+    "paths/default",
+)
 OWN_SECTIONS = ("monitor", "checkpoint", "performance")
 
 
@@ -264,3 +283,20 @@ def test_every_setting_of_the_templates_own_sections_says_what_it_does():
         if keys := undocumented(block, indent="  "):
             missing[section] = keys
     assert not missing, missing
+
+
+def test_the_strategy_options_shared_defaults_are_stated_once():
+    """strategy.timeout_minutes and strategy.hang_timeout_minutes are strategy/_base.yaml's alone: each option
+    composes them from there without restating them, the schema holds no default of its own, and eval.py's job (no
+    strategy section) watches hangs with the same bound."""
+    from scaleup.callbacks.preemption import JobControl
+    from scaleup.config.schema import Strategy
+
+    shared = engine_option("strategy/_base")
+    assert shared == {"timeout_minutes": 30, "hang_timeout_minutes": 5}
+    for option in ("ddp", "fsdp"):
+        own = OmegaConf.load(ENGINE_CONF / "strategy" / f"{option}.yaml")
+        assert not set(shared) & set(own), f"strategy/{option}.yaml restates {set(shared) & set(own)}"
+        assert {key: composed(f"strategy={option}")["strategy"][key] for key in shared} == shared
+    assert all(Strategy.model_fields[key].is_required() for key in shared)
+    assert JobControl().hang_seconds == 60 * shared["hang_timeout_minutes"]

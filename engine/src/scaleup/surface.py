@@ -172,18 +172,30 @@ def _leaf_keys(tree: Any) -> list[str]:
     return sorted(key.rstrip(".") for key in _keys(tree))
 
 
+def option_keys(path: Path) -> dict[str, Any]:
+    """The keys of the group option in the YAML file `path`, with those of the shared part (`_`-named, no option of
+    its own) of the same group that its `defaults` list names: strategy/ddp starts from strategy/_base."""
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+    keys: dict[str, Any] = {}
+    for entry in tree.pop("defaults", None) or []:
+        if isinstance(entry, str) and entry.startswith("_") and entry != "_self_":
+            keys |= option_keys(path.with_name(f"{entry}.yaml"))
+    return keys | tree
+
+
 def config(configs: Path) -> dict[str, Any]:
     """`groups`: each option of the engine's groups (`strategy/fsdp`) -> its keys where they land (`strategy.*`, or
-    anywhere for a `# @package _global_` file), its `defaults` list left out. `jobs`: each job -> the keys of the
-    project's configs/<job>.yaml composed with its default choices (Hydra's own config and the project's groups left
-    out: the engine's `hydra` group is among the groups)."""
+    anywhere for a `# @package _global_` file), with those of the shared part it starts from. `jobs`: each job -> the
+    keys of the project's configs/<job>.yaml composed with its default choices (Hydra's own config and the project's
+    groups left out: the engine's `hydra` group is among the groups)."""
     from omegaconf import OmegaConf
 
     conf, groups = PACKAGE / "conf", {}
-    for path in sorted(conf.glob("**/*.yaml")):
+    for path in sorted(path for path in conf.glob("**/*.yaml") if not path.stem.startswith("_")):
         group = path.parent.relative_to(conf).as_posix()
-        tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
-        tree.pop("defaults", None)
+        tree = option_keys(path)
         if "# @package _global_" not in path.read_text():
             for part in reversed(group.split("/")):
                 tree = {part: tree}

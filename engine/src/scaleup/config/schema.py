@@ -147,7 +147,7 @@ class Strategy(ClosedSection):
 
     name: Literal["ddp", "ddp_spawn", "fsdp"]
     timeout_minutes: Positive
-    hang_timeout_minutes: NonNegative | None = 5.0  # 0 or None: no hang watch (distributed/watchdog.py)
+    hang_timeout_minutes: NonNegative | None  # 0 or None: no hang watch (distributed/watchdog.py)
     # ddp
     bucket_cap_mb: Positive
     gradient_as_bucket_view: bool
@@ -174,7 +174,7 @@ class Strategy(ClosedSection):
     def required_keys(cls, section: Mapping[str, Any]) -> list[str]:
         """Without a valid name, only the keys every option has (the name's own message says what is wrong)."""
         if section.get("name") not in typing.get_args(cls.model_fields["name"].annotation):
-            return ["name", "timeout_minutes"]  # hang_timeout_minutes has a default
+            return COMMON_KEYS
         return super().required_keys(section)
 
     @classmethod

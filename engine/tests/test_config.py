@@ -300,3 +300,21 @@ def test_the_strategy_options_shared_defaults_are_stated_once():
         assert {key: composed(f"strategy={option}")["strategy"][key] for key in shared} == shared
     assert all(Strategy.model_fields[key].is_required() for key in shared)
     assert JobControl().hang_seconds == 60 * shared["hang_timeout_minutes"]
+
+
+def test_the_loader_groups_defaults_are_stated_once():
+    """The shared DataLoader settings' defaults are conf/loader/default.yaml's alone: GlobalBatchDataModule's
+    arguments take theirs from it (a module built without Hydra gets what a run gets), stating no value of their
+    own."""
+    import ast
+
+    from scaleup.data.datamodule import GlobalBatchDataModule
+
+    shared = engine_option("loader/default")
+    init = ast.parse(inspect.getsource(GlobalBatchDataModule)).body[0].body
+    arguments = next(node.args for node in init if getattr(node, "name", None) == "__init__")
+    given = dict(zip([a.arg for a in arguments.args][-len(arguments.defaults) :], arguments.defaults, strict=True))
+    restated = [name for name in shared if isinstance(given[name], ast.Constant)]
+    assert not restated, f"GlobalBatchDataModule.__init__ restates the loader group's {restated}"
+    module = GlobalBatchDataModule(global_batch_size=8)
+    assert {name: getattr(module, name) for name in shared} == shared

@@ -26,7 +26,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from scaleup.compat.launch import keep_sigterm_handler
-from scaleup.conf import group_value
+from scaleup.conf import group_values
 from scaleup.distributed.watchdog import (
     Children,
     Progress,
@@ -45,7 +45,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
 # and, from distributed/watchdog.py on several processes: EXIT_HUNG = 124 (as timeout(1): a rank made no progress
 # within strategy.hang_timeout_minutes) and EXIT_FAILED = 1 (a rank raised, or died)
 SIGTERM_GRACE_SECONDS = 30.0  # a rank that got SIGTERM and reaches no next step in this time exits on its own
-HANG_TIMEOUT_MINUTES = group_value("strategy/_base", "hang_timeout_minutes")  # eval.py's: it has no strategy section
+HANG_TIMEOUT_MINUTES = group_values("strategy/_base")["hang_timeout_minutes"]  # eval.py's: it has no strategy section
 
 
 def interrupted(err: BaseException) -> bool:

@@ -12,9 +12,10 @@ def engine_groups() -> list[str]:
     return sorted(entry.name for entry in files(__name__).iterdir() if entry.is_dir() and entry.name != "__pycache__")
 
 
-def group_value(option: str, key: str) -> Any:
-    """The value `key` holds in the engine's group option `option` (`strategy/_base`), as its YAML file states it:
-    for a job that composes no such group (eval.py has no `strategy`) and reads the same default."""
+def group_values(option: str) -> dict[str, Any]:
+    """The keys and values of the engine's group option `option` (`loader/default`, `strategy/_base`) as its YAML file
+    states them: for code that runs where no config composes the group (eval.py has no `strategy`; a data module built
+    in a notebook has no `loader`) and takes the same defaults, stated once, there."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.load(files(__name__).joinpath(f"{option}.yaml"))[key]
+    return OmegaConf.to_container(OmegaConf.load(files(__name__).joinpath(f"{option}.yaml")))

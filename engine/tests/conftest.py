@@ -69,6 +69,10 @@ def engine_option(option: str, **overrides: Any) -> dict[str, Any]:
     """An engine config option as its YAML file holds it (`lr_schedule/linear`, `trainer/default`), with `overrides`:
     what a test does not set is what a run gets, from the one place that states it (a shared part its `defaults`
     names, `strategy/_base`, included)."""
+    from scaleup.conf import MADE, group_values
+
+    if option in MADE:
+        return group_values(option) | overrides
     tree = yaml.safe_load((ENGINE_CONF / f"{option}.yaml").read_text()) or {}
     group = option.rpartition("/")[0]
     shared = [entry for entry in tree.pop("defaults", None) or [] if isinstance(entry, str) and entry[:1] == "_"]

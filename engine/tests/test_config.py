@@ -159,6 +159,20 @@ def test_trainer_group_holds_every_trainer_argument_the_template_does_not_set():
     template_sets.add("use_distributed_sampler")
     arguments = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"} - template_sets
     assert set(composed()["trainer"]) == arguments
+    assert composed("trainer.max_time=00:00:01:00")["trainer"]["max_time"] == "00:00:01:00"  # a key not in the YAML
+
+
+def test_the_trainer_group_restates_none_of_lightnings_defaults():
+    """conf/trainer/default.yaml holds only what the template changes: each of its keys differs from
+    lightning.Trainer's own default, which the group takes from Lightning's signature for every other argument."""
+    lightning = {name: p.default for name, p in inspect.signature(L.Trainer.__init__).parameters.items()}
+    own = OmegaConf.to_container(OmegaConf.load(ENGINE_CONF / "trainer" / "default.yaml"))
+    own.pop("defaults", None)
+    restated = {name: value for name, value in own.items() if value == lightning[name]}
+    assert not restated, f"trainer/default.yaml restates Lightning's defaults: {restated}"
+    assert {name: composed()["trainer"][name] for name in ("max_steps", "max_time", "inference_mode")} == {
+        name: lightning[name] for name in ("max_steps", "max_time", "inference_mode")
+    }
 
 
 # The input each image data option yields: (channels, height, width).

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import scaleup
+from scaleup.conf import MADE, group_values
 from scaleup.config.project import compose_project, project_configs
 from scaleup.errors import UserError
 
@@ -174,14 +175,17 @@ def _leaf_keys(tree: Any) -> list[str]:
 
 def option_keys(path: Path) -> dict[str, Any]:
     """The keys of the group option in the YAML file `path`, with those of the shared part (`_`-named, no option of
-    its own) of the same group that its `defaults` list names: strategy/ddp starts from strategy/_base."""
+    its own) of the same group that its `defaults` list names: strategy/ddp starts from strategy/_base, and
+    trainer/default from trainer/_lightning (made from code: scaleup.conf.MADE)."""
     from omegaconf import OmegaConf
 
     tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
     keys: dict[str, Any] = {}
     for entry in tree.pop("defaults", None) or []:
         if isinstance(entry, str) and entry.startswith("_") and entry != "_self_":
-            keys |= option_keys(path.with_name(f"{entry}.yaml"))
+            part = path.with_name(f"{entry}.yaml")
+            made = f"{path.parent.relative_to(PACKAGE / 'conf').as_posix()}/{entry}"
+            keys |= group_values(made) if made in MADE else option_keys(part)
     return keys | tree
 
 

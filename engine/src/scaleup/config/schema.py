@@ -295,6 +295,17 @@ class TrainerArgs(ClosedSection):
         return super().unknown_key(path, name, section)
 
 
+def lightning_defaults() -> dict[str, Any]:
+    """Every lightning.Trainer argument but those the template sets itself, with Lightning's own default: the
+    trainer group's shared part `trainer/_lightning` (registered by the engine's Hydra plugin), under which
+    conf/trainer/default.yaml states only what the template changes. So `trainer.<any argument>=VALUE` works as
+    typed, with no default restated."""
+    import lightning as L
+
+    parameters = inspect.signature(L.Trainer).parameters.values()
+    return {p.name: p.default for p in parameters if p.name not in TEMPLATE_SETS}
+
+
 # The lightning.Trainer arguments the template sets itself (trainer.py), and where a run chooses what they hold.
 TEMPLATE_SETS = {
     "strategy": "choose it with strategy.name=VALUE (ddp, ddp_spawn or fsdp; strategy=fsdp for FSDP's own keys)",

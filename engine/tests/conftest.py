@@ -56,9 +56,9 @@ CONFIG_DIRS = (PROJECT / "configs", ENGINE_CONF)  # the project's top configs an
 
 def config_groups(config_dirs: tuple[Path, ...] = CONFIG_DIRS) -> dict[str, list[Path]]:
     """Every config group (a folder such as `model/optimizer`, in the project's configs or the engine's) -> its
-    option files."""
+    option files (a `_`-named file is a part its options share, no option of its own)."""
     return {
-        str(folder.relative_to(root)): sorted(folder.glob("*.yaml"))
+        str(folder.relative_to(root)): sorted(path for path in folder.glob("*.yaml") if path.stem[:1] != "_")
         for root in config_dirs
         for folder in sorted(root.glob("**/"))
         if folder != root and any(folder.glob("*.yaml"))
@@ -67,8 +67,17 @@ def config_groups(config_dirs: tuple[Path, ...] = CONFIG_DIRS) -> dict[str, list
 
 def engine_option(option: str, **overrides: Any) -> dict[str, Any]:
     """An engine config option as its YAML file holds it (`lr_schedule/linear`, `trainer/default`), with `overrides`:
-    what a test does not set is what a run gets, from the one place that states it."""
-    return {**yaml.safe_load((ENGINE_CONF / f"{option}.yaml").read_text()), **overrides}
+    what a test does not set is what a run gets, from the one place that states it (a shared part its `defaults`
+    names, `strategy/_base`, included)."""
+    from scaleup.conf import MADE, group_values
+
+    if option in MADE:
+        return group_values(option) | overrides
+    tree = yaml.safe_load((ENGINE_CONF / f"{option}.yaml").read_text()) or {}
+    group = option.rpartition("/")[0]
+    shared = [entry for entry in tree.pop("defaults", None) or [] if isinstance(entry, str) and entry[:1] == "_"]
+    parts = [engine_option(f"{group}/{entry}") for entry in shared if entry != "_self_"]
+    return {key: value for part in parts for key, value in part.items()} | tree | overrides
 
 
 def engine_section(option: str, **overrides: Any) -> Any:

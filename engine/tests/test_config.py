@@ -11,7 +11,18 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from test_adopted import write_mnist
 
-from conftest import ENGINE_CONF, PROJECT, ROOT, check, clean_env, config_groups, in_process, read_json, run
+from conftest import (
+    ENGINE_CONF,
+    PROJECT,
+    ROOT,
+    check,
+    clean_env,
+    config_groups,
+    engine_option,
+    in_process,
+    read_json,
+    run,
+)
 from scaleup.build import build_model
 from scaleup.config.plain import instantiate_each
 from scaleup.data.datamodule import apply_model_settings
@@ -148,6 +159,20 @@ def test_trainer_group_holds_every_trainer_argument_the_template_does_not_set():
     template_sets.add("use_distributed_sampler")
     arguments = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"} - template_sets
     assert set(composed()["trainer"]) == arguments
+    assert composed("trainer.max_time=00:00:01:00")["trainer"]["max_time"] == "00:00:01:00"  # a key not in the YAML
+
+
+def test_the_trainer_group_restates_none_of_lightnings_defaults():
+    """conf/trainer/default.yaml holds only what the template changes: each of its keys differs from
+    lightning.Trainer's own default, which the group takes from Lightning's signature for every other argument."""
+    lightning = {name: p.default for name, p in inspect.signature(L.Trainer.__init__).parameters.items()}
+    own = OmegaConf.to_container(OmegaConf.load(ENGINE_CONF / "trainer" / "default.yaml"))
+    own.pop("defaults", None)
+    restated = {name: value for name, value in own.items() if value == lightning[name]}
+    assert not restated, f"trainer/default.yaml restates Lightning's defaults: {restated}"
+    assert {name: composed()["trainer"][name] for name in ("max_steps", "max_time", "inference_mode")} == {
+        name: lightning[name] for name in ("max_steps", "max_time", "inference_mode")
+    }
 
 
 # The input each image data option yields: (channels, height, width).
@@ -229,7 +254,15 @@ def test_eval_help_shows_its_config_not_the_training_groups():
 
 # The template's own settings, each said once where it is set: the group files it owns (Lightning's Trainer
 # arguments and Hydra's launchers are documented by their projects), and its sections of the top config.
-OWN_GROUPS = ("lr_schedule/linear", "strategy/ddp", "strategy/fsdp", "loader/default", "init/default", "paths/default")
+OWN_GROUPS = (
+    "lr_schedule/linear",
+    "strategy/_base",
+    "strategy/ddp",
+    "strategy/fsdp",
+    "loader/default",
+    "init/default",
+    "paths/default",
+)
 OWN_SECTIONS = ("monitor", "checkpoint", "performance")
 
 
@@ -264,3 +297,38 @@ def test_every_setting_of_the_templates_own_sections_says_what_it_does():
         if keys := undocumented(block, indent="  "):
             missing[section] = keys
     assert not missing, missing
+
+
+def test_the_strategy_options_shared_defaults_are_stated_once():
+    """strategy.timeout_minutes and strategy.hang_timeout_minutes are strategy/_base.yaml's alone: each option
+    composes them from there without restating them, the schema holds no default of its own, and eval.py's job (no
+    strategy section) watches hangs with the same bound."""
+    from scaleup.callbacks.preemption import JobControl
+    from scaleup.config.schema import Strategy
+
+    shared = engine_option("strategy/_base")
+    assert shared == {"timeout_minutes": 30, "hang_timeout_minutes": 5}
+    for option in ("ddp", "fsdp"):
+        own = OmegaConf.load(ENGINE_CONF / "strategy" / f"{option}.yaml")
+        assert not set(shared) & set(own), f"strategy/{option}.yaml restates {set(shared) & set(own)}"
+        assert {key: composed(f"strategy={option}")["strategy"][key] for key in shared} == shared
+    assert all(Strategy.model_fields[key].is_required() for key in shared)
+    assert JobControl().hang_seconds == 60 * shared["hang_timeout_minutes"]
+
+
+def test_the_loader_groups_defaults_are_stated_once():
+    """The shared DataLoader settings' defaults are conf/loader/default.yaml's alone: GlobalBatchDataModule's
+    arguments take theirs from it (a module built without Hydra gets what a run gets), stating no value of their
+    own."""
+    import ast
+
+    from scaleup.data.datamodule import GlobalBatchDataModule
+
+    shared = engine_option("loader/default")
+    init = ast.parse(inspect.getsource(GlobalBatchDataModule)).body[0].body
+    arguments = next(node.args for node in init if getattr(node, "name", None) == "__init__")
+    given = dict(zip([a.arg for a in arguments.args][-len(arguments.defaults) :], arguments.defaults, strict=True))
+    restated = [name for name in shared if isinstance(given[name], ast.Constant)]
+    assert not restated, f"GlobalBatchDataModule.__init__ restates the loader group's {restated}"
+    module = GlobalBatchDataModule(global_batch_size=8)
+    assert {name: getattr(module, name) for name in shared} == shared

@@ -290,18 +290,21 @@ INLINE_DEFAULT = re.compile(r"`([a-z_]+(?:\.[a-z_0-9]+)+)` \((?:default:? )?`?(?
 LITERAL = re.compile(r"-?\d+(\.\d+)?|true|false|null|[a-z][\w-]*|\[[^\]]*\]")
 
 
-def documented_defaults() -> Iterator[tuple[int, str, str]]:
-    """(line, key, the default docs/configuration.md states for it), where it states a literal."""
-    for number, text, fenced in lines(REFERENCE):
-        if fenced:
-            continue
-        cells = [cell.strip() for cell in text.split("|")]
-        if text.startswith("| `") and len(cells) > 3:
-            keys = CODE_SPAN.findall(cells[1])
-            values = re.split(r", | / ", cells[2].replace("`", ""))
-            if len(keys) == len(values) and all("." in key for key in keys):
-                yield from ((number, key, value) for key, value in zip(keys, values, strict=True))
-        yield from ((number, key, value) for key, value in INLINE_DEFAULT.findall(text))
+def documented_defaults() -> Iterator[tuple[str, str, str]]:
+    """(file:line, key, the default a doc states for it), where it states a literal: in docs/configuration.md's
+    reference tables, and in the prose of every doc, `key` (default)."""
+    for doc in DOCS:
+        for number, text, fenced in lines(doc):
+            if fenced:
+                continue
+            where = f"{doc.relative_to(ROOT)}:{number}"
+            cells = [cell.strip() for cell in text.split("|")]
+            if doc == REFERENCE and text.startswith("| `") and len(cells) > 3:
+                keys = CODE_SPAN.findall(cells[1])
+                values = re.split(r", | / ", cells[2].replace("`", ""))
+                if len(keys) == len(values) and all("." in key for key in keys):
+                    yield from ((where, key, value) for key, value in zip(keys, values, strict=True))
+            yield from ((where, key, value) for key, value in INLINE_DEFAULT.findall(text))
 
 
 def as_yaml(value: Any) -> str:
@@ -314,10 +317,11 @@ def as_yaml(value: Any) -> str:
 
 
 def test_every_default_the_reference_states_is_the_configs():
-    """A setting's default is defined once, in its config group's YAML: docs/configuration.md's stated defaults are
-    checked against the composed config (the strategy keys against their option)."""
+    """A setting's default is defined once, in its config group's YAML: the defaults the docs state (the reference's
+    tables, and `key` (default) in any doc) are checked against the composed config (the strategy keys against their
+    option)."""
     wrong = []
-    for number, key, stated in documented_defaults():
+    for where, key, stated in documented_defaults():
         if not LITERAL.fullmatch(stated):
             continue
         trees = [composed("train"), composed("train", ("strategy=fsdp",)), *every_train_key()]
@@ -330,5 +334,5 @@ def test_every_default_the_reference_states_is_the_configs():
         if isinstance(value, str) and "${" in value:
             continue  # an interpolation: the docs say what it resolves to
         if as_yaml(value) != stated:
-            wrong.append(f"docs/configuration.md:{number}: `{key}` is {as_yaml(value)}, the docs say {stated}")
+            wrong.append(f"{where}: `{key}` is {as_yaml(value)}, the docs say {stated}")
     assert not wrong, "\n".join(wrong)

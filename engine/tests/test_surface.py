@@ -162,7 +162,11 @@ def config_keys() -> list[str]:
             tree.pop(group, None)
         lines += sorted(f"{job} {key}" for key in leaves(tree))
     conf = ROOT / "engine" / "src" / "scaleup" / "conf"
-    options = (f"{path.parent.relative_to(conf).as_posix()}={path.stem}" for path in conf.glob("**/*.yaml"))
+    options = (  # a `_`-named file is a part the group's options share, no option of its own
+        f"{path.parent.relative_to(conf).as_posix()}={path.stem}"
+        for path in conf.glob("**/*.yaml")
+        if path.stem[:1] != "_"
+    )
     return lines + sorted(f"option {option}" for option in options)
 
 

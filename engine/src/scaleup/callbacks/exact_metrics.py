@@ -284,7 +284,7 @@ class ExactEvalMetrics(Callback):
             log.warning(
                 f"NOT EXACT on {trainer.world_size} processes: {', '.join(inexact)}: logged with a plain tensor in "
                 "on_validation_epoch_end/on_test_epoch_end, where the ranks hold different values, or from a second "
-                "eval dataloader. Log a torchmetrics Metric instead (or scaleup.observability.metrics.StageMetrics), "
+                "eval dataloader. Log a torchmetrics Metric instead (or scaleup.api.StageMetrics), "
                 "which sums its state over all ranks once per epoch"
             )
 

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from scaleup.callbacks.nonfinite import FirstNonFiniteLoss, nonfinite_loss_error
+from scaleup.conf import group_values
 from scaleup.distributed.watchdog import (
     EXIT_FAILED,
     Children,
@@ -51,7 +52,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
 # and, from distributed/watchdog.py on several processes: EXIT_HUNG = 124 (as timeout(1): a rank made no progress
 # within strategy.hang_timeout_minutes) and EXIT_FAILED = 1 (a rank raised, or died)
 SIGTERM_GRACE_SECONDS = 30.0  # a rank that got SIGTERM and reaches no next step in this time exits on its own
-HANG_TIMEOUT_MINUTES = 5.0  # eval.py's (it has no strategy section): the strategy configs' default
+HANG_TIMEOUT_MINUTES = group_values("strategy/_base")["hang_timeout_minutes"]  # eval.py's: it has no strategy section
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # each stops every rank at the next step, saving in training
 
 

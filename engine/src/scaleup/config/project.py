@@ -117,6 +117,6 @@ def config_groups() -> str:
     while folders:
         group = folders.pop()
         folders += [f"{group}/{inner}" for inner in options(group, ObjectType.GROUP)]
-        if names := options(group, ObjectType.CONFIG):
+        if names := [name for name in options(group, ObjectType.CONFIG) if name[:1] != "_"]:  # _base: a shared part
             listed[group] = ", ".join(names)
     return "\n".join(f"{group}: {listed[group]}" for group in sorted(listed))

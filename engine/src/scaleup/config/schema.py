@@ -149,7 +149,7 @@ class Strategy(ClosedSection):
 
     name: Literal["ddp", "ddp_spawn", "fsdp"]
     timeout_minutes: Positive
-    hang_timeout_minutes: NonNegative | None = 5.0  # 0 or None: no hang watch (distributed/watchdog.py)
+    hang_timeout_minutes: NonNegative | None  # 0 or None: no hang watch (distributed/watchdog.py)
     # ddp
     bucket_cap_mb: Positive
     gradient_as_bucket_view: bool
@@ -176,7 +176,7 @@ class Strategy(ClosedSection):
     def required_keys(cls, section: Mapping[str, Any]) -> list[str]:
         """Without a valid name, only the keys every option has (the name's own message says what is wrong)."""
         if section.get("name") not in typing.get_args(cls.model_fields["name"].annotation):
-            return ["name", "timeout_minutes"]  # hang_timeout_minutes has a default
+            return COMMON_KEYS
         return super().required_keys(section)
 
     @classmethod
@@ -295,6 +295,17 @@ class TrainerArgs(ClosedSection):
         if name in TEMPLATE_SETS:
             return f"{dotted(path, name)} is set by the template, not in {path}: {TEMPLATE_SETS[name]}"
         return super().unknown_key(path, name, section)
+
+
+def lightning_defaults() -> dict[str, Any]:
+    """Every lightning.Trainer argument but those the template sets itself, with Lightning's own default: the
+    trainer group's shared part `trainer/_lightning` (registered by the engine's Hydra plugin), under which
+    conf/trainer/default.yaml states only what the template changes. So `trainer.<any argument>=VALUE` works as
+    typed, with no default restated."""
+    import lightning as L
+
+    parameters = inspect.signature(L.Trainer).parameters.values()
+    return {p.name: p.default for p in parameters if p.name not in TEMPLATE_SETS}
 
 
 # The lightning.Trainer arguments the template sets itself (trainer.py), and where a run chooses what they hold.

@@ -13,6 +13,7 @@ import torch
 from filelock import FileLock
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from scaleup.conf import group_values
 from scaleup.config.plain import lookup
 from scaleup.data.samplers import GlobalBatchSampler, UnrepeatedDistributedSampler, resumed_steps
 from scaleup.data.seeding import SeededSamples
@@ -22,6 +23,10 @@ from scaleup.plan.batch import BatchPlan, resolve_batch
 from scaleup.plan.progress import steps_done
 
 log = logging.getLogger(__name__)
+
+# The DataLoader settings every data module shares: the `loader` group's, which a run passes in (build_datamodule);
+# a data module built without Hydra (a notebook, a test) gets the same, stated once, in conf/loader/default.yaml.
+LOADER = group_values("loader/default")
 
 
 class GlobalBatchDataModule(L.LightningDataModule):
@@ -36,6 +41,10 @@ class GlobalBatchDataModule(L.LightningDataModule):
     accumulation when loaders are built. Every map-style split is loaded through `SeededSamples`: random
     augmentation drawn from torch's, numpy's or python's global generator in a split's `__getitem__` is seeded
     by (seed, epoch, sample index), the same in any rank and loader worker (docs/randomness.md).
+
+    A run passes every argument from its config: the data option's keys, the `loader` group's and the run's seed.
+    The defaults are for a module built without Hydra (a notebook, a test): no batch size (set one), the `loader`
+    group's settings (`LOADER`), 4 workers (each data option states its own `num_workers`) and seed 0.
     """
 
     #: True when the whole data set lives in memory, so loader workers would only add start-up time.
@@ -50,9 +59,9 @@ class GlobalBatchDataModule(L.LightningDataModule):
         per_device_batch_size: int | None = None,
         max_per_device_batch_size: int | str | None = None,
         num_workers: int = 4,
-        pin_memory: bool | str = "auto",
-        persistent_workers: bool = True,
-        prefetch_factor: int | None = 2,
+        pin_memory: bool | str = LOADER["pin_memory"],
+        persistent_workers: bool = LOADER["persistent_workers"],
+        prefetch_factor: int | None = LOADER["prefetch_factor"],
         seed: int = 0,
     ) -> None:
         super().__init__()

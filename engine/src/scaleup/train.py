@@ -45,7 +45,8 @@ ignore_unresumable_loader_warning()
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Plan the run, print and save the plan, then fit, test on the best checkpoint and summarise."""
     config = train_config(cfg)  # every value's type and range, before the seed and the topology read theirs
-    check_trainer_arguments(config.trainer)  # and the values passed to lightning.Trainer as they are, by Lightning
+    # and, in a dry run, the values passed to lightning.Trainer as they are, by Lightning (a run's own Trainer does)
+    check_trainer_arguments(config.trainer, probe=config.dry_run)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     topology = resolve_topology(config.trainer, dry_run=config.dry_run)
     check_outputs(config)  # before an epoch is trained, or data downloaded, for nothing
@@ -76,15 +77,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if resume.tested:
         return already_finished(run_dir, resume, config.monitor.metric)
     plan = start.begin(plan, model, recording, resumed=resume.path, dry_run=config.dry_run)  # a resume loads none
+    # The run's one Trainer, before the plan is printed: a `trainer.*` value Lightning refuses is one line first.
+    # Constructing it starts no process (Lightning's launcher starts them in fit).
+    job = None if config.dry_run else build_trainer(config, plan, topology, launch.strategy, run_dir)
     if rank_zero_only.rank == 0:
         announce(plan, config, run_dir, datamodule)
-    if config.dry_run:
+    if job is None:  # a dry run
         if measured is not None and rank_zero_only.rank == 0:
             for line in estimate_lines(measured, target_of(plan.to_dict()), config.diagnostics_from):
                 log.info(line)
         return plan.to_dict()
 
-    job = build_trainer(config, plan, topology, launch.strategy, run_dir)
     trainer = job.trainer
     hint = f"resume with: python train.py ckpt_path=last hydra.run.dir={run_dir} (plus your overrides)"
     if in_search():

@@ -60,12 +60,11 @@ class LRSchedule:
 
 
 def base_lrs(module: L.LightningModule) -> dict[str, float]:
-    """Each param group's LR as the module's `configure_optimizers` sets it, named like LearningRateMonitor's
-    tags (`SGD/head`, or `SGD/pg1` for a group without a "name"; a second optimizer of the same class `SGD-1/pg1`).
-    Refuses a returned LR scheduler.
+    """Each param group's LR as the module's `configure_optimizers` sets it (lr_groups); refuses a returned LR
+    scheduler (refuse_scheduler).
 
-    Calls `configure_optimizers` once before the Trainer exists, so the plan can show the LRs and a scheduler is
-    refused before any process starts.
+    A dry run's: it calls `configure_optimizers` itself, its only call (a dry run fits nothing). A run reads the same
+    from the optimizers Lightning built at fit start (callbacks/lr_scaling.py, callbacks/run_files.py).
     """
     with attached_trainer(module):
         returned = module.configure_optimizers()
@@ -73,13 +72,13 @@ def base_lrs(module: L.LightningModule) -> dict[str, float]:
         return {}
     optimizers, schedulers = optimizers_and_schedulers(returned)
     if schedulers:
-        scheduler = schedulers[0]["scheduler"] if isinstance(schedulers[0], dict) else schedulers[0]
-        raise UserError(
-            f"{type(module).__name__}.configure_optimizers returns a learning-rate scheduler "
-            f"({type(scheduler).__name__}), which would fight the template's own schedule: return only the optimizer "
-            "and set lr_schedule.rule, warmup_epochs (or warmup_steps), decay=cosine|step|none, milestones and gamma "
-            "instead"
-        )
+        refuse_scheduler(module, schedulers[0]["scheduler"] if isinstance(schedulers[0], dict) else schedulers[0])
+    return lr_groups(optimizers)
+
+
+def lr_groups(optimizers: list[Optimizer]) -> dict[str, float]:
+    """Each param group's LR, named like LearningRateMonitor's tags (`SGD/head`, or `SGD/pg1` for a group without a
+    "name"; a second optimizer of the same class `SGD-1/pg1`)."""
     names = [type(optimizer).__name__ for optimizer in optimizers]
     # The n-th repeat of a class is `<class>-n`, as LearningRateMonitor names it: two SGDs (a GAN's) keep both LRs.
     names = [name + (f"-{names[:i].count(name)}" if name in names[:i] else "") for i, name in enumerate(names)]
@@ -88,6 +87,16 @@ def base_lrs(module: L.LightningModule) -> dict[str, float]:
         for name, optimizer in zip(names, optimizers, strict=True)
         for index, group in enumerate(optimizer.param_groups)
     }
+
+
+def refuse_scheduler(module: L.LightningModule, scheduler: Any) -> None:
+    """Refuse the LR scheduler `module.configure_optimizers` returned: one UserError."""
+    raise UserError(
+        f"{type(module).__name__}.configure_optimizers returns a learning-rate scheduler "
+        f"({type(scheduler).__name__}), which would fight the template's own schedule: return only the optimizer "
+        "and set lr_schedule.rule, warmup_epochs (or warmup_steps), decay=cosine|step|none, milestones and gamma "
+        "instead"
+    )
 
 
 @contextlib.contextmanager

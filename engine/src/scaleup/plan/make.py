@@ -31,8 +31,10 @@ def make_plan(
 ) -> Plan:
     """The plan `train.py` prints, saves and trains by, checked against the config. `on_meta`: the model is built on
     the meta device (strategy.meta_init, where its build can be replayed)."""
-    with config_errors("model.optimizer"):  # e.g. a negative learning rate, refused by the optimizer
-        lrs = base_lrs(model)
+    lrs = None  # a run's: read from the optimizers Lightning builds, its one call of configure_optimizers
+    if config.dry_run:  # which fits nothing: its own call is the only one
+        with config_errors("model.optimizer"):  # e.g. a negative learning rate, refused by the optimizer
+            lrs = base_lrs(model)
     plan = build_plan(
         topology=topology,
         trainer=config.trainer,

@@ -46,7 +46,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Plan the run, print and save the plan, then fit, test on the best checkpoint and summarise."""
     config = train_config(cfg)  # every value's type and range, before the seed and the topology read theirs
     # and, in a dry run, the values passed to lightning.Trainer as they are, by Lightning (a run's own Trainer does)
-    check_trainer_arguments(config.trainer, probe=config.dry_run)
+    probe = check_trainer_arguments(config.trainer, probe=config.dry_run)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     topology = resolve_topology(config.trainer, dry_run=config.dry_run)
     check_outputs(config)  # before an epoch is trained, or data downloaded, for nothing
@@ -70,7 +70,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     )
     # A dry run plans the meta build without recording it; a real one may have built the ordinary way (it warned).
     plan = make_plan(
-        config, topology, launch, model, dataset_sizes, on_meta=on_meta and (config.dry_run or recording is not None)
+        config,
+        topology,
+        launch,
+        model,
+        dataset_sizes,
+        on_meta=on_meta and (config.dry_run or recording is not None),
+        probe=probe,
     )
     check_validation_interval(config.trainer, plan)  # in batches, which only the plan counts
     resume = resume_point(None if config.dry_run else config.ckpt_path, config, plan, model, datamodule, run_dir)

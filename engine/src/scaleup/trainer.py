@@ -131,17 +131,23 @@ PLANNED = (
 PROBE = {"accelerator": "cpu", "devices": 1, "num_nodes": 1, "logger": False, "callbacks": []}
 
 
-def check_trainer_arguments(settings: TrainerArgs, *, probe: bool = True) -> None:
+def check_trainer_arguments(settings: TrainerArgs, *, probe: bool = True) -> L.Trainer | None:
     """Refuse a `trainer.*` value that the run would take silently (check_minimum_length), and with `probe` one that
-    lightning.Trainer refuses (refuse_trainer_arguments).
+    lightning.Trainer refuses (refuse_trainer_arguments); returns the Trainer it constructed to probe, or None.
 
     Lightning checks its arguments when a Trainer is constructed. A run constructs its own right after the plan,
     before the plan is printed and anything starts (build_trainer turns a refusal into the same one line): a run
-    passes `probe=False`. A dry run, which plans for devices this machine may not have and fits nothing, probes.
+    passes `probe=False`. A dry run, which plans for devices this machine may not have and fits nothing, probes on
+    one CPU process; its plan attaches the module to that Trainer (plan/lr.py base_lrs): still one per job.
     """
     check_minimum_length(settings)
-    if probe:
+    if not probe:
+        return None
+    try:
+        return probe_trainer({name: value for name, value in values(settings).items() if name not in PLANNED})
+    except Exception:
         refuse_trainer_arguments(settings)
+        raise  # refused only with the others' values: Lightning's own message
 
 
 def refuse_trainer_arguments(settings: TrainerArgs) -> None:
@@ -189,19 +195,25 @@ def check_validation_interval(settings: TrainerArgs, plan: Plan) -> None:
 
 
 def trainer_refusal(arguments: dict[str, Any]) -> Exception | None:
-    """What constructing a lightning.Trainer with `arguments` on one CPU process raises, or None. Quiet: no log line
-    or warning (the run's own Trainer says them), no cluster detected (a launcher's environment would be read)."""
+    """What constructing a lightning.Trainer with `arguments` on one CPU process raises, or None."""
+    try:
+        probe_trainer(arguments)
+    except Exception as err:
+        return err
+    return None
+
+
+def probe_trainer(arguments: dict[str, Any]) -> L.Trainer:
+    """A lightning.Trainer with `arguments` on one CPU process. Quiet: no log line or warning (the run's own Trainer
+    says them), no cluster detected (a launcher's environment would be read)."""
     drop = logging.Filter("nothing")  # refuses every record, whose logger is never named `nothing`
     rank_zero_module.log.addFilter(drop)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            L.Trainer(**{**PROBE, "plugins": [LightningEnvironment()], **arguments})
-    except Exception as err:
-        return err
+            return L.Trainer(**{**PROBE, "plugins": [LightningEnvironment()], **arguments})
     finally:
         rank_zero_module.log.removeFilter(drop)
-    return None
 
 
 def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> TrainerJob:

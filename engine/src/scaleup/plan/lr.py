@@ -1,14 +1,12 @@
 """The LR plan: the peak LR for the global batch (linear, sqrt), warmup and decay, as a factor of the optimizer step."""
 
 import contextlib
-import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.utilities.rank_zero import rank_zero_module
 from torch.optim import Optimizer
 
 from scaleup.errors import UserError
@@ -59,14 +57,15 @@ class LRSchedule:
         return self.peak
 
 
-def base_lrs(module: L.LightningModule) -> dict[str, float]:
-    """Each param group's LR as the module's `configure_optimizers` sets it (lr_groups); refuses a returned LR
-    scheduler (refuse_scheduler).
+def base_lrs(module: L.LightningModule, trainer: L.Trainer) -> dict[str, float]:
+    """Each param group's LR as the module's `configure_optimizers` sets it (lr_groups), `module` attached to
+    `trainer` (attached_trainer); refuses a returned LR scheduler (refuse_scheduler).
 
-    A dry run's: it calls `configure_optimizers` itself, its only call (a dry run fits nothing). A run reads the same
-    from the optimizers Lightning built at fit start (callbacks/lr_scaling.py, callbacks/run_files.py).
+    A dry run's, on its probe Trainer (trainer.check_trainer_arguments): it calls `configure_optimizers` itself, its
+    only call (a dry run fits nothing). A run reads the same from the optimizers Lightning built when fit starts
+    (callbacks/lr_scaling.py, callbacks/run_files.py).
     """
-    with attached_trainer(module):
+    with attached_trainer(module, trainer):
         returned = module.configure_optimizers()
     if returned is None:  # Lightning allows it: a module that steps no optimizer
         return {}
@@ -100,16 +99,9 @@ def refuse_scheduler(module: L.LightningModule, scheduler: Any) -> None:
 
 
 @contextlib.contextmanager
-def attached_trainer(module: L.LightningModule) -> Iterator[None]:
-    """`module`, which no Trainer holds yet, attached to a bare one-process Trainer for a `configure_optimizers`
+def attached_trainer(module: L.LightningModule, trainer: L.Trainer) -> Iterator[None]:
+    """`module`, which no Trainer holds yet, attached to `trainer` (one process) for a `configure_optimizers`
     that reads `self.trainer` (`self.trainer.model.parameters()`, as lightning-hydra-template's modules do)."""
-    lightning_log = rank_zero_module.log
-    said = lightning_log.level
-    lightning_log.setLevel(logging.WARNING)  # its "GPU available" lines belong to the run's own Trainer
-    try:
-        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
-    finally:
-        lightning_log.setLevel(said)
     trainer.strategy.connect(module)
     module.trainer = trainer
     try:

@@ -28,13 +28,16 @@ def make_plan(
     model: L.LightningModule,
     dataset_sizes: dict[str, int],
     on_meta: bool = False,
+    probe: L.Trainer | None = None,
 ) -> Plan:
     """The plan `train.py` prints, saves and trains by, checked against the config. `on_meta`: the model is built on
-    the meta device (strategy.meta_init, where its build can be replayed)."""
-    lrs = None  # a run's: read from the optimizers Lightning builds, its one call of configure_optimizers
-    if config.dry_run:  # which fits nothing: its own call is the only one
+    the meta device (strategy.meta_init, where its build can be replayed). `probe`: a dry run's Trainer, which
+    `configure_optimizers` is called on once for the param groups' LRs; a run reads them from the optimizers
+    Lightning builds when fit starts, its one call (Plan.base_lrs)."""
+    lrs = None
+    if probe is not None:
         with config_errors("model.optimizer"):  # e.g. a negative learning rate, refused by the optimizer
-            lrs = base_lrs(model)
+            lrs = base_lrs(model, probe)
     plan = build_plan(
         topology=topology,
         trainer=config.trainer,

@@ -31,6 +31,16 @@ class TwoGroupClassifier(ImageClassifier):
         return torch.optim.SGD([{"params": body, "lr": 0.1 * lr, "name": "body"}, {"params": head, "name": "head"}], lr)
 
 
+class CountingClassifier(ImageClassifier):
+    """Counts its `configure_optimizers` calls (class-wide: the engine builds the module itself)."""
+
+    calls = 0
+
+    def configure_optimizers(self) -> Any:
+        CountingClassifier.calls += 1
+        return super().configure_optimizers()
+
+
 # What the template says to a module that returns a scheduler.
 SCHEDULER_REFUSED = (
     "SchedulerClassifier.configure_optimizers returns a learning-rate scheduler (StepLR), which would fight the "

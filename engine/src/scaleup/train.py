@@ -61,7 +61,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 def train_in(cfg: DictConfig, run_dir: Path, failure: FailureRecord) -> dict[str, Any]:
     """`train` in `run_dir`; `failure` is told when training starts."""
     config = train_config(cfg)  # every value's type and range, before the seed and the topology read theirs
-    check_trainer_arguments(config.trainer)  # and the values passed to lightning.Trainer as they are, by Lightning
+    # and, in a dry run, the values passed to lightning.Trainer as they are, by Lightning (a run's own Trainer does)
+    probe = check_trainer_arguments(config.trainer, probe=config.dry_run)
     check_run_dir(config, run_dir)  # a directory that holds a run: resumed, started over on request, or refused
     topology = resolve_topology(config.trainer, dry_run=config.dry_run)
     check_outputs(config)  # before an epoch is trained, or data downloaded, for nothing
@@ -85,16 +86,25 @@ def train_in(cfg: DictConfig, run_dir: Path, failure: FailureRecord) -> dict[str
     )
     # A dry run plans the meta build without recording it; a real one may have built the ordinary way (it warned).
     plan = make_plan(
-        config, topology, launch, model, dataset_sizes, on_meta=on_meta and (config.dry_run or recording is not None)
+        config,
+        topology,
+        launch,
+        model,
+        dataset_sizes,
+        on_meta=on_meta and (config.dry_run or recording is not None),
+        probe=probe,
     )
     check_validation_interval(config.trainer, plan)  # in batches, which only the plan counts
     resume = resume_point(None if config.dry_run else config.ckpt_path, config, plan, model, datamodule, run_dir)
     if resume.tested:
         return already_finished(run_dir, resume, config.monitor.metric)
     plan = start.begin(plan, model, recording, resumed=resume.path, dry_run=config.dry_run)  # a resume loads none
+    # The run's one Trainer, before the plan is printed: a `trainer.*` value Lightning refuses is one line first.
+    # Constructing it starts no process (Lightning's launcher starts them in fit).
+    job = None if config.dry_run else build_trainer(config, plan, topology, launch.strategy, run_dir)
     if rank_zero_only.rank == 0:
         announce(plan, config, run_dir, datamodule)
-    if config.dry_run:
+    if job is None:  # a dry run
         if measured is not None and rank_zero_only.rank == 0:
             if found := differences(config.diagnostics_from, plan.to_dict(), OmegaConf.to_container(cfg)):
                 log.warning(differences_line(found, config.diagnostics_from))
@@ -102,7 +112,6 @@ def train_in(cfg: DictConfig, run_dir: Path, failure: FailureRecord) -> dict[str
                 log.info(line)
         return plan.to_dict()
 
-    job = build_trainer(config, plan, topology, launch.strategy, run_dir)
     trainer = job.trainer
     hint = f"resume with: python train.py ckpt_path=last hydra.run.dir={run_dir} (plus your overrides)"
     if in_search():

@@ -123,7 +123,7 @@ def template_callbacks(config: TrainConfig, plan: Plan, run_dir: Path) -> list[L
 
 
 # What build_trainer passes from the topology and the plan in place of the config's values (auto resolved, checked
-# by the plan), and the Trainer that check_trainer_arguments constructs in their place.
+# by the plan), and the Trainer that refuse_trainer_arguments constructs in their place.
 PLANNED = (
     *("accelerator", "devices", "num_nodes", "sync_batchnorm", "precision", "accumulate_grad_batches"),
     "log_every_n_steps",
@@ -131,17 +131,30 @@ PLANNED = (
 PROBE = {"accelerator": "cpu", "devices": 1, "num_nodes": 1, "logger": False, "callbacks": []}
 
 
-def check_trainer_arguments(settings: TrainerArgs) -> None:
-    """Refuse a `trainer.*` value that lightning.Trainer refuses, before anything is built or written: one UserError
-    `trainer.<key>=<value>: <Lightning's message>` (`trainer: <message>` where no key alone is refused).
+def check_trainer_arguments(settings: TrainerArgs, *, probe: bool = True) -> L.Trainer | None:
+    """Refuse a `trainer.*` value that the run would take silently (check_minimum_length), and with `probe` one that
+    lightning.Trainer refuses (refuse_trainer_arguments); returns the Trainer it constructed to probe, or None.
 
-    Lightning checks its arguments when a Trainer is constructed, and a run builds its Trainer after the data and the
-    plan, a dry run never: so one is constructed here with the config's arguments on one CPU process (10-15 ms),
-    the topology and the plan's keys left to the plan (a dry run plans for devices this machine may not have). Its
-    process-wide settings (`deterministic`, `benchmark`) are the run's own, set before the data and the model are
-    built rather than after.
+    Lightning checks its arguments when a Trainer is constructed. A run constructs its own right after the plan,
+    before the plan is printed and anything starts (build_trainer turns a refusal into the same one line): a run
+    passes `probe=False`. A dry run, which plans for devices this machine may not have and fits nothing, probes on
+    one CPU process; its plan attaches the module to that Trainer (plan/lr.py base_lrs): still one per job.
     """
     check_minimum_length(settings)
+    if not probe:
+        return None
+    try:
+        return probe_trainer({name: value for name, value in values(settings).items() if name not in PLANNED})
+    except Exception:
+        refuse_trainer_arguments(settings)
+        raise  # refused only with the others' values: Lightning's own message
+
+
+def refuse_trainer_arguments(settings: TrainerArgs) -> None:
+    """Refuse a `trainer.*` value that lightning.Trainer refuses: one UserError `trainer.<key>=<value>: <Lightning's
+    message>` (`trainer: <message>` where no key alone is refused). A Trainer is constructed with the config's
+    arguments on one CPU process (10-15 ms), the topology and the plan's keys left to the plan; then, where it is
+    refused, one per key to name the key."""
     given = {name: value for name, value in values(settings).items() if name not in PLANNED}
     refused = trainer_refusal(given)
     if refused is None:
@@ -182,19 +195,25 @@ def check_validation_interval(settings: TrainerArgs, plan: Plan) -> None:
 
 
 def trainer_refusal(arguments: dict[str, Any]) -> Exception | None:
-    """What constructing a lightning.Trainer with `arguments` on one CPU process raises, or None. Quiet: no log line
-    or warning (the run's own Trainer says them), no cluster detected (a launcher's environment would be read)."""
+    """What constructing a lightning.Trainer with `arguments` on one CPU process raises, or None."""
+    try:
+        probe_trainer(arguments)
+    except Exception as err:
+        return err
+    return None
+
+
+def probe_trainer(arguments: dict[str, Any]) -> L.Trainer:
+    """A lightning.Trainer with `arguments` on one CPU process. Quiet: no log line or warning (the run's own Trainer
+    says them), no cluster detected (a launcher's environment would be read)."""
     drop = logging.Filter("nothing")  # refuses every record, whose logger is never named `nothing`
     rank_zero_module.log.addFilter(drop)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            L.Trainer(**{**PROBE, "plugins": [LightningEnvironment()], **arguments})
-    except Exception as err:
-        return err
+            return L.Trainer(**{**PROBE, "plugins": [LightningEnvironment()], **arguments})
     finally:
         rank_zero_module.log.removeFilter(drop)
-    return None
 
 
 def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> TrainerJob:
@@ -244,16 +263,21 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
     if isinstance(strategy, FSDPStrategy):
         trainer_kwargs["precision"], precision_plugins = model_parallel_precision(plan.precision)
         plugins += precision_plugins
-    # The values of the config were checked by Lightning before (check_trainer_arguments): what fails here is a bug.
-    trainer = L.Trainer(
-        **trainer_kwargs,
-        strategy=strategy,
-        callbacks=callbacks,
-        logger=loggers or False,
-        plugins=plugins,
-        default_root_dir=run_dir,
-        use_distributed_sampler=False,  # the data module's samplers split the data: Lightning adds none
-    )
+    # The run's one Trainer, constructed before the plan is printed: Lightning checks the config's `trainer.*` values
+    # here. A value it refuses is one line (refuse_trainer_arguments names it); any other failure is a bug.
+    try:
+        trainer = L.Trainer(
+            **trainer_kwargs,
+            strategy=strategy,
+            callbacks=callbacks,
+            logger=loggers or False,
+            plugins=plugins,
+            default_root_dir=run_dir,
+            use_distributed_sampler=False,  # the data module's samplers split the data: Lightning adds none
+        )
+    except Exception:
+        refuse_trainer_arguments(config.trainer)
+        raise
     install_fit_loop_fixes(trainer)  # after require(EPOCH_END_RESUME)
     if trainer.is_global_zero:
         remove_interrupted_writes(config.checkpoint.dirpath)

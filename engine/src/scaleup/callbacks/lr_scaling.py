@@ -4,7 +4,7 @@ from typing import Any
 
 import lightning as L
 
-from scaleup.plan.lr import LRSchedule
+from scaleup.plan.lr import LRSchedule, refuse_scheduler
 from scaleup.plan.progress import steps_done
 
 
@@ -19,7 +19,8 @@ class LRScaling(L.Callback):
     groups come back with the LR last set, never mistaken for a base LR. The factor is a pure function of the
     global step, not state carried in a torch scheduler: a resumed run continues the warmup or decay exactly,
     and with gradient accumulation all micro-batches of a step see the same LR.
-    Keep this callback before LearningRateMonitor so the logged LR is the one used for the step.
+    Keep this callback before LearningRateMonitor so the logged LR is the one used for the step, and before RunFiles:
+    a returned LR scheduler, which would fight the schedule, is refused here first (one line, before any step).
     """
 
     def __init__(self, schedule: LRSchedule) -> None:
@@ -30,6 +31,8 @@ class LRScaling(L.Callback):
         self._factor: float | None = None  # the factor the param groups hold
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.lr_scheduler_configs:
+            refuse_scheduler(pl_module, trainer.lr_scheduler_configs[0].scheduler)
         self.base_lrs = [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -4,6 +4,7 @@ where runs get compared (every logger's hyperparameters, TensorBoard's HParams t
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,11 @@ from torch.utils.tensorboard.summary import hparams
 
 from scaleup.compat.loggers import add_summaries
 from scaleup.config.plain import flatten, is_plain
+from scaleup.config.stored import stored_plan
+from scaleup.plan.lr import lr_groups
+from scaleup.plan.resolve import Plan
+
+log = logging.getLogger("scaleup")
 
 TEST_PREFIX = "test/"  # the final test's metrics: their presence in metrics.json says that the test ran to its end
 
@@ -46,15 +52,37 @@ class RunFiles(L.Callback):
       under `plan/` when fit starts; and, after the test, TensorBoard's HParams tab: the plan beside the names of
       the final metrics, so that runs on 1, 2 and 8 GPUs line up as rows of one table. The tab reads the values
       from the scalars already logged: writing them again would add a point to every curve.
+    - The plan's param group LRs (Plan.base_lrs), when fit starts: read from the optimizers Lightning built, its
+      one call of `configure_optimizers` (LRScaling, before this callback, refused a returned scheduler).
     """
 
     def __init__(self, path: str | Path, config: dict[str, Any] | None = None, plan: dict[str, Any] | None = None):
         self.path, self.config, self.plan = Path(path), config, plan
+        self.trained_plan: Plan | None = None  # the plan of the checkpoint that fit resumes from
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.plan is not None:
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self.trained_plan = stored_plan(checkpoint)  # Lightning restores callbacks before fit starts
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.plan is not None and self.plan["base_lrs"] is None:
+            self.plan = self._with_base_lrs(trainer)
+        if self.plan is not None:
             for logger in trainer.loggers:
                 logger.log_hyperparams({"plan": self.plan})
+
+    def _with_base_lrs(self, trainer: L.Trainer) -> dict[str, Any]:
+        """The plan with each param group's LR; rank 0 shows them, adds them to plan.json (beside metrics.json,
+        where train.py wrote the plan) and warns where a resume changed them."""
+        plan = Plan.from_dict(self.plan or {}).with_base_lrs(lr_groups(trainer.optimizers))
+        if trainer.is_global_zero:
+            log.info(f"learning rate: {dict(plan.rows())['learning rate']}")
+            self.path.with_name("plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+            if trainer.ckpt_path is not None:
+                # Imported here: checkpoints/resume.py imports this module (holds_test_results).
+                from scaleup.checkpoints.resume import log_lr_changes
+
+                log_lr_changes(trainer.ckpt_path, self.trained_plan, plan)
+        return plan.to_dict()
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         if self.config is not None:

@@ -346,6 +346,8 @@ SAME_TRAINING = (
 )
 # What a resume that trains further (or less: trainer.max_epochs, max_steps) asks for on purpose: said, not warned.
 RUN_LENGTH = ("total_steps",)
+# The plan's LR fields: a run reads them when fit starts (Plan.base_lrs), and compares them then (log_lr_changes).
+LR_FIELDS = ("base_lrs", "base_lr", "lr")
 
 
 def log_changes(path: Path | str, previous: Plan | None, plan: Plan) -> None:
@@ -355,15 +357,34 @@ def log_changes(path: Path | str, previous: Plan | None, plan: Plan) -> None:
     skipped = set(NOT_COMPARED)
     if plan.max_per_device_batch_size == "auto":  # settled again at the start of fit
         skipped |= {"per_device_batch_size", "accumulate_grad_batches", "bn_batch_size"}
+    if plan.base_lrs is None:  # known when fit starts
+        skipped |= set(LR_FIELDS)
+    changed = plan_changes(previous, plan, skipped)
+    said = SAME_TRAINING + RUN_LENGTH
+    moved = [change for key, change in changed.items() if key in said]
+    log.info(f"resuming from {path}" + (f"; changed since: {', '.join(moved)}" if moved else ""))
+    warn_recipe_changes(path, [change for key, change in changed.items() if key not in said])
+
+
+def log_lr_changes(path: Path | str, previous: Plan | None, plan: Plan) -> None:
+    """The recipe warning for the plan's LR fields, once fit has read them (callbacks/run_files.py)."""
+    changed = plan_changes(previous, plan, set(plan.to_dict()) - set(LR_FIELDS))
+    warn_recipe_changes(path, list(changed.values()))
+
+
+def plan_changes(previous: Plan | None, plan: Plan, skipped: set[str]) -> dict[str, str]:
+    """`<key> <before> -> <now>` for each key of the plan, but `skipped`, whose value changed since `previous`."""
     before = previous.to_dict() if previous else {}
-    changed = {
+    return {
         key: f"{key} {shown(before[key])} -> {shown(value)}"
         for key, value in plan.to_dict().items()
         if key in before and before[key] != value and key not in skipped
     }
-    moved = [change for key, change in changed.items() if key in SAME_TRAINING + RUN_LENGTH]
-    log.info(f"resuming from {path}" + (f"; changed since: {', '.join(moved)}" if moved else ""))
-    if recipe := [change for key, change in changed.items() if key not in SAME_TRAINING + RUN_LENGTH]:
+
+
+def warn_recipe_changes(path: Path | str, recipe: list[str]) -> None:
+    """One warning naming the `recipe` changes (`<key> <before> -> <now>`) of a resume from `path`, if any."""
+    if recipe:
         log.warning(
             f"the resume changes the recipe {path} trained with: {', '.join(recipe)}. If the run started with "
             "overrides, pass them again (this run's config.yaml and plan.json now hold the new values)"

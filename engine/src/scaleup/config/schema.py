@@ -3,7 +3,7 @@
 Two sources of types:
 - the sections the template itself reads (`seed`, `trainer`, `lr_schedule`, `strategy`, `loader`, the batch keys
   of `data`, `model.optimizer`, ...): the pydantic models below, one per section (of `trainer`, the keys the engine
-  reads: lightning.Trainer checks the others itself, trainer.check_trainer_arguments);
+  reads: lightning.Trainer checks the others itself, trainer.refuse_trainer_arguments);
 - the constructors the config builds (each `_target_` under `data`, `model`, `callbacks` and `logger`: the data
   module, the LightningModule, its net and optimizer, callbacks, loggers): their own type hints, plain ones (`int`,
   `float`, `Literal[...]`, `tuple[int, int]`) and, where a hint carries one, a range (`Annotated[int, Field(ge=1)]`),
@@ -241,7 +241,8 @@ class TrainerArgs(ClosedSection):
     """The lightning.Trainer arguments the engine reads before Lightning sees them: the topology and what the plan
     resolves, the run's length, and the progress bar (trainer.py); and a value Lightning takes that would train
     wrong. Every other `trainer.*` key passes to lightning.Trainer as it is, checked by Lightning itself when the
-    job starts (trainer.check_trainer_arguments)."""
+    job starts: the run's own Trainer before its plan is printed, a dry run's probe
+    (trainer.refuse_trainer_arguments)."""
 
     accelerator: Accelerator
     devices: Devices

@@ -1,14 +1,12 @@
 """The LR plan: the peak LR for the global batch (linear, sqrt), warmup and decay, as a factor of the optimizer step."""
 
 import contextlib
-import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.utilities.rank_zero import rank_zero_module
 from torch.optim import Optimizer
 
 from scaleup.errors import UserError
@@ -59,27 +57,27 @@ class LRSchedule:
         return self.peak
 
 
-def base_lrs(module: L.LightningModule) -> dict[str, float]:
-    """Each param group's LR as the module's `configure_optimizers` sets it, named like LearningRateMonitor's
-    tags (`SGD/head`, or `SGD/pg1` for a group without a "name"; a second optimizer of the same class `SGD-1/pg1`).
-    Refuses a returned LR scheduler.
+def base_lrs(module: L.LightningModule, trainer: L.Trainer) -> dict[str, float]:
+    """Each param group's LR as the module's `configure_optimizers` sets it (lr_groups), `module` attached to
+    `trainer` (attached_trainer); refuses a returned LR scheduler (refuse_scheduler).
 
-    Calls `configure_optimizers` once before the Trainer exists, so the plan can show the LRs and a scheduler is
-    refused before any process starts.
+    A dry run's, on its probe Trainer (trainer.check_trainer_arguments): it calls `configure_optimizers` itself, its
+    only call (a dry run fits nothing). A run reads the same from the optimizers Lightning built when fit starts
+    (callbacks/lr_scaling.py, callbacks/run_files.py).
     """
-    with attached_trainer(module):
+    with attached_trainer(module, trainer):
         returned = module.configure_optimizers()
     if returned is None:  # Lightning allows it: a module that steps no optimizer
         return {}
     optimizers, schedulers = optimizers_and_schedulers(returned)
     if schedulers:
-        scheduler = schedulers[0]["scheduler"] if isinstance(schedulers[0], dict) else schedulers[0]
-        raise UserError(
-            f"{type(module).__name__}.configure_optimizers returns a learning-rate scheduler "
-            f"({type(scheduler).__name__}), which would fight the template's own schedule: return only the optimizer "
-            "and set lr_schedule.rule, warmup_epochs (or warmup_steps), decay=cosine|step|none, milestones and gamma "
-            "instead"
-        )
+        refuse_scheduler(module, schedulers[0]["scheduler"] if isinstance(schedulers[0], dict) else schedulers[0])
+    return lr_groups(optimizers)
+
+
+def lr_groups(optimizers: list[Optimizer]) -> dict[str, float]:
+    """Each param group's LR, named like LearningRateMonitor's tags (`SGD/head`, or `SGD/pg1` for a group without a
+    "name"; a second optimizer of the same class `SGD-1/pg1`)."""
     names = [type(optimizer).__name__ for optimizer in optimizers]
     # The n-th repeat of a class is `<class>-n`, as LearningRateMonitor names it: two SGDs (a GAN's) keep both LRs.
     names = [name + (f"-{names[:i].count(name)}" if name in names[:i] else "") for i, name in enumerate(names)]
@@ -90,17 +88,20 @@ def base_lrs(module: L.LightningModule) -> dict[str, float]:
     }
 
 
+def refuse_scheduler(module: L.LightningModule, scheduler: Any) -> None:
+    """Refuse the LR scheduler `module.configure_optimizers` returned: one UserError."""
+    raise UserError(
+        f"{type(module).__name__}.configure_optimizers returns a learning-rate scheduler "
+        f"({type(scheduler).__name__}), which would fight the template's own schedule: return only the optimizer "
+        "and set lr_schedule.rule, warmup_epochs (or warmup_steps), decay=cosine|step|none, milestones and gamma "
+        "instead"
+    )
+
+
 @contextlib.contextmanager
-def attached_trainer(module: L.LightningModule) -> Iterator[None]:
-    """`module`, which no Trainer holds yet, attached to a bare one-process Trainer for a `configure_optimizers`
+def attached_trainer(module: L.LightningModule, trainer: L.Trainer) -> Iterator[None]:
+    """`module`, which no Trainer holds yet, attached to `trainer` (one process) for a `configure_optimizers`
     that reads `self.trainer` (`self.trainer.model.parameters()`, as lightning-hydra-template's modules do)."""
-    lightning_log = rank_zero_module.log
-    said = lightning_log.level
-    lightning_log.setLevel(logging.WARNING)  # its "GPU available" lines belong to the run's own Trainer
-    try:
-        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
-    finally:
-        lightning_log.setLevel(said)
     trainer.strategy.connect(module)
     module.trainer = trainer
     try:

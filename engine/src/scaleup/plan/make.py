@@ -28,11 +28,16 @@ def make_plan(
     model: L.LightningModule,
     dataset_sizes: dict[str, int],
     on_meta: bool = False,
+    probe: L.Trainer | None = None,
 ) -> Plan:
     """The plan `train.py` prints, saves and trains by, checked against the config. `on_meta`: the model is built on
-    the meta device (strategy.meta_init, where its build can be replayed)."""
-    with config_errors("model.optimizer"):  # e.g. a negative learning rate, refused by the optimizer
-        lrs = base_lrs(model)
+    the meta device (strategy.meta_init, where its build can be replayed). `probe`: a dry run's Trainer, which
+    `configure_optimizers` is called on once for the param groups' LRs; a run reads them from the optimizers
+    Lightning builds when fit starts, its one call (Plan.base_lrs)."""
+    lrs = None
+    if probe is not None:
+        with config_errors("model.optimizer"):  # e.g. a negative learning rate, refused by the optimizer
+            lrs = base_lrs(model, probe)
     plan = build_plan(
         topology=topology,
         trainer=config.trainer,

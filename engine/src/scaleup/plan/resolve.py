@@ -40,7 +40,9 @@ class Plan:
     accumulate_grad_batches: int
     global_batch_size: int
     batch_mode: str  # "global" (recipe fixed) or "per_device" (global grows with devices)
-    base_lrs: dict[str, float]  # each param group's LR from configure_optimizers, valid at base_batch_size
+    # Each param group's LR from configure_optimizers, valid at base_batch_size. None until the run's fit starts:
+    # read then from the optimizers Lightning built, its one call of configure_optimizers (callbacks/run_files.py).
+    base_lrs: dict[str, float] | None
     base_lr: float | None  # the one base LR all groups share (None when they differ)
     base_batch_size: int
     scaling_rule: str
@@ -137,6 +139,14 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def with_base_lrs(self, base_lrs: Mapping[str, float]) -> Plan:
+        """The plan with each param group's base LR, the one LR they share (if they do) and its scaled peak."""
+        distinct = set(base_lrs.values())
+        shared = distinct.pop() if len(distinct) == 1 else None
+        return replace(
+            self, base_lrs=dict(base_lrs), base_lr=shared, lr=None if shared is None else shared * self.lr_factor
+        )
 
     @classmethod
     def from_dict(cls, stored: Mapping[str, Any]) -> Plan:
@@ -305,8 +315,10 @@ class Plan:
                 f"{self.base_lr:g} @ {self.base_batch_size} -> {self.lr:g} @ {self.global_batch_size} "
                 f"({self.scaling_rule})"
             )
-        groups = ", ".join(f"{name} {lr:g} -> {lr * self.lr_factor:g}" for name, lr in self.base_lrs.items())
         scaling = f"x{self.lr_factor:g} @ {self.global_batch_size} over {self.base_batch_size} ({self.scaling_rule})"
+        if self.base_lrs is None:
+            return f"{scaling} on each param group's LR from configure_optimizers (shown when fit starts)"
+        groups = ", ".join(f"{name} {lr:g} -> {lr * self.lr_factor:g}" for name, lr in self.base_lrs.items())
         return f"{scaling}: {groups}"
 
 
@@ -409,7 +421,7 @@ def build_plan(
     trainer: TrainerArgs,
     batches: DataBatches,
     lr_schedule: LRScheduleSettings,
-    base_lrs: Mapping[str, float],
+    base_lrs: Mapping[str, float] | None,
     seed: int,
     dataset_sizes: dict[str, int],
     has_batchnorm: bool,
@@ -418,7 +430,8 @@ def build_plan(
     performance: Performance,
     launcher: Launcher | None = None,
 ) -> Plan:
-    """Check the settings, then derive the batch split, the LR schedule, BatchNorm and precision for `topology`."""
+    """Check the settings, then derive the batch split, the LR schedule, BatchNorm and precision for `topology`.
+    `base_lrs` None: each param group's LR is read when fit starts (Plan.base_lrs)."""
     check_plan_inputs(trainer=trainer, batches=batches, lr_schedule=lr_schedule, strategy=strategy)
     accumulation = trainer.accumulate_grad_batches
     cap = batches.max_per_device_batch_size
@@ -435,8 +448,6 @@ def build_plan(
     rule = str(lr_schedule.rule)
     base_batch = int(lr_schedule.base_batch_size)
     factor = lr_factor(batch.global_, base_batch, rule)
-    distinct_lrs = set(base_lrs.values())
-    shared_lr = distinct_lrs.pop() if len(distinct_lrs) == 1 else None
     # With an auto cap the micro-batch is known only after the probe; SyncBN is decided before it (Lightning
     # converts the layers during setup) on the largest micro-batch the probe can pick (the cap is left out above).
     sync, sync_rule = resolve_sync_batchnorm(
@@ -445,7 +456,7 @@ def build_plan(
     early = early_stopping_settings(early_stopping)
     launcher = launcher or Launcher("")
 
-    return Plan(
+    plan = Plan(
         world_size=topology.world_size,
         num_nodes=topology.num_nodes,
         devices=topology.devices,
@@ -454,12 +465,12 @@ def build_plan(
         accumulate_grad_batches=batch.accumulation,
         global_batch_size=batch.global_,
         batch_mode="global" if batches.global_batch_size is not None else "per_device",
-        base_lrs=dict(base_lrs),
-        base_lr=shared_lr,
+        base_lrs=None,
+        base_lr=None,
         base_batch_size=base_batch,
         scaling_rule=rule,
         lr_factor=factor,
-        lr=None if shared_lr is None else shared_lr * factor,
+        lr=None,
         warmup_steps=warmup_steps_for(lr_schedule, steps_per_epoch, factor),
         decay=str(lr_schedule.decay),
         milestones=tuple(lr_schedule.milestones or ()),
@@ -488,6 +499,7 @@ def build_plan(
         launcher_job=launcher.job,
         log_every_n_steps=resolve_log_every_n_steps(trainer.log_every_n_steps, steps_per_epoch),
     )
+    return plan if base_lrs is None else plan.with_base_lrs(base_lrs)
 
 
 def bn_batch(per_device: int, world_size: int, sync_batchnorm: bool, has_batchnorm: bool) -> int | None:

@@ -45,13 +45,14 @@ def checkpoint_files(checkpoint_dir: str) -> list[str]:
     return sorted(str(path) for path in fs.glob(f"{checkpoint_dir.rstrip('/')}/*.ckpt"))
 
 
-def trained_files(run_dir: Path, checkpoint_dir: str) -> list[str]:
-    """What only a run that started training writes, found in `run_dir` and `checkpoint_dir`: checkpoints (also
-    SLURM's hpc_ckpt_N.ckpt), metrics.json and TensorBoard event files, named relative to `run_dir` where they are in
-    it. Not plan.json, config.yaml or train.log: a dry run writes them too, and this very run's rank 0 may have
-    written them when another rank looks (torchrun starts every rank at once). An earlier run moved aside by
-    fresh_start=true is not counted."""
-    found = [*checkpoint_files(checkpoint_dir), *map(str, run_dir.glob("hpc_ckpt_*.ckpt"))]
+def trained_files(run_dir: Path, checkpoint_dir: str | None) -> list[str]:
+    """What only a run that started training writes, found in `run_dir` and `checkpoint_dir` (None: not looked in):
+    checkpoints (also SLURM's hpc_ckpt_N.ckpt), metrics.json and TensorBoard event files, named relative to `run_dir`
+    where they are in it. Not plan.json, config.yaml or train.log: a dry run writes them too, and this very run's
+    rank 0 may have written them when another rank looks (torchrun starts every rank at once). An earlier run moved
+    aside by fresh_start=true is not counted."""
+    checkpoints = checkpoint_files(checkpoint_dir) if checkpoint_dir is not None else []
+    found = [*checkpoints, *map(str, run_dir.glob("hpc_ckpt_*.ckpt"))]
     found += [str(run_dir / name) for name in RUN_FILES if (run_dir / name).is_file()]
     found += [str(p) for p in sorted(run_dir.rglob(EVENT_FILES)) if REPLACED not in p.relative_to(run_dir).parts]
     return [path.removeprefix(f"{run_dir}/") for path in found]
@@ -68,7 +69,9 @@ def check_run_dir(config: TrainConfig, run_dir: Path) -> None:
         )
     if config.ckpt_path is not None:
         return  # resumes this run, or continues in it from the checkpoint named (resolve_ckpt_path)
-    found = trained_files(run_dir, config.checkpoint.dirpath)
+    # A dry run plans a cluster's job on a laptop: its files here only, not the cluster's bucket (what it replaces).
+    remote = config.dry_run and is_url(config.checkpoint.dirpath)
+    found = trained_files(run_dir, None if remote else config.checkpoint.dirpath)
     if not found:
         return
     shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")

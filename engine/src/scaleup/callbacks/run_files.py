@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.tensorboard.summary import hparams
 
+from scaleup.checkpoints.resume import TEST_PREFIX, log_lr_changes
 from scaleup.compat.loggers import add_summaries
 from scaleup.config.plain import flatten, is_plain
 from scaleup.config.stored import stored_plan
@@ -21,13 +22,6 @@ from scaleup.plan.lr import lr_groups
 from scaleup.plan.resolve import Plan
 
 log = logging.getLogger("scaleup")
-
-TEST_PREFIX = "test/"  # the final test's metrics: their presence in metrics.json says that the test ran to its end
-
-
-def holds_test_results(path: Path) -> bool:
-    """Whether `path` (a run's metrics.json) holds the final test's metrics."""
-    return path.is_file() and any(name.startswith(TEST_PREFIX) for name in json.loads(path.read_text()))
 
 
 def flat_plan(plan: dict[str, Any]) -> dict[str, bool | int | float | str]:
@@ -78,9 +72,6 @@ class RunFiles(L.Callback):
             log.info(f"learning rate: {dict(plan.rows())['learning rate']}")
             self.path.with_name("plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
             if trainer.ckpt_path is not None:
-                # Imported here: checkpoints/resume.py imports this module (holds_test_results).
-                from scaleup.checkpoints.resume import log_lr_changes
-
                 log_lr_changes(trainer.ckpt_path, self.trained_plan, plan)
         return plan.to_dict()
 

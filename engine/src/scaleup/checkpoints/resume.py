@@ -5,6 +5,7 @@ Everything here runs before anything is written, so a refused resume leaves the 
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from dataclasses import dataclass
@@ -15,7 +16,6 @@ import lightning as L
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.utilities import rank_zero_only
 
-from scaleup.callbacks.run_files import holds_test_results
 from scaleup.checkpoints.io import exists, find_checkpoint, is_url, load_checkpoint, strip_wrapper_prefixes
 from scaleup.config.plain import flatten
 from scaleup.config.project import project_packages
@@ -35,8 +35,14 @@ log = logging.getLogger("scaleup")
 # already when another rank looks.)
 RUN_FILES = ("metrics.json",)
 EVENT_FILES = "events.out.tfevents.*"  # TensorBoard's, under <run dir>/tensorboard/ (or a logger's own folder)
+TEST_PREFIX = "test/"  # the final test's metrics: their presence in metrics.json says that the test ran to its end
 REPLACED = "replaced"  # fresh_start=true moves an earlier run's files to <run dir>/replaced/<n>/
 KEPT_IN_PLACE = (".hydra", REPLACED)  # what a fresh start leaves, besides the job's log (which Hydra has open)
+
+
+def holds_test_results(path: Path) -> bool:
+    """Whether `path` (a run's metrics.json) holds the final test's metrics."""
+    return path.is_file() and any(name.startswith(TEST_PREFIX) for name in json.loads(path.read_text()))
 
 
 def checkpoint_files(checkpoint_dir: str) -> list[str]:

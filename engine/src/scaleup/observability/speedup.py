@@ -226,9 +226,10 @@ def estimate_lines(measured: Measured, target: Target, source: str) -> list[str]
     return lines
 
 
-def _model_name(config: Mapping[str, Any]) -> str:
-    """The model's class and its network's, as the config names them: `ImageClassifier(DigitsCNN)`."""
-    model = config.get("model") or {}
+def _model_name(resolved: Mapping[str, Any]) -> str:
+    """The model's class and its network's, as a run's resolved config (its config.yaml) names them:
+    `ImageClassifier(DigitsCNN)`."""
+    model = resolved.get("model") or {}
     name = str(model.get("_target_", "?")).rsplit(".", 1)[-1]
     net = model.get("net")
     if isinstance(net, Mapping) and "_target_" in net:
@@ -236,8 +237,9 @@ def _model_name(config: Mapping[str, Any]) -> str:
     return name
 
 
-def _data_name(config: Mapping[str, Any]) -> str:
-    return str((config.get("data") or {}).get("_target_", "?")).rsplit(".", 1)[-1]
+def _data_name(resolved: Mapping[str, Any]) -> str:
+    """The data module's class, as a run's resolved config names it."""
+    return str((resolved.get("data") or {}).get("_target_", "?")).rsplit(".", 1)[-1]
 
 
 def differences(directory: str, plan: dict[str, Any], config: Mapping[str, Any]) -> list[str]:

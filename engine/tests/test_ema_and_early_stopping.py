@@ -11,9 +11,10 @@ from torch.utils.data import default_collate
 
 from conftest import EXACT, TOLERANCE, assert_same_weights, in_process, read_json
 from scaleup.build import build_model
-from scaleup.callbacks.ema import EMA, on_training_device
+from scaleup.callbacks.ema import EMA
 from scaleup.checkpoints.io import load_checkpoint, load_weights
 from scaleup.errors import UserError
+from scaleup.trainer import on_training_device
 
 pytestmark = pytest.mark.slow
 

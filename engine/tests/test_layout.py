@@ -203,13 +203,11 @@ CORE_IMPORTS_OF_EXTRAS = {
     ("plan.make", "fsdp"),
     ("plan.resolve", "clusters"),
     ("plan.topology", "clusters"),
-    ("testing", "equivalence"),
     ("train", "diagnostics"),
     ("train", "fine-tuning"),
     ("train", "search"),
     ("trainer", "auto batch size"),
     ("trainer", "clusters"),
-    ("trainer", "ema"),
     ("trainer", "fsdp"),
     ("trainer", "search"),
 }

@@ -160,7 +160,7 @@ def test_add_summaries_writes_the_hparams_tab_after_lightning_closed_its_writer(
 
 def test_ema_average_is_built_before_the_model_moves_to_its_device(tmp_path):
     """EMA (device): EMAWeightAveraging builds its average in setup, before the strategy moves the model, on
-    `pl_module.device` unless given a `device` (callbacks/ema.py's `on_training_device` gives the training device's)."""
+    `pl_module.device` unless given a `device` (trainer.py's `on_training_device` gives the training device's)."""
     order = []
 
     class Moving(SingleDeviceStrategy):

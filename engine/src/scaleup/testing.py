@@ -23,11 +23,12 @@ thread; only `check_equivalence` starts processes.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import math
 import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -39,12 +40,13 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.data import extract_batch_size
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from scaleup import check_equivalence as equivalence
 from scaleup.config.project import compose_project, set_up_run
 from scaleup.config.typed import train_config
 from scaleup.distributed.run_dir import register_resolvers
 from scaleup.modules import submodule
 
+# The equivalence check, run as its command: an extra the core names only (docs/architecture.md).
+EQUIVALENCE = "scaleup.check_equivalence"
 # A short run on the CPU: what every helper adds before your overrides (which win).
 QUICK = (
     "trainer.accelerator=cpu",
@@ -247,8 +249,17 @@ def check_equivalence(overrides: Sequence[str] = (), project: str | Path | None 
     micro-batches and on 1 with the whole batch, compared in float64 (or float32 with a loose tolerance). Fails
     with the check's verdict unless your module trains the same on 1 and on 2 devices; returns the verdict. The
     only helper here that starts processes (three `train.py` runs side by side, ~20 s on 2 cores)."""
-    output = io.StringIO()
-    with _in_folder(project), contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-        code = equivalence.main([*overrides, *(["--float32"] if float32 else [])])
-    assert code == 0, f"python -m scaleup.check_equivalence {' '.join(overrides)} (exit {code}):\n{output.getvalue()}"
-    return output.getvalue()
+    arguments = [*overrides, *(["--float32"] if float32 else [])]
+    with _in_folder(project) as folder:
+        done = subprocess.run(
+            [sys.executable, "-m", EQUIVALENCE, *arguments],
+            cwd=folder,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            check=False,
+        )
+    assert done.returncode == 0, (
+        f"python -m {EQUIVALENCE} {' '.join(overrides)} (exit {done.returncode}):\n{done.stdout}"
+    )
+    return done.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import pkgutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +19,10 @@ from lightning.pytorch.callbacks import (
     ModelCheckpoint,
     ProgressBar,
     RichProgressBar,
+    WeightAveraging,
 )
 from lightning.pytorch.utilities.rank_zero import rank_zero_module
 
-from scaleup.callbacks.ema import EMA, on_training_device
 from scaleup.callbacks.exact_metrics import ExactEvalMetrics
 from scaleup.callbacks.loop_repairs import LoopRepairs, install_fit_loop_fixes
 from scaleup.callbacks.lr_scaling import LRScaling
@@ -216,6 +217,32 @@ def probe_trainer(arguments: dict[str, Any]) -> L.Trainer:
         rank_zero_module.log.removeFilter(drop)
 
 
+def on_training_device(callbacks: dict[str, Any] | None, accelerator: str) -> dict[str, Any]:
+    """The callbacks group with the training device's type as `device` of each weight-averaging entry (Lightning's
+    WeightAveraging or EMAWeightAveraging, a subclass of one such as `callbacks=ema`'s EMA) that names none.
+
+    Lightning builds the average in `setup`, before the strategy moves the model, on `pl_module.device` (the CPU)
+    unless given a device; there every step would copy all weights across. A type with no index is each rank's own
+    GPU: Lightning sets the rank's current GPU (`strategy.setup_environment`) before callbacks' `setup`.
+    Canary: test_ema_average_is_built_before_the_model_moves_to_its_device.
+    """
+    device = "cuda" if accelerator == "gpu" else "cpu"
+    given = callbacks or {}
+    return {name: {"device": device, **entry} if averages_weights(entry) else entry for name, entry in given.items()}
+
+
+def averages_weights(entry: Any) -> bool:
+    """Whether a callbacks entry builds a Lightning WeightAveraging (an unknown `_target_` is left to Hydra's own
+    message)."""
+    if not isinstance(entry, dict) or "_target_" not in entry:
+        return False
+    try:
+        target = pkgutil.resolve_name(entry["_target_"])  # quietly: hydra's get_class logs an ERROR first
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(target, type) and issubclass(target, WeightAveraging)
+
+
 def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy: Any, run_dir: Path) -> TrainerJob:
     """A Trainer with the template's callbacks and the user's, the loggers, and the plan's resolved settings."""
     quiet()
@@ -245,7 +272,7 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
     require(
         EXACT_EVAL,
         SIGTERM_HANDLER,
-        *([EMA_DEVICE] if any(isinstance(cb, EMA) for cb in callbacks) else []),
+        *([EMA_DEVICE] if any(isinstance(cb, WeightAveraging) for cb in callbacks) else []),
         *([EPOCH_END_RESUME] if config.trainer.max_steps != -1 else []),
     )
     trainer_kwargs = {

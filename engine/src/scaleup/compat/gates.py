@@ -170,7 +170,8 @@ EXACT_EVAL = Workaround(
     ),
 )
 EMA_DEVICE = Workaround(
-    "callbacks=ema (EMA)", (Private("lightning.pytorch.callbacks:EMAWeightAveraging.__init__", params=("device",)),)
+    "a weight-averaging callback, e.g. callbacks=ema (trainer.py's on_training_device)",
+    (Private("lightning.pytorch.callbacks:WeightAveraging.__init__", params=("device",)),),
 )
 ACTIVATION_CHECKPOINTING = Workaround(
     "strategy.activation_checkpointing (recompute_in_backward)",

@@ -1,0 +1,67 @@
+"""An extra is removable: with its files deleted from a copy of the engine, every other engine module imports and a
+default dry run of the suite's project plans and exits 0 (docs/architecture.md#where-the-cut-stands). A core module
+that still imported the extra, at its top or inside a function the dry run calls, fails here."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_layout import ENGINE_SRC, EXTRAS, MACHINERY
+
+from conftest import PROJECT, clean_env
+
+pytestmark = pytest.mark.slow  # a process per extra, each importing the engine
+
+# The extras cut loose so far, and the files of each outside the engine's package (its Hydra plugin).
+REMOVABLE = {"ema": (), "equivalence": ()}
+
+# Run from the copy alone: an installed engine (an editable install's path) could otherwise stand in for a deleted
+# module, and Hydra's plugin namespace package merges every `hydra_plugins` folder on the path.
+WITHOUT_THE_EXTRA = """
+import importlib, os, pkgutil, runpy, sys
+copy, run_dir = sys.argv[1], sys.argv[2]
+sys.path[:] = [p for p in sys.path if p == copy or not os.path.isdir(os.path.join(p or ".", "scaleup"))]
+import scaleup
+assert scaleup.__file__.startswith(copy), scaleup.__file__
+for info in pkgutil.walk_packages(scaleup.__path__, "scaleup."):
+    importlib.import_module(info.name)
+sys.argv = ["train.py", "dry_run=true", f"hydra.run.dir={run_dir}"]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def files_of(extra: str) -> list[Path]:
+    """The files and folders (relative to engine/src) that make `extra`: its modules in test_layout.EXTRAS, and
+    those REMOVABLE names outside the package."""
+    found = [Path(path) for path in REMOVABLE[extra]]
+    for module in EXTRAS[extra]:
+        path = Path(MACHINERY, *module.split("."))
+        found.append(path if (ENGINE_SRC / path).is_dir() else path.with_suffix(".py"))
+    assert all((ENGINE_SRC / path).exists() for path in found), found
+    return found
+
+
+@pytest.mark.parametrize("extra", sorted(REMOVABLE))
+def test_the_engine_runs_with_the_extra_deleted(extra, tmp_path):
+    copy = tmp_path / "src"
+    shutil.copytree(ENGINE_SRC, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in files_of(extra):
+        if (copy / path).is_dir():
+            shutil.rmtree(copy / path)
+        else:
+            (copy / path).unlink()
+    env = clean_env(PYTHONPATH=f"{copy}:{PROJECT}")
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_THE_EXTRA, str(copy), str(tmp_path / "run")],
+        cwd=PROJECT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "plan (dry run: nothing is started)" in done.stdout + done.stderr

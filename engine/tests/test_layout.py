@@ -174,7 +174,7 @@ EXTRAS = {
         "checkpoints.background",
     ),
     "clusters": ("distributed.clusters", "distributed.torchrun", "distributed.ray_train", "distributed.ray_worker"),
-    "search": ("search", "config.sweep"),
+    "search": ("search",),
     "fine-tuning": ("finetune", "checkpoints.weights_file"),
     "watch": ("distributed.watchdog",),
     "diagnostics": (
@@ -198,18 +198,15 @@ CORE_IMPORTS_OF_EXTRAS = {
     ("distributed.launch", "clusters"),
     ("distributed.launch", "fsdp"),
     ("distributed.launch", "watch"),
-    ("errors", "search"),
     ("optim", "fine-tuning"),
     ("plan.make", "fsdp"),
     ("plan.resolve", "clusters"),
     ("plan.topology", "clusters"),
     ("train", "diagnostics"),
     ("train", "fine-tuning"),
-    ("train", "search"),
     ("trainer", "auto batch size"),
     ("trainer", "clusters"),
     ("trainer", "fsdp"),
-    ("trainer", "search"),
 }
 
 

@@ -230,6 +230,15 @@ def raised_in_a_library(err: BaseException) -> bool:
     )
 
 
+# Set in a search's trial, by the search (hydra.job.env_set in each trial's overrides, search/trial.py).
+SEARCH_TRIAL = "SCALEUP_SEARCH_TRIAL"
+
+
+def in_search() -> bool:
+    """Whether this job is a search's trial."""
+    return os.environ.get(SEARCH_TRIAL) == "1"
+
+
 def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn a user mistake raised by a job into `error: <message>` on stderr and exit code 2. In a search's trial, the
     mistake is raised for the launcher to return as the trial's failure: the search records the trial as failed and
@@ -237,8 +246,6 @@ def exit_on_user_error(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from scaleup.search.trial import in_search  # it imports Lightning
-
         try:
             return fn(*args, **kwargs)
         except Exception as err:

@@ -23,7 +23,7 @@ from scaleup.config.typed import TrainConfig, train_config
 from scaleup.data.datamodule import GlobalBatchDataModule
 from scaleup.distributed.launch import check_launch, prepare_launch, shards_the_model, watch_the_set_up
 from scaleup.distributed.process_group import shut_down_process_group
-from scaleup.errors import UserError
+from scaleup.errors import UserError, in_search
 from scaleup.finetune import prepare_start
 from scaleup.observability.loggers import close_loggers
 from scaleup.observability.quiet import quiet_reattached_callbacks
@@ -41,7 +41,6 @@ from scaleup.plan.checks import own_train_loader_warning, pitfall_warnings
 from scaleup.plan.make import make_plan
 from scaleup.plan.resolve import Plan
 from scaleup.plan.topology import resolve_topology
-from scaleup.search.trial import in_search
 from scaleup.trainer import build_trainer, check_trainer_arguments, check_validation_interval
 
 log = logging.getLogger("scaleup")

@@ -50,7 +50,6 @@ from scaleup.plan.batch_probe import AutoBatchSize
 from scaleup.plan.progress import StopAtPlannedSteps
 from scaleup.plan.resolve import Plan
 from scaleup.plan.topology import Topology
-from scaleup.search.trial import trial_callbacks
 
 
 def checkpoint_callbacks(monitor: Monitor, checkpoint: Checkpointing) -> list[ModelCheckpoint]:
@@ -104,8 +103,8 @@ def template_callbacks(config: TrainConfig, plan: Plan, run_dir: Path) -> list[L
     - LRScaling before the user's LearningRateMonitor: the LR is set before it is logged;
     - StepSeed before the user's callbacks: they see (and a probe may draw from) the micro-batch's seeded stream;
     - AutoBatchSize before LoopRepairs: the micro-batch is settled before a resume's counters are restated in it;
-    - ExactEvalMetrics before the checkpoints, RunFiles, a search's report and the user's EarlyStopping: they read
-      eval metrics once they are exact.
+    - ExactEvalMetrics before the checkpoints, RunFiles and the user's callbacks (EarlyStopping, a search's report,
+      which the search adds to each trial's callbacks group): they read eval metrics once they are exact.
     JobControl comes after the user's callbacks (build_trainer): the others finish the batch it stops after.
     engine/tests/test_train_e2e.py checks these rules on a real run's callbacks.
     """
@@ -117,7 +116,6 @@ def template_callbacks(config: TrainConfig, plan: Plan, run_dir: Path) -> list[L
         *checkpoint_callbacks(config.monitor, config.checkpoint),
         LoopRepairs(),
         RunFiles(run_dir / "metrics.json", config.plain, plan.to_dict()),
-        *trial_callbacks(config.monitor.metric, str(run_dir)),
         PerformanceSettings(plan.tf32, plan.channels_last),
         *([StopAtPlannedSteps(plan.total_steps)] if plan.manual_optimization else []),
     ]

@@ -30,6 +30,7 @@ from scaleup.search.study import (
     recipe_changes,
     storage_url,
 )
+from scaleup.search.trial import trial_overrides
 
 log = logging.getLogger("scaleup")
 
@@ -132,7 +133,7 @@ class Search:
     def check(self, space: SearchSpace) -> None:
         """Compose, validate and plan (as a dry run) a trial at each corner of the space: a key that does not exist, a
         value of the wrong type or one the plan refuses is found before any trial starts."""
-        jobs = [space.overrides(corner) for corner in space.corners()]
+        jobs = [[*space.overrides(corner), *trial_overrides()] for corner in space.corners()]
         if (found := first_mistake(self.config.hydra.job.config_name, jobs)) is not None:
             raise UserError(f"search: {found[1]}")  # it names the key and the value
 
@@ -160,7 +161,8 @@ class Search:
             else:
                 batches.append([trial])
         for batch in batches:
-            returns = self.launcher.launch([overrides for _, overrides in batch], initial_job_idx=batch[0][0])
+            jobs = [[*overrides, *trial_overrides()] for _, overrides in batch]
+            returns = self.launcher.launch(jobs, initial_job_idx=batch[0][0])
             refused = [
                 f"trial {number}: {mistake}"
                 for (number, _), ret in zip(batch, returns, strict=True)

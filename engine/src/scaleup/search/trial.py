@@ -9,31 +9,34 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-SWEEPER = "hydra_plugins.scaleup_search.sweeper.SearchSweeper"
+from scaleup.errors import SEARCH_TRIAL
+
+# The callbacks entry that reports a trial to its study.
+REPORT = "report_to_study"
 
 
-def in_search() -> bool:
-    """Whether this job is a search's trial (its sweeper is in Hydra's config)."""
-    return HydraConfig.initialized() and HydraConfig.get().sweeper.get("_target_") == SWEEPER
+def trial_overrides() -> list[str]:
+    """What the search adds to each trial's command line: the trial's environment marks it as one (a user mistake
+    is raised to the launcher, errors.exit_on_user_error), and its callbacks group reports to the study."""
+    return [
+        f"++hydra.job.env_set.{SEARCH_TRIAL}=1",
+        f"++callbacks.{REPORT}={{_target_:{__name__}.report_to_study,metric:${{monitor.metric}}}}",
+    ]
 
 
-def trial_callbacks(metric: str, run_dir: str) -> list[L.Callback]:
-    """`[ReportToStudy]` in a search's trial, else none."""
-    if not in_search():
-        return []
-    hydra = HydraConfig.get()
+def report_to_study(metric: str) -> ReportToStudy:
+    """The trial's ReportToStudy, from its Hydra config: the study, the trial's number and its run directory."""
     from scaleup.search.study import storage_url
 
-    return [
-        ReportToStudy(
-            storage=storage_url(hydra.sweeper.storage, hydra.sweep.dir),
-            study_name=hydra.sweeper.study_name,
-            number=hydra.job.num,  # the search launches trial n as job n
-            metric=metric,
-            pruner=OmegaConf.to_container(hydra.sweeper.pruner, resolve=True) if hydra.sweeper.pruner else None,
-            run_dir=run_dir,
-        )
-    ]
+    hydra = HydraConfig.get()
+    return ReportToStudy(
+        storage=storage_url(hydra.sweeper.storage, hydra.sweep.dir),
+        study_name=hydra.sweeper.study_name,
+        number=hydra.job.num,  # the search launches trial n as job n
+        metric=metric,
+        pruner=OmegaConf.to_container(hydra.sweeper.pruner, resolve=True) if hydra.sweeper.pruner else None,
+        run_dir=hydra.runtime.output_dir,
+    )
 
 
 class ReportToStudy(L.Callback):

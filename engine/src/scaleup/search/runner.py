@@ -103,7 +103,8 @@ class Search:
     def open_study(self, fixed: dict[str, str]) -> optuna.Study:
         """The study in the sweep directory's database (or `storage`), created on the first run and loaded on the
         next ones (the same command resumes it). A study belongs to the fixed recipe (`fixed`, study.recipe) it was
-        made with: another one is refused, its trials would be ranked with trials they cannot be compared with.
+        made with: another one is refused, its trials would be ranked with trials they cannot be compared with (a study
+        whose trials all failed takes the new one).
         Where the database cannot be opened, the directories made for it are removed."""
         created = new_directories(self.sweep_dir)
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -120,7 +121,10 @@ class Search:
                 f"the study {study.study_name} in {url} was made to {study.direction.name.lower()}; "
                 f"monitor.mode={self.config.monitor.mode} would {direction}: name another hydra.sweeper.study_name"
             )
-        if RECIPE not in study.user_attrs:  # a new study (or one made before studies kept their recipe)
+        # A new study, one made before studies kept their recipe, or one whose every trial failed (a mistake the
+        # fixed command corrects): nothing to rank or resume with the recipe it had.
+        kept = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.RUNNING)
+        if RECIPE not in study.user_attrs or not study.get_trials(deepcopy=False, states=kept):
             study.set_user_attr(RECIPE, fixed)
         elif changes := recipe_changes(study.user_attrs[RECIPE], fixed):
             raise UserError(

@@ -717,13 +717,15 @@ def compare_in_lockstep(args: argparse.Namespace, env: dict[str, str], itself: l
     results: dict[str, list[dict[str, Any]]] = {"train.py": [], f"train.py x {USER}": [], "bare Lightning (itself)": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.pairs):
+            # train.py in a run directory of its own for each pair: a new run into one that holds a run is refused
+            lockstep = "step_overhead.Lockstep"
             template = [
-                *template_command(f"{tmp}/run{i}", args.override, callback="step_overhead.Lockstep"),
-                *HYDRA_PIPES,
+                [*template_command(f"{tmp}/run{i}-{pair}", args.override, callback=lockstep), *HYDRA_PIPES]
+                for pair in range(2)
             ]
             pairs = {  # each: (the reference, the other)
-                "train.py": {"bare": [*itself, "lightning", *PIPES], "train.py": template},
-                f"train.py x {USER}": {"user": [*itself, "lightning-user", *PIPES], "train.py": template},
+                "train.py": {"bare": [*itself, "lightning", *PIPES], "train.py": template[0]},
+                f"train.py x {USER}": {"user": [*itself, "lightning-user", *PIPES], "train.py": template[1]},
                 "bare Lightning (itself)": {
                     "bare": [*itself, "lightning", *PIPES],
                     "again": [*itself, "lightning", *PIPES],

@@ -214,6 +214,7 @@ def template_command(run_dir: str, overrides: list[str], callback: str = "overhe
         "trainer.accelerator=cpu",
         f"+callbacks.measure._target_={callback}",
         f"hydra.run.dir={run_dir}",
+        "fresh_start=true",  # a pair that runs again (too few step times) starts over in its scratch directory
         *overrides,
     ]
 

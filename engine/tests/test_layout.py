@@ -198,7 +198,6 @@ CORE_IMPORTS_OF_EXTRAS = {
     ("distributed.launch", "clusters"),
     ("distributed.launch", "fsdp"),
     ("distributed.launch", "watch"),
-    ("optim", "fine-tuning"),
     ("plan.make", "fsdp"),
     ("plan.resolve", "clusters"),
     ("plan.topology", "clusters"),
@@ -235,3 +234,20 @@ def test_the_core_imports_no_extra_but_the_listed_ones():
             if extra is not None:
                 found.add((module, extra))
     assert found == CORE_IMPORTS_OF_EXTRAS
+
+
+# The extras cut loose: engine/tests/test_removable_extras.py runs the engine with them deleted.
+REMOVABLE = ("ema", "equivalence", "search")
+
+
+def test_no_module_outside_a_removable_extra_imports_it():
+    """Neither the core nor another extra imports a removable one (every import counts): what deleting them all at
+    once, as test_removable_extras does, cannot tell apart."""
+    found = set()
+    for name, tree in modules(MACHINERY).items():
+        here = extra_of(name.removeprefix(f"{MACHINERY}."))
+        for target in imported(tree):
+            extra = extra_of(target.removeprefix(f"{MACHINERY}.")) if target.startswith(f"{MACHINERY}.") else None
+            if extra in REMOVABLE and extra != here:
+                found.add((name, extra))
+    assert not found

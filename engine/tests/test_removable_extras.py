@@ -1,6 +1,8 @@
-"""An extra is removable: with its files deleted from a copy of the engine, every other engine module imports and a
-default dry run of the suite's project plans and exits 0 (docs/architecture.md#where-the-cut-stands). A core module
-that still imported the extra, at its top or inside a function the dry run calls, fails here."""
+"""The extras are removable: with their files deleted from a copy of the engine, every other engine module imports and
+a default dry run of the suite's project plans and exits 0 (docs/architecture.md#where-the-cut-stands). A core module
+that still imported one of them, at its top or inside a function the dry run calls, fails here. They are deleted
+together, in one process (an import of the engine costs seconds): one extra's import of another is test_layout's
+static check to find."""
 
 from __future__ import annotations
 
@@ -10,14 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_layout import ENGINE_SRC, EXTRAS, MACHINERY
+from test_layout import ENGINE_SRC, EXTRAS, MACHINERY, REMOVABLE
 
 from conftest import PROJECT, clean_env
 
-pytestmark = pytest.mark.slow  # a process per extra, each importing the engine
+pytestmark = pytest.mark.slow  # a process importing the engine
 
-# The extras cut loose so far, and the files of each outside the engine's package (its Hydra plugin).
-REMOVABLE = {"ema": (), "equivalence": (), "search": ("hydra_plugins/scaleup_search",)}
+# The files of an extra outside the engine's package (its Hydra plugin).
+OUTSIDE_THE_PACKAGE = {"search": ("hydra_plugins/scaleup_search",)}
 
 # Run from the copy alone: an installed engine (an editable install's path) could otherwise stand in for a deleted
 # module, and Hydra's plugin namespace package merges every `hydra_plugins` folder on the path.
@@ -36,8 +38,8 @@ runpy.run_path("train.py", run_name="__main__")
 
 def files_of(extra: str) -> list[Path]:
     """The files and folders (relative to engine/src) that make `extra`: its modules in test_layout.EXTRAS, and
-    those REMOVABLE names outside the package."""
-    found = [Path(path) for path in REMOVABLE[extra]]
+    its files outside the package."""
+    found = [Path(path) for path in OUTSIDE_THE_PACKAGE.get(extra, ())]
     for module in EXTRAS[extra]:
         path = Path(MACHINERY, *module.split("."))
         found.append(path if (ENGINE_SRC / path).is_dir() else path.with_suffix(".py"))
@@ -45,11 +47,10 @@ def files_of(extra: str) -> list[Path]:
     return found
 
 
-@pytest.mark.parametrize("extra", sorted(REMOVABLE))
-def test_the_engine_runs_with_the_extra_deleted(extra, tmp_path):
+def test_the_engine_runs_with_the_extras_deleted(tmp_path):
     copy = tmp_path / "src"
     shutil.copytree(ENGINE_SRC, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    for path in files_of(extra):
+    for path in (path for extra in REMOVABLE for path in files_of(extra)):
         if (copy / path).is_dir():
             shutil.rmtree(copy / path)
         else:

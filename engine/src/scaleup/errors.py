@@ -37,6 +37,7 @@ from hydra.errors import (
 )
 from hydra.experimental.callback import Callback
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
@@ -48,10 +49,13 @@ class UserError(Exception):
     rebuilt by torch from one string, `Caught UserError in DataLoader worker process 0.\nOriginal Traceback ...:
     <message>` (`torch._utils.ExceptionWrapper.reraise`): the constructor keeps only the original message, so the
     user reads one line, whatever the subclass.
+
+    `every_rank`: every rank of the job raises it alike (the ranks agreed on it), so rank 0 alone prints it.
     """
 
-    def __init__(self, message: str = "") -> None:
+    def __init__(self, message: str = "", *, every_rank: bool = False) -> None:
         super().__init__(worker_message(message))
+        self.every_rank = every_rank
 
 
 def worker_message(message: str) -> str:
@@ -268,10 +272,12 @@ ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 
 def exit_with(user_error: UserError) -> NoReturn:
     """`error: <message>` on stderr and exit code 2. In a torchrun job, where every rank finds the same mistake in the
-    same config, only rank 0 prints it; each rank records its line for torchrun's agent, whose summary (and the
-    engine's wrapper, distributed/torchrun.py) shows another rank's where it differs."""
+    same config, or where the ranks agreed on it (`every_rank`), only rank 0 prints it; each torchrun worker records
+    its line for torchrun's agent, whose summary (and the engine's wrapper, distributed/torchrun.py) shows another
+    rank's where it differs."""
     line = f"error: {user_error}"
-    if not record_for_launcher(line) or os.environ.get("RANK", "0") == "0":
+    said_by_rank_0 = record_for_launcher(line) or user_error.every_rank
+    if not said_by_rank_0 or rank_zero_only.rank == 0:
         print(line, file=sys.stderr, flush=True)
     sys.exit(EXIT_USER_ERROR)
 

@@ -11,7 +11,6 @@ data order start afresh. A resumed run loads nothing: its checkpoint holds the t
 from __future__ import annotations
 
 import functools
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -24,7 +23,7 @@ from torch import nn
 
 from scaleup.checkpoints.weights_file import MissingWeights, WeightsFile, open_weights
 from scaleup.errors import UserError
-from scaleup.modules import submodule
+from scaleup.modules import selected, submodule, unmatched
 from scaleup.observability.rows import log_rows, shown
 from scaleup.plan.checks import BATCH_NORMS
 from scaleup.plan.resolve import Plan
@@ -195,23 +194,6 @@ def everything_frozen(patterns: list[str | int], target: nn.Module, frozen: list
 def listed(patterns: Iterable[str | int]) -> str:
     """A list of names as typed on the command line: [0,1,fc]."""
     return f"[{','.join(map(str, patterns))}]"
-
-
-def selected(patterns: Iterable[str | int], name: str) -> bool:
-    """Whether one of `patterns` names `name`: the name itself, a module holding it (`fc` for `fc.weight`, `13` for
-    `13.bias`: YAML reads that one as a number), or a regular expression matching all of it."""
-    return any(name == str(p) or name.startswith(f"{p}.") or full_match(str(p), name) for p in patterns)
-
-
-def full_match(pattern: str, name: str) -> bool:
-    try:
-        return re.fullmatch(pattern, name) is not None
-    except re.error:  # a plain name with a character that regular expressions read otherwise
-        return False
-
-
-def unmatched(patterns: Iterable[str | int], names: list[str]) -> list[str | int]:
-    return [p for p in patterns if not any(selected([p], name) for name in names)]
 
 
 def match(file: WeightsFile, target: nn.Module, settings: Init) -> Matched:

@@ -1,7 +1,10 @@
 """Reaching into the user's LightningModule by name, for the keys that name a part of it (export's `module`,
-`init.module`)."""
+`init.module`) or some of its parameters (`init.freeze`, `init.skip`, `model.lr_scales`)."""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -30,3 +33,20 @@ def submodule(model: nn.Module, path: str, key: str = "module") -> nn.Module:
         raise UserError(
             f"{where} has no submodule {part!r}; its children are {shown(names)}: pass {key}={above}<one of them>"
         ) from None
+
+
+def selected(patterns: Iterable[str | int], name: str) -> bool:
+    """Whether one of `patterns` names `name`: the name itself, a module holding it (`fc` for `fc.weight`, `13` for
+    `13.bias`: YAML reads that one as a number), or a regular expression matching all of it."""
+    return any(name == str(p) or name.startswith(f"{p}.") or full_match(str(p), name) for p in patterns)
+
+
+def full_match(pattern: str, name: str) -> bool:
+    try:
+        return re.fullmatch(pattern, name) is not None
+    except re.error:  # a plain name with a character that regular expressions read otherwise
+        return False
+
+
+def unmatched(patterns: Iterable[str | int], names: list[str]) -> list[str | int]:
+    return [p for p in patterns if not any(selected([p], name) for name in names)]

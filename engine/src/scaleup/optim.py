@@ -7,7 +7,7 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from scaleup.finetune import selected
+from scaleup.modules import selected
 
 
 def build_optimizer(

@@ -86,5 +86,6 @@ def nonfinite_loss_error(step: int) -> UserError:
     return UserError(
         f"the training loss is NaN or inf at step {step}: the run stops, with no checkpoint written after that step "
         "(ckpt_path=last resumes from the one before); lower model.optimizer.lr, set trainer.gradient_clip_val, or "
-        "look at that step's data; stop_on_nonfinite_loss=false trains on regardless"
+        "look at that step's data; stop_on_nonfinite_loss=false trains on regardless",
+        every_rank=True,  # the ranks agree on the first bad step
     )

@@ -277,7 +277,8 @@ def exit_with(user_error: UserError) -> NoReturn:
     rank's where it differs."""
     line = f"error: {user_error}"
     said_by_rank_0 = record_for_launcher(line) or user_error.every_rank
-    if not said_by_rank_0 or rank_zero_only.rank == 0:
+    rank = int(os.environ["RANK"]) if "RANK" in os.environ else rank_zero_only.rank  # torchrun's, or Lightning's
+    if not said_by_rank_0 or rank == 0:
         print(line, file=sys.stderr, flush=True)
     sys.exit(EXIT_USER_ERROR)
 

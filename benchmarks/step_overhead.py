@@ -85,9 +85,9 @@ from scaleup.callbacks.diagnostics import TrainingDiagnostics
 from scaleup.callbacks.exact_metrics import ExactEvalMetrics
 from scaleup.callbacks.loop_repairs import LoopRepairs
 from scaleup.callbacks.lr_scaling import LRScaling
-from scaleup.callbacks.performance import PerformanceSettings
 from scaleup.callbacks.preemption import JobControl
 from scaleup.callbacks.run_files import RunFiles
+from scaleup.callbacks.step_plan import StepPlan
 from scaleup.callbacks.step_seed import StepSeed
 from scaleup.observability.figures import ClassificationFigures
 from scaleup.observability.metrics import StageMetrics
@@ -380,12 +380,10 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
         return TensorBoardLogger(tmp, name="tb", version="", default_hp_metric=False)
 
     template = {  # train.py's own callbacks (build_trainer), in its order
-        "LRScaling": lambda: LRScaling(schedule),
-        "StepSeed": lambda: StepSeed(42, BATCH),
+        "StepPlan": lambda: StepPlan(True, False, LRScaling(schedule), StepSeed(42, BATCH)),
         "ExactEvalMetrics": ExactEvalMetrics,
         "LoopRepairs": LoopRepairs,
         "RunFiles": lambda: RunFiles(tmp / "metrics.json", {}, {}),
-        "PerformanceSettings": lambda: PerformanceSettings(tf32=True, channels_last=False),
         "JobControl": lambda: JobControl(tmp / "ckpt", stop_on_nonfinite_loss=True),  # train.py's default
     }
     defaults = {  # engine/src/scaleup/conf/callbacks/default.yaml

@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -278,9 +279,17 @@ class PreloadedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-@functools.cache
+_SERVER_STARTING = threading.Lock()  # a test may start runs from threads, to run them side by side
+
+
 def _preloaded_server() -> tuple[subprocess.Popen, str]:
     """This worker's engine/tests/preloaded.py, started on first use; it exits with the worker (its stdin closes)."""
+    with _SERVER_STARTING:
+        return _start_preloaded_server()
+
+
+@functools.cache
+def _start_preloaded_server() -> tuple[subprocess.Popen, str]:
     import tempfile
 
     path = os.path.join(tempfile.mkdtemp(prefix="preloaded-"), "socket")

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms as T
 from torchvision.io import read_file
 
-from scaleup.callbacks.performance import PerformanceSettings
+from scaleup.callbacks.step_plan import StepPlan
 from scaleup.data.image_batches import normalize
 from scaleup.data.images import EncodedBatch, ImageFiles, ImageTransform, decode
 from scaleup.data.seeding import SeededSamples
@@ -75,9 +75,9 @@ class LayoutProbe(L.LightningModule):
 
 
 def test_channels_last_lays_out_the_weights_and_the_batches_alike(jpeg_tree):
-    """performance.channels_last=true: PerformanceSettings converts the weights and tells the data module, in every
+    """performance.channels_last=true: StepPlan converts the weights and tells the data module, in every
     process, so that the normalised batches reach the first convolution in the weights' layout."""
-    probe, settings = LayoutProbe(), PerformanceSettings(tf32=False, channels_last=True)
+    probe, settings = LayoutProbe(), StepPlan(tf32=False, channels_last=True)
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, callbacks=[settings])
     trainer.validate(probe, datamodule=data(jpeg_tree), verbose=False)
     assert probe.layouts == [True] and probe.conv.weight.is_contiguous(memory_format=torch.channels_last)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import in_process
-from scaleup.callbacks.performance import PerformanceSettings, set_tf32
+from scaleup.callbacks.performance import apply_speed_settings, set_tf32
 from scaleup.plan.topology import resolve_precision
 from testbed.models import DigitsCNN
 
@@ -76,7 +76,7 @@ def test_channels_last_converts_conv_weights_and_keeps_the_outputs(tf32_flags):
     net = DigitsCNN().eval()
     x = torch.randn(4, 1, 8, 8)
     expected = net(x)
-    PerformanceSettings(tf32=False, channels_last=True).setup(L.Trainer(accelerator="cpu", logger=False), net, "fit")
+    apply_speed_settings(L.Trainer(accelerator="cpu", logger=False), net, tf32=False, channels_last=True)
     conv = net[3].weight  # 32 -> 64 channels (with one input channel both layouts are the same)
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
     torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-6)

@@ -3,6 +3,7 @@ trials that are ordinary runs, resumed after kill -9, pruned on every rank at on
 1 and 2 processes (float64)."""
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import optuna
 import pytest
@@ -49,10 +50,14 @@ def searches(tmp_path_factory):
     root = tmp_path_factory.mktemp("search")
     one = [*SEARCH, *KILL, f"+callbacks.kill.marker={root}/killed", f"paths.log_dir={root}/one"]
     one.append("hydra.sweeper.n_trials=4")
-    killed = run(one, cwd=root)
-    states = [(t.number, t.state.name) for t in trials(root / "one" / "search" / "digits_lr")]
-    resumed = run(one, cwd=root)
-    two = run([*SEARCH, f"paths.log_dir={root}/two", "hydra.sweeper.n_trials=2", "trainer.devices=2"], cwd=root)
+    with ThreadPoolExecutor(1) as beside:  # the 2-process search shares nothing with the killed one
+        two = beside.submit(
+            run, [*SEARCH, f"paths.log_dir={root}/two", "hydra.sweeper.n_trials=2", "trainer.devices=2"], cwd=root
+        )
+        killed = run(one, cwd=root)
+        states = [(t.number, t.state.name) for t in trials(root / "one" / "search" / "digits_lr")]
+        resumed = run(one, cwd=root)
+        two = two.result()
     return {"root": root, "one": one, "killed": killed, "states_after_kill": states, "resumed": resumed, "two": two}
 
 

@@ -131,7 +131,7 @@ def test_missing_checkpoint_is_one_clear_message(tmp_path, job):
 
 
 def test_a_default_run_attaches_few_engine_callbacks_in_their_fixed_order(tmp_path):
-    """At most 8 of the engine's callbacks on a default run (the default callbacks config included), all in
+    """At most 6 of the engine's callbacks on a default run (the default callbacks config included), all in
     scaleup.callbacks, in the order scaleup.trainer.template_callbacks states, the config's after them and the
     SIGTERM stop after those."""
     census = tmp_path / "callbacks.json"
@@ -140,14 +140,14 @@ def test_a_default_run_attaches_few_engine_callbacks_in_their_fixed_order(tmp_pa
     names = json.loads(census.read_text())
     # ClassificationFigures is the module's own choice (the example's configure_callbacks), not the engine's
     engine = [name for name in names if name.startswith("scaleup.") and not name.endswith(".ClassificationFigures")]
-    assert len(engine) == 8, engine  # 7 of the machinery's, and the default callbacks config's diagnostics
+    assert len(engine) == 6, engine  # 5 of the machinery's, and the default callbacks config's diagnostics
     assert all(name.startswith("scaleup.callbacks.") for name in engine), engine  # one package holds them
 
     def at(name: str) -> list[int]:
         return [i for i, found in enumerate(names) if found.endswith(f".{name}")]
 
     user = min(at("LearningRateMonitor") + at("CallbackCensus"))
-    assert max(at("LRScaling") + at("StepSeed")) < user  # the LR set before it is logged; the seeded stream
+    assert max(at("StepPlan")) < user  # the LR set before it is logged; the seeded stream
     assert max(at("ExactEvalMetrics")) < min(at("ModelCheckpoint") + at("RunFiles"))  # exact before read
     # after every callback of the config (Lightning then appends the module's and moves the checkpoints last)
     assert at("JobControl") == [max(at("TrainingDiagnostics") + at("CallbackCensus")) + 1]

@@ -17,10 +17,10 @@ def build_optimizer(
     weights and biases, the 1-d tensors: decaying them only hurts, Goyal et al. 2017). Frozen parameters
     (requires_grad=False, e.g. init.freeze) are left out.
 
-    The config's LR is the unscaled base LR; the LRScaling callback multiplies each group's LR by the schedule's
-    factor every step, so a group given its own "lr" here keeps its ratio to the others. `lr_scales` gives some
-    parameters their own: a parameter or module name (`net.13`) or a regular expression -> a factor on the base LR
-    (a new head at 10x a pretrained backbone's); each is a pair of groups of its own, "decay@<name>" and
+    The config's LR is the unscaled base LR; LRScaling (in the StepPlan callback) multiplies each group's LR by the
+    schedule's factor every step, so a group given its own "lr" here keeps its ratio to the others. `lr_scales`
+    gives some parameters their own: a parameter or module name (`net.13`) or a regular expression -> a factor on the
+    base LR (a new head at 10x a pretrained backbone's); each is a pair of groups of its own, "decay@<name>" and
     "no_decay@<name>", and a parameter takes the first that names it.
     """
     scales = dict(lr_scales or {})

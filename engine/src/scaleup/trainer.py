@@ -26,9 +26,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_module
 from scaleup.callbacks.exact_metrics import ExactEvalMetrics
 from scaleup.callbacks.loop_repairs import LoopRepairs, install_fit_loop_fixes
 from scaleup.callbacks.lr_scaling import LRScaling
-from scaleup.callbacks.performance import PerformanceSettings, set_tf32
+from scaleup.callbacks.performance import set_tf32
 from scaleup.callbacks.preemption import JobControl, exit_when_stopped
 from scaleup.callbacks.run_files import RunFiles
+from scaleup.callbacks.step_plan import StepPlan
 from scaleup.callbacks.step_seed import StepSeed
 from scaleup.checkpoints.io import AtomicCheckpointIO, remove_interrupted_writes
 from scaleup.compat.gates import (
@@ -100,8 +101,8 @@ class TrainerJob:
 def template_callbacks(config: TrainConfig, plan: Plan, run_dir: Path) -> list[L.Callback]:
     """The machinery every training run has, before the user's callbacks. Lightning calls callbacks in list order,
     and this one is what each needs:
-    - LRScaling before the user's LearningRateMonitor: the LR is set before it is logged;
-    - StepSeed before the user's callbacks: they see (and a probe may draw from) the micro-batch's seeded stream;
+    - StepPlan (the LR schedule and the step's seed) before the user's callbacks: LearningRateMonitor logs the LR
+      set for the step, and a callback sees (a probe may draw from) the micro-batch's seeded stream;
     - AutoBatchSize before LoopRepairs: the micro-batch is settled before a resume's counters are restated in it;
     - ExactEvalMetrics before the checkpoints, RunFiles and the user's callbacks (EarlyStopping, a search's report,
       which the search adds to each trial's callbacks group): they read eval metrics once they are exact.
@@ -109,14 +110,14 @@ def template_callbacks(config: TrainConfig, plan: Plan, run_dir: Path) -> list[L
     engine/tests/test_train_e2e.py checks these rules on a real run's callbacks.
     """
     return [
-        LRScaling(plan.schedule()),
-        StepSeed(plan.seed, plan.global_batch_size),
+        StepPlan(
+            plan.tf32, plan.channels_last, LRScaling(plan.schedule()), StepSeed(plan.seed, plan.global_batch_size)
+        ),
         *([AutoBatchSize(plan, run_dir / "batch_probe.json")] if plan.max_per_device_batch_size == "auto" else []),
         ExactEvalMetrics(monitor=config.monitor.metric),
         *checkpoint_callbacks(config.monitor, config.checkpoint),
         LoopRepairs(),
         RunFiles(run_dir / "metrics.json", config.plain, plan.to_dict()),
-        PerformanceSettings(plan.tf32, plan.channels_last),
         *([StopAtPlannedSteps(plan.total_steps)] if plan.manual_optimization else []),
     ]
 
@@ -324,7 +325,7 @@ def build_eval_trainer(topology: Topology, precision: Any, plan: Plan, run_dir: 
     stop = JobControl()
     tf32, channels_last = plan.tf32, plan.channels_last  # as trained
     set_tf32(tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
-    callbacks = [ExactEvalMetrics(), RunFiles(run_dir / "metrics.json"), PerformanceSettings(tf32, channels_last), stop]
+    callbacks = [StepPlan(tf32, channels_last), ExactEvalMetrics(), RunFiles(run_dir / "metrics.json"), stop]
     trainer = L.Trainer(  # every value checked before (the topology, the precision): what fails here is a bug
         accelerator=topology.accelerator,
         devices=topology.devices,

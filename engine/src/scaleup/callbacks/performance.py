@@ -17,22 +17,18 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
 
 
-class PerformanceSettings(L.Callback):
-    """Applies `performance.tf32` and `performance.channels_last` in every process.
+def apply_speed_settings(trainer: L.Trainer, module: L.LightningModule, tf32: bool, channels_last: bool) -> None:
+    """`performance.tf32` and `performance.channels_last`, in a process that trains or evaluates (StepPlan's `setup`,
+    in callbacks/step_plan.py: every process, including those `ddp_spawn` starts, which inherit no global torch
+    settings from the parent).
 
-    `setup` runs in each training process, including those `ddp_spawn` starts, which inherit no global torch
-    settings from the parent. channels_last converts the network's 4-d weights to NHWC before DDP wraps the
-    module; a convolution with NHWC weights computes in NHWC whatever the input's layout. The data module is told
-    too (`GlobalBatchDataModule.channels_last`): the image batches it normalises on the device are laid out NHWC,
-    so the first convolution reads them without a copy.
+    channels_last converts the network's 4-d weights to NHWC before DDP wraps the module; a convolution with NHWC
+    weights computes in NHWC whatever the input's layout. The data module is told too
+    (`GlobalBatchDataModule.channels_last`): the image batches it normalises on the device are laid out NHWC, so the
+    first convolution reads them without a copy.
     """
-
-    def __init__(self, tf32: bool, channels_last: bool) -> None:
-        self.tf32, self.channels_last = tf32, channels_last
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        set_tf32(self.tf32)
-        if trainer.datamodule is not None:
-            trainer.datamodule.channels_last = self.channels_last
-        if self.channels_last:
-            pl_module.to(memory_format=torch.channels_last)
+    set_tf32(tf32)
+    if trainer.datamodule is not None:
+        trainer.datamodule.channels_last = channels_last
+    if channels_last:
+        module.to(memory_format=torch.channels_last)

@@ -49,7 +49,7 @@ class GlobalBatchDataModule(L.LightningDataModule):
 
     #: True when the whole data set lives in memory, so loader workers would only add start-up time.
     in_memory: bool = False
-    #: The plan's `channels_last` (PerformanceSettings sets it in every process): image batches are then laid out
+    #: The plan's `channels_last` (StepPlan sets it in every process): image batches are then laid out
     #: NHWC, as the weights are.
     channels_last: bool = False
 

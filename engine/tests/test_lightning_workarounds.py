@@ -584,4 +584,4 @@ def test_loop_repairs_stops_them_when_the_error_comes(tmp_path):
     started = time.perf_counter()
     del run
     gc.collect()
-    assert time.perf_counter() - started < 1
+    assert time.perf_counter() - started < 4  # below one worker's 5 s, above a loaded machine's collection (1.5 s)

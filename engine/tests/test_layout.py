@@ -173,7 +173,7 @@ EXTRAS = {
         "checkpoints.sharded",
         "checkpoints.background",
     ),
-    "clusters": ("distributed.torchrun", "distributed.ray_train", "distributed.ray_worker"),
+    "launchers": ("distributed.torchrun", "distributed.ray_train", "distributed.ray_worker"),
     "search": ("search",),
     "fine-tuning": ("finetune", "checkpoints.weights_file"),
     "watch": ("distributed.watchdog",),

@@ -144,7 +144,7 @@ def check_trainer_arguments(settings: TrainerArgs, *, probe: bool = True) -> L.T
     if not probe:
         return None
     try:
-        return probe_trainer({name: value for name, value in values(settings).items() if name not in PLANNED})
+        return probe_trainer(unplanned(settings))
     except Exception:
         refuse_trainer_arguments(settings)
         raise  # refused only with the others' values: Lightning's own message
@@ -155,7 +155,7 @@ def refuse_trainer_arguments(settings: TrainerArgs) -> None:
     message>` (`trainer: <message>` where no key alone is refused). A Trainer is constructed with the config's
     arguments on one CPU process (10-15 ms), the topology and the plan's keys left to the plan; then, where it is
     refused, one per key to name the key."""
-    given = {name: value for name, value in values(settings).items() if name not in PLANNED}
+    given = unplanned(settings)
     refused = trainer_refusal(given)
     if refused is None:
         return
@@ -164,6 +164,11 @@ def refuse_trainer_arguments(settings: TrainerArgs) -> None:
         if alone is not None:
             raise UserError(f"trainer.{name}={render(value)}: {first_line(alone)}") from alone
     raise UserError(f"trainer: {first_line(refused)}") from refused
+
+
+def unplanned(settings: TrainerArgs) -> dict[str, Any]:
+    """The `trainer.*` values passed to lightning.Trainer as given: all but the PLANNED keys, which the plan sets."""
+    return {name: value for name, value in values(settings).items() if name not in PLANNED}
 
 
 def check_minimum_length(settings: TrainerArgs) -> None:

@@ -47,7 +47,7 @@ class RunFiles(L.Callback):
       the final metrics, so that runs on 1, 2 and 8 GPUs line up as rows of one table. The tab reads the values
       from the scalars already logged: writing them again would add a point to every curve.
     - The plan's param group LRs (Plan.base_lrs), when fit starts: read from the optimizers Lightning built, its
-      one call of `configure_optimizers` (LRScaling, before this callback, refused a returned scheduler).
+      one call of `configure_optimizers` (StepPlan's LRScaling, before this callback, refused a returned scheduler).
     """
 
     def __init__(self, path: str | Path, config: dict[str, Any] | None = None, plan: dict[str, Any] | None = None):

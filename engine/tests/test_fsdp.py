@@ -46,7 +46,7 @@ from conftest import (
 )
 from scaleup.checkpoints.io import load_checkpoint, remove_interrupted_writes
 from scaleup.checkpoints.sharded import save_sharded
-from scaleup.distributed.fsdp import bytes_per_rank, unit_names
+from scaleup.distributed.fsdp import Sharding, bytes_per_rank, unit_names
 from scaleup.distributed.launch import build_strategy
 from scaleup.errors import as_user_error
 from scaleup.plan.resolve import Plan
@@ -106,8 +106,9 @@ def test_every_rank_writes_its_shards_into_one_directory(fsdp_run):
     assert "state_dict" not in meta and "optimizer_states" not in meta
     assert not list((fsdp_run / "checkpoints").glob(".*"))
     plan = read_json(fsdp_run / "plan.json")
-    assert plan["strategy"] == "fsdp" and plan["sharding_units"][:3] == ["net.0", "net.1", "net.3"]
-    assert (len(plan["sharding_units"]), plan["sharding_mesh"], plan["built_on_meta"]) == (7, [2], True)
+    sharding = plan["sharding"]
+    assert plan["strategy"] == "fsdp" and sharding["units"][:3] == ["net.0", "net.1", "net.3"]
+    assert (len(sharding["units"]), sharding["mesh"], sharding["built_on_meta"]) == (7, [2], True)
     log = (fsdp_run / "train.log").read_text()
     assert "cannot be made shard by shard" not in log  # no tensor fell back to the ordinary build
     assert "parameters 0.36 MiB per rank of 0.72 MiB" in log
@@ -253,7 +254,7 @@ def test_hybrid_sharding_on_two_torchrun_nodes_equals_one_process(wide_reference
     assert [(r["rank"], r["local_rank"], r["node_rank"]) for r in ranks] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
     plan = read_json(hybrid_run / "plan.json")
     assert (plan["num_nodes"], plan["per_device_batch_size"], plan["accumulate_grad_batches"]) == (2, 16, 3)
-    assert plan["sharding_mesh"] == [2, 2]  # sharded within a node, replicated across the 2 nodes
+    assert plan["sharding"]["mesh"] == [2, 2]  # sharded within a node, replicated across the 2 nodes
     assert "world_size 1 -> 4" in (hybrid_run / "train.log").read_text()
     worst = assert_same_weights(state(wide_reference), state(hybrid_run), rtol=0, atol=TOLERANCE)
     print(f"1 process, resumed on 2 nodes x 2 processes with hybrid sharding: largest weight difference {worst:.1e}")
@@ -269,7 +270,7 @@ def test_a_hybrid_checkpoint_resumes_on_one_node_and_evaluates_on_one_device(wid
     check(run([*args, f"hydra.run.dir={tmp_path / 'resumed'}"]))
     plan = read_json(tmp_path / "resumed/plan.json")
     assert (plan["accumulate_grad_batches"], plan["world_size"]) == (6, 2)
-    assert plan["gradient_sync"] == "step"  # gradients reduced once per optimizer step
+    assert plan["sharding"]["gradient_sync"] == "step"  # gradients reduced once per optimizer step
     assert "world_size 4 -> 2" in (tmp_path / "resumed/train.log").read_text()
     worst = assert_same_weights(state(wide_reference), state(tmp_path / "resumed"), rtol=0, atol=TOLERANCE)
     hybrid, reference = (
@@ -384,13 +385,14 @@ def test_a_dry_run_plans_the_shards_anywhere(tmp_path):
     args = ["strategy=fsdp", "model=resnet50", "data=synthetic", "trainer.devices=8", "trainer.num_nodes=4"]
     plan = in_process([*args, "strategy.sharding=hybrid", "dry_run=true", f"hydra.run.dir={tmp_path}"])
     assert plan["strategy"] == read_json(tmp_path / "plan.json")["strategy"] == "fsdp"
-    units = plan["sharding_units"]
+    sharding = Sharding(**plan["sharding"])
+    units = sharding.units
     assert len(units) == 19 and units[:4] == ("net.conv1", "net.bn1", "net.layer1.0", "net.layer1.1")
     # float32 x 23,528,522 parameters; a rank holds 1/8 of each tensor's rows, padded to a multiple of 8
-    assert (plan["parameter_bytes_per_rank"], plan["parameter_bytes"]) == (11_770_408, 4 * 23_528_522)
-    assert (plan["sharding_mesh"], plan["built_on_meta"]) == ((4, 8), True)
+    assert (sharding.parameter_bytes_per_rank, sharding.parameter_bytes) == (11_770_408, 4 * 23_528_522)
+    assert (sharding.mesh, sharding.built_on_meta) == ((4, 8), True)
     assert (plan["sync_batchnorm"], plan["sync_batchnorm_rule"]) == (False, "fsdp")
-    row = dict(Plan.from_dict(plan).rows())["sharding"]
+    row = dict(sharding.rows(Plan.from_dict(plan)))["sharding"]
     assert row.startswith("19 unit(s) (net.conv1, net.bn1, net.layer1.0, net.layer1.1") and (
         "parameters 11.23 MiB per rank of 89.75 MiB" in row
     )

@@ -197,7 +197,6 @@ CORE_IMPORTS_OF_EXTRAS = {
     ("checkpoints.io", "fsdp"),
     ("distributed.launch", "fsdp"),
     ("distributed.launch", "watch"),
-    ("plan.make", "fsdp"),
     ("train", "diagnostics"),
     ("train", "fine-tuning"),
     ("trainer", "auto batch size"),

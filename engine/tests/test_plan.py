@@ -10,6 +10,7 @@ import pytest
 from conftest import ENGINE_CONF, TESTS, batches, engine_section, in_process, performance, read_json
 from scaleup.checkpoints.io import load_checkpoint
 from scaleup.checkpoints.resume import log_changes
+from scaleup.distributed.fsdp import Sharding
 from scaleup.errors import UserError
 from scaleup.plan.batch import resolve_batch, total_steps
 from scaleup.plan.checks import batchnorm_warning
@@ -161,12 +162,20 @@ def test_dry_run_goyal_plan_for_256_gpus(tmp_path, caplog):
     log = (tmp_path / "train.log").read_text()
     assert "3.2 @ 8192" in log and "BatchNorm statistics" not in log
     assert not (tmp_path / "checkpoints").exists()
-    # A resume of an FSDP checkpoint with this plan (no sharding): the log says what the value became; not the
-    # launch, which a restarted torchrun counts up.
-    sharded = {**plan, "sharding_units": ["net.0", "net.1"], "launcher_kind": "torchrun", "launcher_restarts": 2}
+    # A resume of an FSDP checkpoint sharded over 8 processes on 2 nodes x 4: the log says what the record's values
+    # became; not the launch, which a restarted torchrun counts up. A plan of an earlier version, whose flat
+    # sharding fields are left out, compares no sharding.
+    sharding = {"units": ["net.0", "net.1"], "mesh": [8], "built_on_meta": True}
+    now = {**plan, "sharding": sharding}
+    sharded = {**now, "sharding": {**sharding, "mesh": [2, 4]}, "launcher_kind": "torchrun", "launcher_restarts": 2}
+    earlier = {**plan, "sharding_units": ["net.0"], "sharding_mesh": [2, 4], "built_on_meta": False}
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="scaleup"):
-        log_changes("last.ckpt", Plan.from_dict(sharded), Plan.from_dict(plan))
-    assert "resuming from last.ckpt; changed since: sharding_units net.0, net.1 -> none\n" in caplog.text
+        log_changes("last.ckpt", Plan.from_dict(sharded), Plan.from_dict(now))
+        log_changes("earlier.ckpt", Plan.from_dict(earlier), Plan.from_dict(now))
+    assert "resuming from last.ckpt; changed since: sharding.mesh 2, 4 -> 8\n" in caplog.text
+    assert "resuming from earlier.ckpt\n" in caplog.text and "WARNING" not in caplog.text
+    assert Plan.from_dict(now).record("sharding").to_dict() == sharding and Plan.from_dict(earlier).records == ()
     # plan.json read back typed, as eval, export, resume and the equivalence check read it
     typed = Plan.from_dict({**plan, "from_a_newer_version": 1})
     assert json.loads(json.dumps(typed.to_dict())) == plan and typed.milestones == tuple(plan["milestones"])
@@ -446,13 +455,7 @@ def test_the_rows_made_from_the_launch_sharding_and_initial_weights_fields():
         plan_for(trainer={"max_epochs": 3, "accumulate_grad_batches": 2, "overfit_batches": 3}),
         launcher_kind="torchrun",
         launcher_restarts=1,
-        sharding_units=tuple(f"net.{i}" for i in range(8)),
-        sharding_roots=("net",),
-        sharding_mesh=(2, 4),
-        parameter_bytes=3 * 2**20,
-        parameter_bytes_per_rank=2**20 // 4,
-        built_on_meta=True,
-        gradient_sync="step",
+        records=(Sharding(tuple(f"net.{i}" for i in range(8)), ("net",), (2, 4), 3 * 2**20, 2**20 // 4, True, "step"),),
         init_weights="net.pt",
         init_weights_kind="a state_dict",
         init_module="net",

@@ -345,14 +345,10 @@ SAME_TRAINING = (
     "strategy",
     "tf32",
     "channels_last",
-    "sharding_units",
-    "sharding_roots",
-    "sharding_mesh",
-    "parameter_bytes_per_rank",
-    "built_on_meta",
-    "gradient_sync",
     "log_every_n_steps",
 )
+# An extra's record (strategy=fsdp's sharding) says how this run computes: a change of one of its fields is said in
+# the resume's line as `<record>.<field>` (`sharding.mesh 4 -> 2, 2`), where both plans hold the record.
 # What a resume that trains further (or less: trainer.max_epochs, max_steps) asks for on purpose: said, not warned.
 RUN_LENGTH = ("total_steps",)
 # The plan's LR fields: a run reads them when fit starts (Plan.base_lrs), and compares them then (log_lr_changes).
@@ -369,7 +365,7 @@ def log_changes(path: Path | str, previous: Plan | None, plan: Plan) -> None:
     if plan.base_lrs is None:  # known when fit starts
         skipped |= set(LR_FIELDS)
     changed = plan_changes(previous, plan, skipped)
-    said = SAME_TRAINING + RUN_LENGTH
+    said = {*SAME_TRAINING, *RUN_LENGTH} | {key for key in changed if of_a_record(key)}
     moved = [change for key, change in changed.items() if key in said]
     log.info(f"resuming from {path}" + (f"; changed since: {', '.join(moved)}" if moved else ""))
     warn_recipe_changes(path, [change for key, change in changed.items() if key not in said])
@@ -377,16 +373,33 @@ def log_changes(path: Path | str, previous: Plan | None, plan: Plan) -> None:
 
 def log_lr_changes(path: Path | str, previous: Plan | None, plan: Plan) -> None:
     """The recipe warning for the plan's LR fields, once fit has read them (callbacks/run_files.py)."""
-    changed = plan_changes(previous, plan, set(plan.to_dict()) - set(LR_FIELDS))
+    changed = plan_changes(previous, plan, set(compared(plan)) - set(LR_FIELDS))
     warn_recipe_changes(path, list(changed.values()))
+
+
+def compared(plan: Plan | None) -> dict[str, Any]:
+    """The plan's values as a resume compares them: its fields, and each record's as `<record>.<field>` (its tuples
+    as lists: a stored plan's record holds JSON's)."""
+    if plan is None:
+        return {}
+    values = plan.to_dict()
+    for record in plan.records:
+        fields = json.loads(json.dumps(values.pop(record.key)))
+        values.update({f"{record.key}.{name}": value for name, value in fields.items()})
+    return values
+
+
+def of_a_record(key: str) -> bool:
+    """Whether `key` of `compared` is a record's field (`<record>.<field>`; the plan's own fields have no dot)."""
+    return "." in key
 
 
 def plan_changes(previous: Plan | None, plan: Plan, skipped: set[str]) -> dict[str, str]:
     """`<key> <before> -> <now>` for each key of the plan, but `skipped`, whose value changed since `previous`."""
-    before = previous.to_dict() if previous else {}
+    before = compared(previous)
     return {
         key: f"{key} {shown(before[key])} -> {shown(value)}"
-        for key, value in plan.to_dict().items()
+        for key, value in compared(plan).items()
         if key in before and before[key] != value and key not in skipped
     }
 

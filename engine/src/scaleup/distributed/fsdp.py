@@ -19,9 +19,10 @@ import logging
 import math
 import pkgutil
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -36,7 +37,7 @@ from scaleup.compat.gates import ACTIVATION_CHECKPOINTING, require
 from scaleup.distributed.meta_init import META, MetaInit, materialize_shards, tensors_of
 from scaleup.errors import UserError
 from scaleup.plan.checks import BATCH_NORMS
-from scaleup.plan.resolve import mib
+from scaleup.plan.resolve import Plan, mib
 
 if TYPE_CHECKING:
     from scaleup.config.schema import Strategy
@@ -126,20 +127,55 @@ def bytes_per_rank(model: nn.Module, world_size: int) -> tuple[int, int]:
     return total, per_rank
 
 
-def sharding_fields(model: nn.Module, strategy: Strategy, mesh: tuple[int, ...], on_meta: bool) -> dict[str, Any]:
-    """The plan's sharding fields (its row says them in words): the units and roots, the parameter bytes of the
-    model and of one rank's shards, the mesh, how the model is built (`on_meta`: on the meta device, its build
-    replayed into each rank's shards) and when gradients are reduced."""
+@dataclass(frozen=True)
+class Sharding:
+    """strategy=fsdp's facts in the plan (plan.json's `sharding`; its row says them in words): the units sharded in
+    order, then the roots; the mesh (nodes x devices for hybrid sharding, the world for full); the parameter bytes of
+    the model and of one rank's shards; whether the model is built on the meta device (its build replayed into each
+    rank's shards); when gradients are reduced (strategy.sync_gradients)."""
+
+    key: ClassVar[str] = "sharding"
+    units: tuple[str, ...]
+    roots: tuple[str, ...]
+    mesh: tuple[int, ...]
+    parameter_bytes: int
+    parameter_bytes_per_rank: int
+    built_on_meta: bool
+    gradient_sync: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def rows(self, plan: Plan) -> list[tuple[str, str]]:
+        """The plan's `sharding` row; the gradients' part only where the plan accumulates micro-batches."""
+        shown = ", ".join(self.units[:6]) + (f", ... ({len(self.units)} in all)" if len(self.units) > 6 else "")
+        parts = [
+            f"{len(self.units)} unit(s) ({shown or 'none'}), then the root(s) {', '.join(self.roots)}; parameters "
+            f"{mib(self.parameter_bytes_per_rank)} per rank of {mib(self.parameter_bytes)} (gradients and optimizer "
+            "state shard alike)",
+            f"mesh {self.mesh[0]} node(s) x {self.mesh[1]}: sharded within a node, replicated across nodes"
+            if len(self.mesh) == 2
+            else f"mesh {self.mesh[0]}: sharded over every process",
+            "built on the meta device, each rank fills its shards with the ordinary build's values"
+            if self.built_on_meta
+            else "every rank builds the whole model, then shards it",
+        ]
+        if plan.accumulate_grad_batches > 1:
+            parts.append(
+                f"gradients reduced once per optimizer step (whole gradients held between micro-batches: "
+                f"+{mib(self.parameter_bytes)} per rank)"
+                if self.gradient_sync == "step"
+                else "gradients reduce-scattered at every micro-batch"
+            )
+        return [("sharding", "; ".join(parts))]
+
+
+def sharding_of(model: nn.Module, shard_modules: Iterable[str] | None, mesh: tuple[int, ...], **how: Any) -> Sharding:
+    """How `model` is sharded over `mesh`: its units and roots, the parameter bytes of the model and of one rank's
+    shards; `how`: built_on_meta, gradient_sync."""
     total, per_rank = bytes_per_rank(model, mesh[-1])
-    return {
-        "sharding_units": tuple(unit_names(model, strategy.shard_modules)),
-        "sharding_roots": tuple(name for name, _ in networks(model)),
-        "sharding_mesh": tuple(mesh),
-        "parameter_bytes": total,
-        "parameter_bytes_per_rank": per_rank,
-        "built_on_meta": on_meta,
-        "gradient_sync": strategy.sync_gradients,
-    }
+    units, roots = tuple(unit_names(model, shard_modules)), tuple(name for name, _ in networks(model))
+    return Sharding(units, roots, tuple(mesh), total, per_rank, **how)
 
 
 def batch_norms(model: nn.Module) -> list[str]:
@@ -432,6 +468,13 @@ class FSDPStrategy(ModelParallelStrategy):
             super().setup(trainer)
         else:
             Strategy.setup(self, trainer)
+
+    def plan_record(self, model: nn.Module, *, on_meta: bool) -> Sharding:
+        """The plan's record of how this strategy shards `model` (`on_meta`: built on the meta device); the plan
+        asks the launch's strategy for it (plan/make.py)."""
+        return sharding_of(
+            model, self.shard_modules, self.mesh_shape, built_on_meta=on_meta, gradient_sync=self.sync_gradients
+        )
 
     def sharding_mesh(self) -> Any:
         """The mesh `fully_shard` shards over: every rank (1-D), or (nodes, processes per node) for hybrid sharding,

@@ -4,17 +4,16 @@ sizes; then the start-up checks that need the whole plan."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 
-from scaleup.distributed.fsdp import sharding_fields
 from scaleup.distributed.launch import Launch
 from scaleup.errors import config_errors
 from scaleup.plan.checks import check_config, has_batchnorm
 from scaleup.plan.lr import base_lrs
 from scaleup.plan.progress import check_manual_optimization
-from scaleup.plan.resolve import Plan, build_plan, early_stopping_entry
+from scaleup.plan.resolve import Plan, PlanRecord, build_plan, early_stopping_entry
 from scaleup.plan.topology import Topology
 
 if TYPE_CHECKING:
@@ -57,10 +56,16 @@ def make_plan(
         parameters=sum(p.numel() for p in model.parameters()),
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         manual_optimization=not model.automatic_optimization,
+        records=strategy_records(launch.strategy, model, on_meta),
     )
     if plan.manual_optimization:
         check_manual_optimization(type(model).__name__, plan, config.trainer.accumulate_grad_batches)
-    if launch.name == "fsdp":
-        plan = replace(plan, **sharding_fields(model, config.strategy, launch.strategy.mesh_shape, on_meta))
     check_config(config, plan)
     return plan
+
+
+def strategy_records(strategy: Any, model: L.LightningModule, on_meta: bool) -> tuple[PlanRecord, ...]:
+    """The record the launch's strategy adds to the plan, through a method `plan_record(model, on_meta=...)` (FSDP's
+    sharding: distributed/fsdp.py); a strategy without one adds none."""
+    plan_record = getattr(strategy, "plan_record", None)
+    return () if plan_record is None else (plan_record(model, on_meta=on_meta),)

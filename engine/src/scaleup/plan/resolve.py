@@ -10,7 +10,7 @@ import inspect
 import pkgutil
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from scaleup.distributed.clusters import Launcher
 from scaleup.errors import UserError
@@ -28,6 +28,32 @@ if TYPE_CHECKING:
 # rising as the per-device batch drops below 32. SyncBN adds a collective to every BN layer, so `auto` syncs only
 # below this, and the pitfall warning uses the same line.
 SMALL_BN_BATCH = 32
+
+
+class PlanRecord(Protocol):
+    """An extra's facts in the plan (e.g. strategy=fsdp's sharding, `distributed/fsdp.py`'s `Sharding`): plan.json
+    holds `to_dict()` under `key`, the printed plan shows `rows(plan)` after the precision and strategy."""
+
+    key: str
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    def rows(self, plan: Plan) -> list[tuple[str, str]]: ...
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    """A record as a stored plan holds it (plan.json, a checkpoint's `scaleup.plan`), read back by the core, which
+    does not know the extra's type: its values, written again as they are; its rows are the extra's to say."""
+
+    key: str
+    values: Mapping[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    def rows(self, plan: Plan) -> list[tuple[str, str]]:
+        return []
 
 
 @dataclass(frozen=True)
@@ -76,16 +102,6 @@ class Plan:
     # The Lightning debug flag that shortens each epoch (None if none) and its value, e.g. overfit_batches, 3.
     epoch_limit_flag: str | None = None
     epoch_limit_value: int | float | None = None
-    # strategy=fsdp (distributed/fsdp.py): the units sharded in order, then the roots; the mesh (nodes x devices
-    # for hybrid sharding, the world for full); the parameter bytes of the model and of one rank's shards; whether
-    # the model is built on the meta device; when gradients are reduced (strategy.sync_gradients).
-    sharding_units: tuple[str, ...] = ()
-    sharding_roots: tuple[str, ...] = ()
-    sharding_mesh: tuple[int, ...] = ()
-    parameter_bytes: int | None = None
-    parameter_bytes_per_rank: int | None = None
-    built_on_meta: bool = False
-    gradient_sync: str | None = None
     # What started the processes (distributed/clusters.py): one of LAUNCHERS, torchrun's restart count, SLURM's job.
     launcher_kind: str = ""
     launcher_restarts: int = 0
@@ -111,6 +127,9 @@ class Plan:
     # The module steps its optimizers itself (automatic_optimization=False): every step the plan counts (the LR
     # schedule, the step seed, trainer.max_steps, a resume) is a global batch, not an optimizer.step() call.
     manual_optimization: bool = False
+    # The records of the extras that shape this run (strategy=fsdp's sharding: distributed/fsdp.py), in the order
+    # they were added: plan.json holds each under its key, the printed plan shows their rows after the strategy.
+    records: tuple[PlanRecord, ...] = ()
 
     def split(self) -> BatchPlan:
         """The global batch as the plan splits it: per-device micro-batch x accumulation x world size."""
@@ -138,7 +157,14 @@ class Plan:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The plan as plan.json holds it: its fields, then each record under the record's key."""
+        plain = asdict(replace(self, records=()))
+        del plain["records"]
+        return plain | {record.key: record.to_dict() for record in self.records}
+
+    def record(self, key: str) -> PlanRecord | None:
+        """The plan's record under `key` (plan.json's), if it has one."""
+        return next((record for record in self.records if record.key == key), None)
 
     def with_base_lrs(self, base_lrs: Mapping[str, float]) -> Plan:
         """The plan with each param group's base LR, the one LR they share (if they do) and its scaled peak."""
@@ -151,10 +177,14 @@ class Plan:
     @classmethod
     def from_dict(cls, stored: Mapping[str, Any]) -> Plan:
         """The plan `to_dict` wrote (plan.json, a checkpoint's `scaleup.plan`), typed again. A key this version does
-        not know is left out (the sentences a plan before 0.3 stored, too) and one an older plan lacks takes its
-        field's default; a plan without a field that has none is refused in one line."""
+        not know is left out (the sentences a plan before 0.3 stored, and the flat `sharding_*` fields of earlier
+        plans, too) and one an older plan lacks takes its field's default; a plan without a field that has none is
+        refused in one line. A mapping under a key that is no field is a record, kept as stored (StoredRecord)."""
         known = {spec.name: spec for spec in fields(cls)}
-        values = {name: value for name, value in stored.items() if name in known}
+        values = {name: value for name, value in stored.items() if name in known and name != "records"}
+        values["records"] = tuple(
+            StoredRecord(key, value) for key, value in stored.items() if key not in known and isinstance(value, Mapping)
+        )
         for name in TUPLES & values.keys():
             values[name] = tuple(values[name])  # JSON has no tuples
         missing = [
@@ -184,7 +214,7 @@ class Plan:
             ("BatchNorm batch", self._bn_row()),
             ("SyncBatchNorm", f"{'on' if self.sync_batchnorm else 'off'} ({self._sync_batchnorm_reason()})"),
             ("precision / strategy", f"{self.precision} / {self.strategy}"),
-            *([("sharding", self._sharding_row())] if self.sharding_mesh else []),
+            *(row for record in self.records for row in record.rows(self)),
             *([("initial weights", self._initial_weights_row())] if self._starts_from_weights() else []),
             ("TF32 / channels_last", f"{'on' if self.tf32 else 'off'} / {'on' if self.channels_last else 'off'}"),
             *([("early stopping", self._early_stopping_row())] if self.early_stopping_monitor else []),
@@ -265,29 +295,6 @@ class Plan:
         row = LAUNCHERS.get(self.launcher_kind, self.launcher_kind)
         return row.format(restarts=self.launcher_restarts, job=self.launcher_job or "?", world_size=self.world_size)
 
-    def _sharding_row(self) -> str:
-        units, mesh = self.sharding_units, self.sharding_mesh
-        shown = ", ".join(units[:6]) + (f", ... ({len(units)} in all)" if len(units) > 6 else "")
-        parts = [
-            f"{len(units)} unit(s) ({shown or 'none'}), then the root(s) {', '.join(self.sharding_roots)}; parameters "
-            f"{mib(self.parameter_bytes_per_rank)} per rank of {mib(self.parameter_bytes)} (gradients and optimizer "
-            "state shard alike)",
-            f"mesh {mesh[0]} node(s) x {mesh[1]}: sharded within a node, replicated across nodes"
-            if len(mesh) == 2
-            else f"mesh {mesh[0]}: sharded over every process",
-            "built on the meta device, each rank fills its shards with the ordinary build's values"
-            if self.built_on_meta
-            else "every rank builds the whole model, then shards it",
-        ]
-        if self.accumulate_grad_batches > 1:
-            parts.append(
-                f"gradients reduced once per optimizer step (whole gradients held between micro-batches: "
-                f"+{mib(self.parameter_bytes)} per rank)"
-                if self.gradient_sync == "step"
-                else "gradients reduce-scattered at every micro-batch"
-            )
-        return "; ".join(parts)
-
     def _starts_from_weights(self) -> bool:
         return bool(self.init_weights or self.init_frozen or self.init_freeze_bn)
 
@@ -337,7 +344,7 @@ def mib(count: int) -> str:
 
 
 # The plan's fields that hold tuples (JSON gives them back as lists).
-TUPLES = {"milestones", "sharding_units", "sharding_roots", "sharding_mesh", "batchnorm_unfrozen"}
+TUPLES = {"milestones", "batchnorm_unfrozen"}
 
 # What each sync_batchnorm_rule means, as the plan prints it.
 SYNC_BATCHNORM_RULES = {

@@ -231,16 +231,15 @@ def test_the_plan_shows_where_the_weights_came_from_and_what_was_left_new(source
     )
     assert f"  initial weights       {row}\n" in log
     plan = read_json(tuned / "plan.json")
-    initial = {key: plan[key] for key in plan if key.startswith("init_") and key != "init_bn_batch_size"}
-    assert initial == {
-        "init_weights": str(file),
-        "init_weights_kind": "a state_dict",
-        "init_module": "net",
-        "init_tensors": 20,
-        "init_loaded": 18,
-        "init_left_as_built": 2,
-        "init_frozen": 6,
-        "init_freeze_bn": True,
+    assert plan["init"] == {
+        "weights": str(file),
+        "weights_kind": "a state_dict",
+        "module": "net",
+        "tensors": 20,
+        "loaded": 18,
+        "left_as_built": 2,
+        "frozen": 6,
+        "freeze_bn": True,
     }
 
 
@@ -269,7 +268,7 @@ def test_a_resumed_fine_tuning_run_continues_from_its_checkpoint_not_the_initial
     assert f"not loaded  the run resumes from {run_dir}/checkpoints/last.ckpt (its trained weights)" in log
     assert f"{gone}: not loaded, the run resumes from its checkpoint (its trained weights)" in log
     plan = read_json(run_dir / "plan.json")
-    assert (plan["init_weights"], plan["init_loaded"], plan["init_tensors"]) == (str(gone), None, None)
+    assert (plan["init"]["weights"], plan["init"]["loaded"], plan["init"]["tensors"]) == (str(gone), None, None)
     # what init.freeze_bn sets in the plan is set after the resume compares plans: not a change
     assert f"resuming from {run_dir}/checkpoints/last.ckpt; changed since: total_steps 19 -> 38\n" in log
 
@@ -281,8 +280,13 @@ def test_a_dry_run_plans_without_a_weights_file_that_is_not_on_this_machine(tmp_
     plan = in_process(
         ["dry_run=true", f"init.weights={elsewhere}", "init.skip=[13]", "init.freeze=[0]", f"hydra.run.dir={tmp_path}"]
     )
-    assert (plan["init_weights"], plan["init_weights_kind"], plan["init_loaded"]) == (elsewhere, NOT_HERE, None)
-    assert plan["init_frozen"] == 1
+    initial = plan["init"]
+    assert (initial["weights"], initial["weights_kind"], initial["loaded"], initial["frozen"]) == (
+        elsewhere,
+        NOT_HERE,
+        None,
+        1,
+    )
     log = (tmp_path / "train.log").read_text()
     assert f"initial weights: {elsewhere}\n  not checked  {NOT_HERE}\n" in log
     assert f"  initial weights       {elsewhere}: {NOT_HERE}; 1 parameters frozen (init.freeze)\n" in log
@@ -294,7 +298,7 @@ def test_the_plan_warns_when_pretrained_batchnorm_statistics_see_another_batch(s
     ckpt = source / "checkpoints" / "last.ckpt"
     common = [f"init.weights={ckpt}", "dry_run=true"]
     plan = in_process([*common, "data.global_batch_size=32", f"hydra.run.dir={tmp_path / 'a'}"])
-    assert plan["init_bn_batch_size"] == 64 and plan["bn_batch_size"] == 32
+    assert plan["trained_bn_batch_size"] == 64 and plan["bn_batch_size"] == 32
     assert (
         "BatchNorm statistics come from 32 samples, and the initial weights were trained with 64 (init.bn_batch_size): "
         "their running statistics drift from the ones the weights expect. Options: 64 samples per device (a larger "
@@ -304,7 +308,7 @@ def test_the_plan_warns_when_pretrained_batchnorm_statistics_see_another_batch(s
         [*common, "init.freeze_bn=true", "data.global_batch_size=32", f"hydra.run.dir={tmp_path / 'b'}"]
     )
     same = in_process([*common, f"hydra.run.dir={tmp_path / 'c'}"])
-    assert frozen["init_bn_batch_size"] is None and same["init_bn_batch_size"] == 64
+    assert frozen["trained_bn_batch_size"] is None and same["trained_bn_batch_size"] == 64
     assert "initial weights were trained with" not in (tmp_path / "c" / "train.log").read_text()
 
 

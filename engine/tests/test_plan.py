@@ -12,6 +12,7 @@ from scaleup.checkpoints.io import load_checkpoint
 from scaleup.checkpoints.resume import log_changes
 from scaleup.distributed.fsdp import Sharding
 from scaleup.errors import UserError
+from scaleup.finetune import InitialWeights
 from scaleup.plan.batch import resolve_batch, total_steps
 from scaleup.plan.checks import batchnorm_warning
 from scaleup.plan.lr import LRSchedule, lr_factor
@@ -455,15 +456,10 @@ def test_the_rows_made_from_the_launch_sharding_and_initial_weights_fields():
         plan_for(trainer={"max_epochs": 3, "accumulate_grad_batches": 2, "overfit_batches": 3}),
         launcher_kind="torchrun",
         launcher_restarts=1,
-        records=(Sharding(tuple(f"net.{i}" for i in range(8)), ("net",), (2, 4), 3 * 2**20, 2**20 // 4, True, "step"),),
-        init_weights="net.pt",
-        init_weights_kind="a state_dict",
-        init_module="net",
-        init_tensors=20,
-        init_loaded=18,
-        init_left_as_built=2,
-        init_frozen=6,
-        init_freeze_bn=True,
+        records=(
+            Sharding(tuple(f"net.{i}" for i in range(8)), ("net",), (2, 4), 3 * 2**20, 2**20 // 4, True, "step"),
+            InitialWeights("net.pt", "a state_dict", "net", 20, 18, 2, 6, True),
+        ),
     )
     rows = dict(plan.rows())
     assert rows["launcher"] == "torchrun, restart 1: ranks from RANK, LOCAL_RANK, GROUP_RANK"
@@ -482,8 +478,7 @@ def test_the_rows_made_from_the_launch_sharding_and_initial_weights_fields():
         "(init.freeze); BatchNorm in eval mode: running statistics fixed (init.freeze_bn)"
     )
     # a resume opens no file: no kind, nothing loaded
-    resumed = replace(plan, init_weights_kind="", init_loaded=None, init_frozen=0, init_freeze_bn=False)
-    resumed = dict(resumed.rows())["initial weights"]
+    resumed = dict(InitialWeights("net.pt", module="net", tensors=20).rows(plan))["initial weights"]
     assert resumed == "net.pt: not loaded, the run resumes from its checkpoint (its trained weights)"
 
 

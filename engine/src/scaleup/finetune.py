@@ -13,9 +13,9 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from lightning.pytorch.utilities import rank_zero_only
@@ -49,6 +49,45 @@ class Matched:
 
 
 @dataclass(frozen=True)
+class InitialWeights:
+    """The `init` section's facts in the plan (plan.json's `init`; its row says them in words): the weights file as
+    given and its kind, the module they go into ("" for the LightningModule), its tensors, how many were loaded from
+    the file (None: a resume loads none) and left as built; the parameters init.freeze froze; init.freeze_bn."""
+
+    key: ClassVar[str] = "init"
+    weights: str = ""
+    weights_kind: str = ""
+    module: str = ""
+    tensors: int | None = None
+    loaded: int | None = None
+    left_as_built: int | None = None
+    frozen: int = 0
+    freeze_bn: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def rows(self, plan: Plan) -> list[tuple[str, str]]:
+        """The plan's `initial weights` row: where the weights came from and how many of the module's tensors they
+        set, or that a resume loads none; what is frozen."""
+        parts = []
+        if self.weights and self.loaded is None:  # a resume, or a dry run without the file (its kind says)
+            why = self.weights_kind or "not loaded, the run resumes from its checkpoint (its trained weights)"
+            parts.append(f"{self.weights}: {why}")
+        elif self.weights:
+            parts.append(
+                f"{self.weights} ({self.weights_kind}) into {self.module or 'the LightningModule'}: "
+                f"{self.loaded} of {self.tensors} tensors loaded, {self.left_as_built} left as built"
+            )
+        if self.frozen:
+            parts.append(f"{self.frozen} parameters frozen (init.freeze)")
+        if self.freeze_bn:
+            where = f" in {self.module}" if plan.batchnorm_unfrozen else ""
+            parts.append(f"BatchNorm{where} in eval mode: running statistics fixed (init.freeze_bn)")
+        return [("initial weights", "; ".join(parts))]
+
+
+@dataclass(frozen=True)
 class Start:
     """What the `init` section does to this run's model: its freezing right after the build (`prepare_start`), its
     weights once the run knows whether it resumes (`begin`)."""
@@ -71,8 +110,9 @@ class Start:
     ) -> Plan:
         """Open init.weights and match its tensors to the module (a tensor left as built that init.skip does not name,
         or that init.freeze freezes, is refused in one line), load them (not in a dry run), show what was loaded and
-        what not (rank 0), and return the plan with its row and the BatchNorm batch the weights were trained with. A
-        resumed run opens no file; a dry run plans without one that is not on this machine."""
+        what not (rank 0), and return the plan with its record (InitialWeights) and BatchNorm's part: the batch the
+        weights were trained with, the layers init.freeze_bn keeps in eval mode. A resumed run opens no file; a dry run
+        plans without one that is not on this machine."""
         if self.settings.weights is None and not self.frozen and not self.settings.freeze_bn:
             return plan
         start = self
@@ -86,9 +126,10 @@ class Start:
         compare = self.has_batchnorm and not self.settings.freeze_bn
         return replace(
             plan,
-            **start.plan_fields(resumed),
-            init_bn_batch_size=trained_with if compare else None,
+            records=(*plan.records, start.record(resumed)),
+            trained_bn_batch_size=trained_with if compare else None,
             batchnorm_frozen=self.every_batchnorm_frozen,
+            batchnorm_frozen_module=(self.settings.module or "") if self.settings.freeze_bn else "",
             batchnorm_unfrozen=self.batchnorm_unfrozen,
         )
 
@@ -110,26 +151,27 @@ class Start:
             )
         return replace(self, file=file, matched=matched)
 
-    def plan_fields(self, resumed: Path | str | None) -> dict[str, Any]:
-        """The plan's init fields: the file and its kind, the module, its tensors loaded from the file and left as
-        built (none loaded when the run resumes), the frozen parameters, init.freeze_bn."""
-        fields: dict[str, Any] = {
-            "init_weights": str(self.settings.weights or ""),
-            "init_module": self.settings.module or "",
-            "init_frozen": len(self.frozen),
-            "init_freeze_bn": bool(self.settings.freeze_bn),
-        }
+    def record(self, resumed: Path | str | None) -> InitialWeights:
+        """The plan's record of this start: the file and its kind, the module, its tensors loaded from the file and
+        left as built (none loaded when the run resumes), the frozen parameters, init.freeze_bn."""
+        record = InitialWeights(
+            weights=str(self.settings.weights or ""),
+            module=self.settings.module or "",
+            frozen=len(self.frozen),
+            freeze_bn=bool(self.settings.freeze_bn),
+        )
         if self.settings.weights is not None and self.file is None and resumed is None:
-            fields.update(init_weights_kind=NOT_HERE)
+            record = replace(record, weights_kind=NOT_HERE)
         if self.file is not None and self.matched is not None and resumed is None:
-            fields.update(
-                init_weights=str(self.file.given),
-                init_weights_kind=self.file.kind,
-                init_tensors=self.matched.total,
-                init_loaded=len(self.matched.loaded),
-                init_left_as_built=len(self.matched.left_new) + len(self.matched.mismatched),
+            record = replace(
+                record,
+                weights=str(self.file.given),
+                weights_kind=self.file.kind,
+                tensors=self.matched.total,
+                loaded=len(self.matched.loaded),
+                left_as_built=len(self.matched.left_new) + len(self.matched.mismatched),
             )
-        return fields
+        return record
 
     def report(self, resumed: Path | str | None) -> None:
         """One block before training: what was taken from the file, what stays as built and why, what of the file

@@ -307,25 +307,18 @@ def shown(value: Any) -> str:
     return "none" if value in (None, "") else str(value)
 
 
-# What a resume does not compare: the launch (a restarted torchrun counts up), the initial weights (a resume loads
-# none), the split sizes, the code of the SyncBN rule (its setting and outcome are compared), and the fields of the
-# plan that init.* sets after this comparison (finetune.Start.begin).
+# What a resume does not compare: the launch (a restarted torchrun counts up), the split sizes, the code of the SyncBN
+# rule (its setting and outcome are compared), and BatchNorm's fields that init.* sets after this comparison
+# (finetune.Start.begin, which adds the init record then: a record only one plan holds is not compared).
 NOT_COMPARED = (
     "dataset_sizes",
     "sync_batchnorm_rule",
     "launcher_kind",
     "launcher_restarts",
     "launcher_job",
-    "init_weights",
-    "init_weights_kind",
-    "init_module",
-    "init_tensors",
-    "init_loaded",
-    "init_left_as_built",
-    "init_frozen",
-    "init_freeze_bn",
-    "init_bn_batch_size",
+    "trained_bn_batch_size",
     "batchnorm_frozen",
+    "batchnorm_frozen_module",
     "batchnorm_unfrozen",
 )
 
@@ -348,7 +341,8 @@ SAME_TRAINING = (
     "log_every_n_steps",
 )
 # An extra's record (strategy=fsdp's sharding) says how this run computes: a change of one of its fields is said in
-# the resume's line as `<record>.<field>` (`sharding.mesh 4 -> 2, 2`), where both plans hold the record.
+# the resume's line as `<record>.<field>` (`sharding.mesh 4 -> 2, 2`), where both plans hold the record (the one of
+# an earlier version held none).
 # What a resume that trains further (or less: trainer.max_epochs, max_steps) asks for on purpose: said, not warned.
 RUN_LENGTH = ("total_steps",)
 # The plan's LR fields: a run reads them when fit starts (Plan.base_lrs), and compares them then (log_lr_changes).

@@ -88,7 +88,7 @@ def pitfall_warnings(
 def finetune_batchnorm_warning(plan: Plan) -> str | None:
     """Pretrained BatchNorm statistics (init.weights) updated with another number of samples per statistic than
     they were trained with: the running statistics drift from the ones the weights expect."""
-    trained, bn = plan.init_bn_batch_size, plan.bn_batch_size
+    trained, bn = plan.trained_bn_batch_size, plan.bn_batch_size
     if trained is None or bn is None or bn == trained:
         return None
     if bn > trained:

@@ -107,28 +107,21 @@ class Plan:
     launcher_restarts: int = 0
     launcher_job: str = ""
     log_every_n_steps: int | None = None  # resolved: `auto` is a number here; None is Lightning's default (50)
-    # init (finetune.py): the weights file as given and its kind, the module they go into ("" for the
-    # LightningModule), its tensors, how many were loaded from the file (None: a resume loads none) and left as
-    # built; the parameters init.freeze froze; init.freeze_bn.
-    init_weights: str = ""
-    init_weights_kind: str = ""
-    init_module: str = ""
-    init_tensors: int | None = None
-    init_loaded: int | None = None
-    init_left_as_built: int | None = None
-    init_frozen: int = 0
-    init_freeze_bn: bool = False
-    init_bn_batch_size: int | None = None  # the BatchNorm batch those weights were trained with, where it matters
-    batchnorm_frozen: bool = False  # init.freeze_bn over every BatchNorm layer: eval mode, no batch statistics
-    # init.freeze_bn over some: the BatchNorm layers outside init.module, which still compute batch statistics
+    # BatchNorm under init (finetune.py sets these): the batch the initial weights were trained with, where it matters;
+    # whether init.freeze_bn keeps every layer in eval mode (no batch statistics), else the module whose layers it
+    # keeps so (init.module) and the layers outside it, which still compute batch statistics.
+    trained_bn_batch_size: int | None = None
+    batchnorm_frozen: bool = False
+    batchnorm_frozen_module: str = ""
     batchnorm_unfrozen: tuple[str, ...] = ()
     parameters: int | None = None  # the model's parameters (None in a plan of an older version) ...
     trainable_parameters: int | None = None  # ... and those the optimizer trains
     # The module steps its optimizers itself (automatic_optimization=False): every step the plan counts (the LR
     # schedule, the step seed, trainer.max_steps, a resume) is a global batch, not an optimizer.step() call.
     manual_optimization: bool = False
-    # The records of the extras that shape this run (strategy=fsdp's sharding: distributed/fsdp.py), in the order
-    # they were added: plan.json holds each under its key, the printed plan shows their rows after the strategy.
+    # The records of the extras that shape this run (strategy=fsdp's sharding: distributed/fsdp.py; init's initial
+    # weights: finetune.py), in the order they were added: plan.json holds each under its key, the printed plan shows
+    # their rows after the strategy.
     records: tuple[PlanRecord, ...] = ()
 
     def split(self) -> BatchPlan:
@@ -177,9 +170,10 @@ class Plan:
     @classmethod
     def from_dict(cls, stored: Mapping[str, Any]) -> Plan:
         """The plan `to_dict` wrote (plan.json, a checkpoint's `scaleup.plan`), typed again. A key this version does
-        not know is left out (the sentences a plan before 0.3 stored, and the flat `sharding_*` fields of earlier
-        plans, too) and one an older plan lacks takes its field's default; a plan without a field that has none is
-        refused in one line. A mapping under a key that is no field is a record, kept as stored (StoredRecord)."""
+        not know is left out (the sentences a plan before 0.3 stored, and the flat `sharding_*` and `init_*` fields of
+        earlier plans, too) and one an older plan lacks takes its field's default; a plan without a field that has
+        none is refused in one line. A mapping under a key that is no field is a record, kept as stored
+        (StoredRecord)."""
         known = {spec.name: spec for spec in fields(cls)}
         values = {name: value for name, value in stored.items() if name in known and name != "records"}
         values["records"] = tuple(
@@ -215,7 +209,6 @@ class Plan:
             ("SyncBatchNorm", f"{'on' if self.sync_batchnorm else 'off'} ({self._sync_batchnorm_reason()})"),
             ("precision / strategy", f"{self.precision} / {self.strategy}"),
             *(row for record in self.records for row in record.rows(self)),
-            *([("initial weights", self._initial_weights_row())] if self._starts_from_weights() else []),
             ("TF32 / channels_last", f"{'on' if self.tf32 else 'off'} / {'on' if self.channels_last else 'off'}"),
             *([("early stopping", self._early_stopping_row())] if self.early_stopping_monitor else []),
             ("seed", str(self.seed)),
@@ -295,27 +288,6 @@ class Plan:
         row = LAUNCHERS.get(self.launcher_kind, self.launcher_kind)
         return row.format(restarts=self.launcher_restarts, job=self.launcher_job or "?", world_size=self.world_size)
 
-    def _starts_from_weights(self) -> bool:
-        return bool(self.init_weights or self.init_frozen or self.init_freeze_bn)
-
-    def _initial_weights_row(self) -> str:
-        """Where the weights came from and how many of the module's tensors they set; or that a resume loads none."""
-        parts = []
-        if self.init_weights and self.init_loaded is None:  # a resume, or a dry run without the file (its kind says)
-            why = self.init_weights_kind or "not loaded, the run resumes from its checkpoint (its trained weights)"
-            parts.append(f"{self.init_weights}: {why}")
-        elif self.init_weights:
-            parts.append(
-                f"{self.init_weights} ({self.init_weights_kind}) into {self.init_module or 'the LightningModule'}: "
-                f"{self.init_loaded} of {self.init_tensors} tensors loaded, {self.init_left_as_built} left as built"
-            )
-        if self.init_frozen:
-            parts.append(f"{self.init_frozen} parameters frozen (init.freeze)")
-        if self.init_freeze_bn:
-            where = f" in {self.init_module}" if self.batchnorm_unfrozen else ""
-            parts.append(f"BatchNorm{where} in eval mode: running statistics fixed (init.freeze_bn)")
-        return "; ".join(parts)
-
     def _lr_row(self) -> str:
         if self.base_lr is not None:
             return (
@@ -332,7 +304,8 @@ class Plan:
 def unfrozen_batchnorm(plan: Plan) -> str:
     """The BatchNorm layers that still compute batch statistics under init.freeze_bn, which keeps those in
     init.module in eval mode."""
-    return f"{shown(plan.batchnorm_unfrozen)} (init.freeze_bn keeps those in {plan.init_module} in eval mode)"
+    module = plan.batchnorm_frozen_module
+    return f"{shown(plan.batchnorm_unfrozen)} (init.freeze_bn keeps those in {module} in eval mode)"
 
 
 def known(value: Any) -> str:

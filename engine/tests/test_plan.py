@@ -157,7 +157,7 @@ def test_dry_run_goyal_plan_for_256_gpus(tmp_path, caplog):
     assert plan["world_size"] == 256 and plan["per_device_batch_size"] == 32 and plan["global_batch_size"] == 8192
     assert math.isclose(plan["lr"], 3.2) and plan["base_lr"] == 0.1 and plan["base_batch_size"] == 256
     assert plan["warmup_steps"] == 5 * spe and plan["total_steps"] == 90 * spe
-    assert plan["precision"] == "bf16-mixed"
+    assert plan["precision"] == "bf16-mixed" and "sharding" not in plan and "init" not in plan  # no extra's record
     # BN over 32 images per GPU, unsynced, as the recipe was tuned: no SyncBN, no BatchNorm warning
     assert (plan["sync_batchnorm"], plan["bn_batch_size"], plan["base_bn_batch_size"]) == (False, 32, 32)
     log = (tmp_path / "train.log").read_text()

@@ -340,9 +340,6 @@ SAME_TRAINING = (
     "channels_last",
     "log_every_n_steps",
 )
-# An extra's record (strategy=fsdp's sharding) says how this run computes: a change of one of its fields is said in
-# the resume's line as `<record>.<field>` (`sharding.mesh 4 -> 2, 2`), where both plans hold the record (the one of
-# an earlier version held none).
 # What a resume that trains further (or less: trainer.max_epochs, max_steps) asks for on purpose: said, not warned.
 RUN_LENGTH = ("total_steps",)
 # The plan's LR fields: a run reads them when fit starts (Plan.base_lrs), and compares them then (log_lr_changes).
@@ -384,7 +381,9 @@ def compared(plan: Plan | None) -> dict[str, Any]:
 
 
 def of_a_record(key: str) -> bool:
-    """Whether `key` of `compared` is a record's field (`<record>.<field>`; the plan's own fields have no dot)."""
+    """Whether `key` of `compared` is a record's field (`<record>.<field>`; the plan's own fields have no dot). An
+    extra's record (strategy=fsdp's sharding) says how the run computes the same training, as SAME_TRAINING does: a
+    change of one of its fields is said in the resume's line (`sharding.mesh 4 -> 2, 2`)."""
     return "." in key
 
 

@@ -163,13 +163,13 @@ def test_dry_run_goyal_plan_for_256_gpus(tmp_path, caplog):
     log = (tmp_path / "train.log").read_text()
     assert "3.2 @ 8192" in log and "BatchNorm statistics" not in log
     assert not (tmp_path / "checkpoints").exists()
-    # A resume of an FSDP checkpoint sharded over 8 processes on 2 nodes x 4: the log says what the record's values
-    # became; not the launch, which a restarted torchrun counts up. A plan of an earlier version, whose flat
-    # sharding fields are left out, compares no sharding.
+    # A resume over a mesh of 8 processes of an FSDP checkpoint sharded over 2 nodes x 4: the log says what the
+    # record's values became; not the launch, which a restarted torchrun counts up. A plan of an earlier version,
+    # whose flat sharding and init fields are left out, compares no sharding.
     sharding = {"units": ["net.0", "net.1"], "mesh": [8], "built_on_meta": True}
     now = {**plan, "sharding": sharding}
     sharded = {**now, "sharding": {**sharding, "mesh": [2, 4]}, "launcher_kind": "torchrun", "launcher_restarts": 2}
-    earlier = {**plan, "sharding_units": ["net.0"], "sharding_mesh": [2, 4], "built_on_meta": False}
+    earlier = {**plan, "sharding_units": ["net.0"], "sharding_mesh": [2, 4], "init_weights": "net.pt", "init_loaded": 3}
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="scaleup"):
         log_changes("last.ckpt", Plan.from_dict(sharded), Plan.from_dict(now))

@@ -170,14 +170,6 @@ class Sharding:
         return [("sharding", "; ".join(parts))]
 
 
-def sharding_of(model: nn.Module, shard_modules: Iterable[str] | None, mesh: tuple[int, ...], **how: Any) -> Sharding:
-    """How `model` is sharded over `mesh`: its units and roots, the parameter bytes of the model and of one rank's
-    shards; `how`: built_on_meta, gradient_sync."""
-    total, per_rank = bytes_per_rank(model, mesh[-1])
-    units, roots = tuple(unit_names(model, shard_modules)), tuple(name for name, _ in networks(model))
-    return Sharding(units, roots, tuple(mesh), total, per_rank, **how)
-
-
 def batch_norms(model: nn.Module) -> list[str]:
     """Names of the BatchNorm modules with weights in the model's networks."""
     return [
@@ -470,11 +462,12 @@ class FSDPStrategy(ModelParallelStrategy):
             Strategy.setup(self, trainer)
 
     def plan_record(self, model: nn.Module, *, on_meta: bool) -> Sharding:
-        """The plan's record of how this strategy shards `model` (`on_meta`: built on the meta device); the plan
-        asks the launch's strategy for it (plan/make.py)."""
-        return sharding_of(
-            model, self.shard_modules, self.mesh_shape, built_on_meta=on_meta, gradient_sync=self.sync_gradients
-        )
+        """The plan's record of how this strategy shards `model` (`on_meta`: built on the meta device): its units and
+        roots, the parameter bytes of the model and of one rank's shards. The plan asks the launch's strategy for it
+        (plan/make.py)."""
+        total, per_rank = bytes_per_rank(model, self.mesh_shape[-1])
+        units, roots = tuple(unit_names(model, self.shard_modules)), tuple(name for name, _ in networks(model))
+        return Sharding(units, roots, self.mesh_shape, total, per_rank, on_meta, self.sync_gradients)
 
     def sharding_mesh(self) -> Any:
         """The mesh `fully_shard` shards over: every rank (1-D), or (nodes, processes per node) for hybrid sharding,

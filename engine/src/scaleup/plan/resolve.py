@@ -155,10 +155,6 @@ class Plan:
         del plain["records"]
         return plain | {record.key: record.to_dict() for record in self.records}
 
-    def record(self, key: str) -> PlanRecord | None:
-        """The plan's record under `key` (plan.json's), if it has one."""
-        return next((record for record in self.records if record.key == key), None)
-
     def with_base_lrs(self, base_lrs: Mapping[str, float]) -> Plan:
         """The plan with each param group's base LR, the one LR they share (if they do) and its scaled peak."""
         distinct = set(base_lrs.values())

@@ -198,7 +198,6 @@ CORE_IMPORTS_OF_EXTRAS = {
     ("distributed.launch", "fsdp"),
     ("distributed.launch", "watch"),
     ("plan.make", "fsdp"),
-    ("train", "diagnostics"),
     ("train", "fine-tuning"),
     ("trainer", "auto batch size"),
     ("trainer", "fsdp"),

@@ -186,6 +186,8 @@ EXTRAS = {
     "equivalence": ("check_equivalence",),
     "auto batch size": ("plan.batch_probe",),
     "ema": ("callbacks.ema",),
+    "sweep check": ("config.sweep",),
+    "project tests": ("testing",),
 }
 # The core modules that still import an extra, each a place where the core switches an extra on itself: to be cut,
 # never added to (docs/architecture.md#where-the-cut-stands).

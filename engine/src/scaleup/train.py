@@ -139,7 +139,7 @@ def check_diagnostics_from(config: TrainConfig) -> None:
 
 def dry_run_report(config: TrainConfig, plan: Plan, cfg: DictConfig, accelerator: str) -> list[tuple[int, str]]:
     """What the `callbacks` group's callbacks add to a dry run's plan, as (log level, line): each one's
-    `dry_run_report(plan, config)` where it has one (TrainingDiagnostics: the speedup estimate from
+    `dry_run_report(config, plan, given)` where it has one (TrainingDiagnostics: the speedup estimate from
     `diagnostics_from`). Computed before the plan is written, so that a mistake it finds leaves nothing behind."""
     with config_errors("callbacks"):
         callbacks = instantiate_each(on_training_device(config.callbacks, accelerator))
@@ -148,7 +148,7 @@ def dry_run_report(config: TrainConfig, plan: Plan, cfg: DictConfig, accelerator
         entry
         for callback in callbacks
         if (hook := getattr(callback, "dry_run_report", None))
-        for entry in hook(plan.to_dict(), given)
+        for entry in hook(config, plan.to_dict(), given)
     ]
     if config.diagnostics_from is not None and not report:
         raise UserError(

@@ -9,7 +9,7 @@ import socket
 import sys
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
@@ -29,6 +29,9 @@ from scaleup.observability.step_time import (
     straggler_line,
     summary_lines,
 )
+
+if TYPE_CHECKING:
+    from scaleup.config.typed import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +148,11 @@ class TrainingDiagnostics(L.Callback):
         self._named: set[int] = set()  # the stragglers warned about, once each per run
         self._reported = False  # the loader line, once per run
 
-    def dry_run_report(self, plan: dict[str, Any], config: dict[str, Any]) -> list[tuple[int, str]]:
-        """What a dry run prints after its plan: with `diagnostics_from=<run dir>`, the estimate of this plan's step
-        time from that run's measured figures (observability/speedup.py)."""
-        source = config.get("diagnostics_from")
-        return [] if source is None else speedup_report(source, plan, config)
+    def dry_run_report(self, config: TrainConfig, plan: dict[str, Any], given: dict[str, Any]) -> list[tuple[int, str]]:
+        """What a dry run prints after its plan (`given`: its config as composed): with `diagnostics_from=<run dir>`,
+        the estimate of this plan's step time from that run's measured figures (observability/speedup.py)."""
+        source = config.diagnostics_from
+        return [] if source is None else speedup_report(source, plan, given)
 
     def closing_lines(self, trainer: L.Trainer, metrics: dict[str, Any]) -> list[str]:
         """The run's last lines, from its metrics.json: where its step time went, and what to do about it

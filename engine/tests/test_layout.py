@@ -202,7 +202,6 @@ CORE_IMPORTS_OF_EXTRAS = {
     ("plan.make", "fsdp"),
     ("train", "fine-tuning"),
     ("trainer", "auto batch size"),
-    ("trainer", "fsdp"),
 }
 
 

@@ -233,7 +233,7 @@ def test_the_core_imports_no_extra_but_the_listed_ones():
 
 
 # The extras cut loose: engine/tests/test_removable_extras.py runs the engine with them deleted.
-REMOVABLE = ("ema", "equivalence", "search")
+REMOVABLE = ("ema", "equivalence", "search", "project tests")
 
 
 def test_no_module_outside_a_removable_extra_imports_it():

@@ -92,7 +92,7 @@ def train_in(cfg: DictConfig, run_dir: Path, failure: FailureRecord) -> dict[str
     # The run's one Trainer, before the plan is printed: a `trainer.*` value Lightning refuses is one line first.
     # Constructing it starts no process (Lightning's launcher starts them in fit).
     job = None if config.dry_run else build_trainer(config, plan, topology, launch.strategy, run_dir)
-    report = dry_run_report(config, plan, cfg, topology.accelerator) if job is None else []
+    report = dry_run_report(config, plan, cfg, topology.accelerator) if config.diagnostics_from else []
     if rank_zero_only.rank == 0:
         announce(plan, config, run_dir, datamodule)
         for level, line in report:
@@ -138,9 +138,10 @@ def check_diagnostics_from(config: TrainConfig) -> None:
 
 
 def dry_run_report(config: TrainConfig, plan: Plan, cfg: DictConfig, accelerator: str) -> list[tuple[int, str]]:
-    """What the `callbacks` group's callbacks add to a dry run's plan, as (log level, line): each one's
-    `dry_run_report(config, plan, given)` where it has one (TrainingDiagnostics: the speedup estimate from
-    `diagnostics_from`). Computed before the plan is written, so that a mistake it finds leaves nothing behind."""
+    """What the `callbacks` group's callbacks add to a dry run's plan for `diagnostics_from`, as (log level, line):
+    each one's `dry_run_report(config, plan, given)` where it has one (TrainingDiagnostics: the speedup estimate).
+    Computed before the plan is written, so that a mistake it finds leaves nothing behind. Only then are the
+    callbacks built in a dry run: it plans a cluster's job on a laptop, where a callback's package may be missing."""
     with config_errors("callbacks"):
         callbacks = instantiate_each(on_training_device(config.callbacks, accelerator))
     given = OmegaConf.to_container(cfg)

@@ -121,6 +121,12 @@ CASES = [
         "diagnostics_from={tmp}/missing is not a directory: pass the directory",
     ),
     (
+        "diagnostics_from without the diagnostics callback",
+        "train",
+        ["diagnostics_from={tmp}/run", "dry_run=true", "callbacks=[]"],
+        "diagnostics_from={tmp}/run: no callback of this run estimates from it; the diagnostics callback does",
+    ),
+    (
         "indivisible batch",
         "train",
         ["data.global_batch_size=100", "trainer.accelerator=cpu", "trainer.devices=3", "dry_run=true"],

@@ -186,6 +186,8 @@ EXTRAS = {
     "equivalence": ("check_equivalence",),
     "auto batch size": ("plan.batch_probe",),
     "ema": ("callbacks.ema",),
+    "sweep check": ("config.sweep",),
+    "project tests": ("testing",),
 }
 # The core modules that still import an extra, each a place where the core switches an extra on itself: to be cut,
 # never added to (docs/architecture.md#where-the-cut-stands).
@@ -197,10 +199,8 @@ CORE_IMPORTS_OF_EXTRAS = {
     ("checkpoints.io", "fsdp"),
     ("distributed.launch", "fsdp"),
     ("distributed.launch", "watch"),
-    ("train", "diagnostics"),
     ("train", "fine-tuning"),
     ("trainer", "auto batch size"),
-    ("trainer", "fsdp"),
 }
 
 
@@ -232,7 +232,7 @@ def test_the_core_imports_no_extra_but_the_listed_ones():
 
 
 # The extras cut loose: engine/tests/test_removable_extras.py runs the engine with them deleted.
-REMOVABLE = ("ema", "equivalence", "search")
+REMOVABLE = ("ema", "equivalence", "search", "project tests")
 
 
 def test_no_module_outside_a_removable_extra_imports_it():

@@ -18,30 +18,21 @@ from scaleup.callbacks.loop_repairs import ignore_unresumable_loader_warning
 from scaleup.callbacks.preemption import FailureRecord
 from scaleup.checkpoints.resume import ResumePoint, check_run_dir, resume_point
 from scaleup.config.outputs import check_outputs
-from scaleup.config.plain import write_yaml
+from scaleup.config.plain import instantiate_each, write_yaml
 from scaleup.config.typed import TrainConfig, train_config
 from scaleup.data.datamodule import GlobalBatchDataModule
 from scaleup.distributed.launch import check_launch, prepare_launch, shards_the_model, watch_the_set_up
 from scaleup.distributed.process_group import shut_down_process_group
-from scaleup.errors import UserError, in_search
+from scaleup.errors import UserError, config_errors, in_search
 from scaleup.finetune import prepare_start
 from scaleup.observability.loggers import close_loggers
 from scaleup.observability.quiet import quiet_reattached_callbacks
 from scaleup.observability.rows import log_rows
-from scaleup.observability.speedup import (
-    Measured,
-    differences,
-    differences_line,
-    estimate_lines,
-    measured_run,
-    target_of,
-)
-from scaleup.observability.step_time import loader_workers, summary_lines
 from scaleup.plan.checks import own_train_loader_warning, pitfall_warnings
 from scaleup.plan.make import make_plan
 from scaleup.plan.resolve import Plan
 from scaleup.plan.topology import resolve_topology
-from scaleup.trainer import build_trainer, check_trainer_arguments, check_validation_interval
+from scaleup.trainer import build_trainer, check_trainer_arguments, check_validation_interval, on_training_device
 
 log = logging.getLogger("scaleup")
 
@@ -68,7 +59,7 @@ def train_in(cfg: DictConfig, run_dir: Path, failure: FailureRecord) -> dict[str
     check_launch(topology, dry_run=config.dry_run)
     if not config.dry_run:
         watch_the_set_up(config.strategy, topology, run_dir, multirun=HydraConfig.get().mode == RunMode.MULTIRUN)
-    measured = measured_diagnostics(config)  # a previous run's step times, read before anything is built
+    check_diagnostics_from(config)
     # Same seed on every rank before the data and the model are built: the same splits (also where a data module
     # splits with the global random state) and identical initial weights everywhere.
     L.seed_everything(config.seed, workers=True, verbose=False)
@@ -101,14 +92,12 @@ def train_in(cfg: DictConfig, run_dir: Path, failure: FailureRecord) -> dict[str
     # The run's one Trainer, before the plan is printed: a `trainer.*` value Lightning refuses is one line first.
     # Constructing it starts no process (Lightning's launcher starts them in fit).
     job = None if config.dry_run else build_trainer(config, plan, topology, launch.strategy, run_dir)
+    report = dry_run_report(config, plan, cfg, topology.accelerator) if config.diagnostics_from else []
     if rank_zero_only.rank == 0:
         announce(plan, config, run_dir, datamodule)
+        for level, line in report:
+            log.log(level, line)
     if job is None:  # a dry run
-        if measured is not None and rank_zero_only.rank == 0:
-            if found := differences(config.diagnostics_from, plan.to_dict(), OmegaConf.to_container(cfg)):
-                log.warning(differences_line(found, config.diagnostics_from))
-            for line in estimate_lines(measured, target_of(plan.to_dict()), config.diagnostics_from):
-                log.info(line)
         return plan.to_dict()
 
     trainer = job.trainer
@@ -132,27 +121,42 @@ def train_in(cfg: DictConfig, run_dir: Path, failure: FailureRecord) -> dict[str
     # Read back what rank 0 wrote: with ddp_spawn, training and testing ran in child processes.
     metrics = json.loads((run_dir / "metrics.json").read_text())
     summarise(run_dir, metrics, best, config.monitor.metric)
-    in_memory = getattr(datamodule, "in_memory", False)
-    workers = loader_workers(datamodule)
-    manual = plan.manual_optimization
-    for line in summary_lines(
-        metrics, workers=workers, in_memory=in_memory, devices_per_node=plan.devices, manual_optimization=manual
-    ):
-        log.info(line)  # the run's last lines: where its step time went, and what to do about it
+    for callback in trainer.callbacks:  # the run's last lines: a callback's own findings (TrainingDiagnostics')
+        for line in getattr(callback, "closing_lines", lambda *_: [])(trainer, metrics):
+            log.info(line)
     return metrics
 
 
-def measured_diagnostics(config: TrainConfig) -> Measured | None:
-    """The measured run `diagnostics_from` names, for a dry run's speedup estimate; a UserError without a dry run
-    (a training run would ignore it)."""
-    if config.diagnostics_from is None:
-        return None
-    if not config.dry_run:
+def check_diagnostics_from(config: TrainConfig) -> None:
+    """`diagnostics_from` names a measured run for a dry run's speedup estimate: a UserError without a dry run (a
+    training run would ignore it)."""
+    if config.diagnostics_from is not None and not config.dry_run:
         raise UserError(
             f"diagnostics_from={config.diagnostics_from} is read by a dry run only: add dry_run=true to get the "
             "speedup estimate for this topology"
         )
-    return measured_run(config.diagnostics_from)
+
+
+def dry_run_report(config: TrainConfig, plan: Plan, cfg: DictConfig, accelerator: str) -> list[tuple[int, str]]:
+    """What the `callbacks` group's callbacks add to a dry run's plan for `diagnostics_from`, as (log level, line):
+    each one's `dry_run_report(config, plan, given)` where it has one (TrainingDiagnostics: the speedup estimate).
+    Computed before the plan is written, so that a mistake it finds leaves nothing behind. Only then are the
+    callbacks built in a dry run: it plans a cluster's job on a laptop, where a callback's package may be missing."""
+    with config_errors("callbacks"):
+        callbacks = instantiate_each(on_training_device(config.callbacks, accelerator))
+    given = OmegaConf.to_container(cfg)
+    report = [
+        entry
+        for callback in callbacks
+        if (hook := getattr(callback, "dry_run_report", None))
+        for entry in hook(config, plan.to_dict(), given)
+    ]
+    if config.diagnostics_from is not None and not report:
+        raise UserError(
+            f"diagnostics_from={config.diagnostics_from}: no callback of this run estimates from it; the diagnostics "
+            "callback does (callbacks.diagnostics, in callbacks=default)"
+        )
+    return report
 
 
 def announce(plan: Plan, config: TrainConfig, run_dir: Path, datamodule: GlobalBatchDataModule) -> None:

@@ -39,12 +39,10 @@ from scaleup.compat.gates import (
     SIGTERM_HANDLER,
     require,
 )
-from scaleup.compat.precision import model_parallel_precision
 from scaleup.config.plain import instantiate_each
 from scaleup.config.schema import Checkpointing, Monitor, TrainerArgs, render
 from scaleup.config.typed import TrainConfig, values
 from scaleup.distributed.clusters import cluster_plugins
-from scaleup.distributed.fsdp import FSDPStrategy
 from scaleup.errors import UserError, config_errors, first_line
 from scaleup.observability.quiet import quiet
 from scaleup.plan.batch_probe import AutoBatchSize
@@ -291,8 +289,9 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
         **planned_length(plan),
     }
     plugins: list[Any] = [AtomicCheckpointIO(), *cluster_plugins()]  # a PyTorchJob's ranks: distributed/clusters.py
-    if isinstance(strategy, FSDPStrategy):
-        trainer_kwargs["precision"], precision_plugins = model_parallel_precision(plan.precision)
+    # A strategy that states how the Trainer takes the precision has its say (FSDP's: float64 as a plugin).
+    if (precision_of := getattr(strategy, "trainer_precision", None)) is not None:
+        trainer_kwargs["precision"], precision_plugins = precision_of(plan.precision)
         plugins += precision_plugins
     # The run's one Trainer, constructed before the plan is printed: Lightning checks the config's `trainer.*` values
     # here. A value it refuses is one line (refuse_trainer_arguments names it); any other failure is a bug.

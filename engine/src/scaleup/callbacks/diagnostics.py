@@ -9,7 +9,7 @@ import socket
 import sys
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
@@ -20,7 +20,18 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
-from scaleup.observability.step_time import RankTimes, find_straggler, loader_workers, rank_metrics, straggler_line
+from scaleup.observability.speedup import speedup_report
+from scaleup.observability.step_time import (
+    RankTimes,
+    find_straggler,
+    loader_workers,
+    rank_metrics,
+    straggler_line,
+    summary_lines,
+)
+
+if TYPE_CHECKING:
+    from scaleup.config.typed import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +147,24 @@ class TrainingDiagnostics(L.Callback):
         self._hosts: list[str] = []
         self._named: set[int] = set()  # the stragglers warned about, once each per run
         self._reported = False  # the loader line, once per run
+
+    def dry_run_report(self, config: TrainConfig, plan: dict[str, Any], given: dict[str, Any]) -> list[tuple[int, str]]:
+        """What a dry run prints after its plan (`given`: its config as composed): with `diagnostics_from=<run dir>`,
+        the estimate of this plan's step time from that run's measured figures (observability/speedup.py)."""
+        source = config.diagnostics_from
+        return [] if source is None else speedup_report(source, plan, given)
+
+    def closing_lines(self, trainer: L.Trainer, metrics: dict[str, Any]) -> list[str]:
+        """The run's last lines, from its metrics.json: where its step time went, and what to do about it
+        (observability/step_time.py)."""
+        datamodule = trainer.datamodule
+        return summary_lines(
+            metrics,
+            workers=loader_workers(datamodule),
+            in_memory=getattr(datamodule, "in_memory", False),
+            devices_per_node=trainer.num_devices,
+            manual_optimization=not trainer.lightning_module.automatic_optimization,
+        )
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._hosts = host_names(trainer.world_size)

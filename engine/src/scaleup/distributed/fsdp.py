@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 from scaleup.checkpoints.background import BackgroundSaver, split
 from scaleup.checkpoints.sharded import save_sharded
 from scaleup.compat.gates import ACTIVATION_CHECKPOINTING, require
+from scaleup.compat.precision import model_parallel_precision
 from scaleup.distributed.meta_init import META, MetaInit, materialize_shards, tensors_of
 from scaleup.errors import UserError
 from scaleup.plan.checks import BATCH_NORMS
@@ -428,6 +429,12 @@ class FSDPStrategy(ModelParallelStrategy):
         self._measured = False
         self._total_parameter_bytes = 0
         self.async_save = async_save
+
+    @staticmethod
+    def trainer_precision(precision: str) -> tuple[str | None, list[Any]]:
+        """(Trainer's `precision`, precision plugins) for the planned `precision` (compat/precision.py: Lightning
+        refuses the float64 flag with this strategy, and takes the plugin)."""
+        return model_parallel_precision(precision)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """The optimizer step; after the run's first, every rank measures what it holds (gradients still there)."""

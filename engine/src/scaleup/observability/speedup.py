@@ -22,6 +22,7 @@ accelerator, it says so first, loudly (`differences`).
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -272,3 +273,13 @@ def differences_line(found: list[str], source: str) -> str:
         "is for its model, data, precision and accelerator on the planned devices: measure a short run of this one "
         "and estimate from it"
     )
+
+
+def speedup_report(source: str, plan: dict[str, Any], config: Mapping[str, Any]) -> list[tuple[int, str]]:
+    """A dry run's estimate from the measured run in `source` for its plan (`plan`, `config`: Plan.to_dict() and the
+    resolved config), as (log level, line): a warning first where the measured run is another run. A UserError
+    where `source` holds no measured run."""
+    measured = measured_run(source)
+    found = differences(source, plan, config)
+    warning = [(logging.WARNING, differences_line(found, source))] if found else []
+    return warning + [(logging.INFO, line) for line in estimate_lines(measured, target_of(plan), source)]

@@ -197,7 +197,6 @@ CORE_IMPORTS_OF_EXTRAS = {
     ("build", "fsdp"),
     ("callbacks.preemption", "watch"),
     ("checkpoints.io", "fsdp"),
-    ("distributed.launch", "fsdp"),
     ("distributed.launch", "watch"),
     ("train", "fine-tuning"),
     ("trainer", "auto batch size"),

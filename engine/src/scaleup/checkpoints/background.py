@@ -28,22 +28,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from scaleup.checkpoints.sharded import METADATA, PARTIAL, beside, complete, prepare
-from scaleup.errors import UserError
 
 log = logging.getLogger("scaleup")
-
-
-def resolve_async_save(setting: bool | str, sharded: bool) -> bool:
-    """`checkpoint.async_save` for this run. `auto`: on where checkpoints are sharded (strategy=fsdp on more than
-    one process). A one-file checkpoint keeps ModelCheckpoint's atomic save, written before training goes on."""
-    if setting == "auto":
-        return sharded
-    if setting and not sharded:
-        raise UserError(
-            "checkpoint.async_save=true writes sharded checkpoints (strategy=fsdp on 2 or more processes) in the "
-            "background; this run writes one-file checkpoints, which are saved at once: use auto or false"
-        )
-    return bool(setting)
 
 
 def split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

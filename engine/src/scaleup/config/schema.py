@@ -168,7 +168,7 @@ class Strategy(ClosedSection):
     def known_keys(cls, section: Mapping[str, Any]) -> list[str]:
         """The keys every option has (COMMON_KEYS) and those of strategy.name's own option (scaleup/conf/strategy/);
         without a valid name, every key (the name's own message says what is wrong)."""
-        fsdp = [key for key in cls.model_fields if key not in (*COMMON_KEYS, *DDP_KEYS)]
+        fsdp = ["_target_", *(key for key in cls.model_fields if key not in (*COMMON_KEYS, *DDP_KEYS))]
         own = {"ddp": DDP_KEYS, "ddp_spawn": DDP_KEYS, "fsdp": fsdp}.get(section.get("name"), [*DDP_KEYS, *fsdp])
         return [*COMMON_KEYS, *own]
 

@@ -392,7 +392,11 @@ class FSDPStrategy(ModelParallelStrategy):
     """Lightning's ModelParallelStrategy, data parallel over every process, that shards the module itself.
 
     A module whose own `configure_model` already sharded it (DTensor parameters) is left as it is.
-    Checkpoints are sharded directories, written atomically (checkpoints/sharded.py).
+    Checkpoints are sharded directories, written atomically (checkpoints/sharded.py), by default in the background
+    (`async_save`: checkpoint.async_save, auto or true).
+
+    Built by strategy=fsdp's `_target_` (scaleup/conf/strategy/fsdp.yaml) with that option's keys, on 2 or more
+    processes (distributed/launch.py's build_strategy gives the topology, the timeout and the meta build's recording).
     """
 
     def __init__(
@@ -407,7 +411,7 @@ class FSDPStrategy(ModelParallelStrategy):
         cpu_offload: bool = False,
         activation_checkpointing: bool = False,
         timeout: timedelta,
-        async_save: bool = False,
+        async_save: bool | str = "auto",
         recording: MetaInit | None = None,
     ) -> None:
         super().__init__(data_parallel_size=world_size, tensor_parallel_size=1, timeout=timeout)
@@ -428,7 +432,7 @@ class FSDPStrategy(ModelParallelStrategy):
         self._background_saver: BackgroundSaver | None = None
         self._measured = False
         self._total_parameter_bytes = 0
-        self.async_save = async_save
+        self.async_save = async_save in (True, "auto")  # checkpoint.async_save: auto is on here
 
     @staticmethod
     def trainer_precision(precision: str) -> tuple[str | None, list[Any]]:

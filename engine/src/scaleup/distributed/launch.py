@@ -9,9 +9,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hydra.utils import instantiate
 from lightning.pytorch.strategies import DDPStrategy
 
-from scaleup.checkpoints.background import resolve_async_save
 from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.config.typed import values
 from scaleup.distributed.clusters import Launcher, check_one_process_per_pod, launched_world_size, launcher_of
@@ -21,7 +21,6 @@ from scaleup.plan.topology import Topology
 
 if TYPE_CHECKING:
     from scaleup.config.schema import Strategy
-    from scaleup.distributed.meta_init import MetaInit
 
 log = logging.getLogger("scaleup")
 
@@ -80,10 +79,11 @@ def prepare_launch(
     multirun: bool,
     dry_run: bool,
     async_save: bool | str = "auto",
-    recording: MetaInit | None = None,
+    recording: object = None,
 ) -> Launch:
     """Build the strategy, once the model is: FSDP takes the recorded build of a model made on the meta device
-    (`recording`). `async_save`: `checkpoint.async_save`."""
+    (`recording`, which the core passes on unread: distributed/meta_init.py's MetaInit). `async_save`:
+    `checkpoint.async_save`."""
     with config_errors("strategy"):
         built, name = build_strategy(
             strategy, topology.world_size, multirun, async_save, num_nodes=topology.num_nodes, recording=recording
@@ -103,7 +103,7 @@ def build_strategy(
     multirun: bool,
     async_save: bool | str = "auto",
     num_nodes: int = 1,
-    recording: MetaInit | None = None,
+    recording: object = None,
 ) -> tuple[Any, str]:
     """The Trainer's `strategy` argument and a name for the plan, from the `strategy` config group.
 
@@ -118,24 +118,26 @@ def build_strategy(
     # meta_init: how the job builds the model (build.py); hang_timeout_minutes: the watchdog's (callbacks/preemption.py)
     engine_keys = ("name", "timeout_minutes", "hang_timeout_minutes", "meta_init")
     options = {key: value for key, value in values(strategy).items() if key not in engine_keys}
-    in_background = resolve_async_save(async_save, sharded=shards_the_model(strategy, world_size))
-    if name == "fsdp":
-        from scaleup.distributed.fsdp import FSDPStrategy
-
-        # One process has nothing to shard: it trains as DDP's single process does, and writes one file.
-        if world_size == 1:
-            return "auto", "auto"
-        return (
-            FSDPStrategy(
-                world_size=world_size,
-                num_nodes=num_nodes,
-                timeout=timeout,
-                async_save=in_background,
-                recording=recording,
-                **options,
-            ),
-            name,
+    # An option that names its own Lightning strategy (strategy=fsdp: distributed/fsdp.py's), built on 2 or more
+    # processes: one process has nothing to shard, it trains as DDP's single process does and writes one file.
+    if "_target_" in options and world_size > 1:
+        built = instantiate(
+            options,
+            world_size=world_size,
+            num_nodes=num_nodes,
+            timeout=timeout,
+            async_save=async_save,
+            recording=recording,
+            _convert_="all",
         )
+        return built, name
+    if async_save is True:
+        raise UserError(
+            "checkpoint.async_save=true writes sharded checkpoints (strategy=fsdp on 2 or more processes) in the "
+            "background; this run writes one-file checkpoints, which are saved at once: use auto or false"
+        )
+    if "_target_" in options:
+        return "auto", "auto"
     if name not in ("ddp", "ddp_spawn"):
         raise UserError(f"strategy.name={name} is not one of ddp, ddp_spawn, fsdp")
     if world_size == 1:

@@ -34,6 +34,7 @@ from conftest import (
     WIDE,
     assert_same_weights,
     check,
+    engine_option,
     engine_section,
     files_written,
     in_process,
@@ -48,7 +49,7 @@ from scaleup.checkpoints.io import load_checkpoint, remove_interrupted_writes
 from scaleup.checkpoints.sharded import save_sharded
 from scaleup.distributed.fsdp import Sharding, bytes_per_rank, unit_names
 from scaleup.distributed.launch import build_strategy
-from scaleup.errors import as_user_error
+from scaleup.errors import UserError, as_user_error
 from scaleup.plan.resolve import Plan
 from testbed.models import ImageClassifier
 
@@ -365,6 +366,17 @@ def test_async_save_is_on_where_checkpoints_are_sharded(strategy, devices, setti
         engine_section(f"strategy/{strategy}"), world_size=devices, multirun=False, async_save=setting
     )
     assert getattr(built, "async_save", False) is in_background
+
+
+def test_a_strategy_group_named_fsdp_without_its_target_is_one_line():
+    """strategy=fsdp's YAML names its Lightning strategy (`_target_`); a group of the user's own that leaves it out
+    is told to start from the engine's option, not that fsdp is an unknown name."""
+    from scaleup.config.schema import Strategy
+    from scaleup.config.typed import section
+
+    option = {key: value for key, value in engine_option("strategy/fsdp").items() if key != "_target_"}
+    with pytest.raises(UserError, match=r"strategy.name=fsdp: this strategy group names no Lightning strategy"):
+        build_strategy(section(Strategy, option), world_size=2, multirun=False)
 
 
 def test_default_units_are_the_blocks_of_every_network_and_classes_select_others():

@@ -139,7 +139,10 @@ def build_strategy(
     if "_target_" in options:
         return "auto", "auto"
     if name not in ("ddp", "ddp_spawn"):
-        raise UserError(f"strategy.name={name} is not one of ddp, ddp_spawn, fsdp")
+        raise UserError(
+            f"strategy.name={name}: this strategy group names no Lightning strategy (_target_); start it from the "
+            f"engine's option (defaults: [{name}, _self_] at its top), or choose strategy={name}"
+        )
     if world_size == 1:
         return "auto", "auto"
     if name == "ddp" and multirun and launched_world_size() is None:  # srun (submitit) started every process

@@ -5,11 +5,14 @@ import math
 import time
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from scaleup.callbacks.diagnostics import TrainingDiagnostics, compute_dtype, loader_workers_needed
+from scaleup.observability import figures
 from scaleup.observability.figures import ClassificationFigures
 
 
@@ -178,8 +181,39 @@ def test_figures_of_a_test_on_dict_batches_are_skipped_not_a_crash(tmp_path):
 
     figures = ClassificationFigures()
     trainer = L.Trainer(
-        callbacks=[figures], logger=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )  # fmt: skip
+        callbacks=[figures], logger=TensorBoardLogger(tmp_path), enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip  # a logger that takes images: without one the figures are not even looked at
     trainer.test(TestedOnDicts(), DataLoader(DictData(0.0), batch_size=4), verbose=False)
     assert "test/loss" in trainer.callback_metrics
+
+
+class TestedOnPairs(Tiny):
+    """Tiny on one-channel 2 x 4 images: a classifier's (images, labels) batches."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.flatten(1))
+
+    def test_step(self, batch, batch_idx):
+        self.log("test/loss", torch.nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+
+@pytest.mark.parametrize(("logger", "drawn"), [(False, []), (None, ["confusion matrix", "misclassified"])])
+def test_figures_are_drawn_only_for_a_logger_that_takes_images(logger, drawn, tmp_path, monkeypatch):
+    """Without a logger that takes images (logger=none, CSV) a test draws nothing: matplotlib's drawing would take a
+    second and show nowhere. With TensorBoard (None: a TensorBoardLogger in tmp_path) it draws both figures."""
+    figures_drawn = []
+
+    def drawing(figure):
+        figures_drawn.append("confusion matrix" if "confusion" in figure.axes[0].get_title() else "misclassified")
+        return np.zeros((1, 1, 3), dtype=np.uint8)
+
+    monkeypatch.setattr(figures, "render", drawing)
+    trainer = L.Trainer(
+        callbacks=[ClassificationFigures()], logger=TensorBoardLogger(tmp_path) if logger is None else logger,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    torch.manual_seed(0)  # an untrained model on random labels: some of the 32 samples are misclassified
+    images = TensorDataset(torch.randn(32, 1, 2, 4), torch.arange(32) % 2)
+    trainer.test(TestedOnPairs(), DataLoader(images, batch_size=8), verbose=False)
+    assert figures_drawn == drawn

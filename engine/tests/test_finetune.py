@@ -43,6 +43,7 @@ FROZEN = ["0.weight", "1.weight", "1.bias", "3.weight", "4.weight", "4.bias"]
 RECIPE = [
     *QUICK,
     "trainer.max_epochs=1",
+    "logger=none",  # nothing here reads TensorBoard (and without it no test-time figures are drawn)
     "trainer.precision=64-true",
     "model.optimizer.lr=0.02",
     "init.skip=[13]",
@@ -75,7 +76,7 @@ def source(tmp_path_factory) -> Path:
     """One epoch of digits (float32, BatchNorm) and its export, net.pt."""
 
     def make(run_dir: Path) -> None:
-        in_process([*QUICK, "trainer.max_epochs=1", f"hydra.run.dir={run_dir}"])
+        in_process([*QUICK, "trainer.max_epochs=1", "logger=none", f"hydra.run.dir={run_dir}"])
         in_process([f"ckpt_path={run_dir}", f"output_path={run_dir / 'net.pt'}"], job="export")
 
     return made_once(tmp_path_factory, "finetune-source", make)

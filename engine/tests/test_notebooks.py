@@ -5,9 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from conftest import ROOT, clean_env
 
@@ -19,6 +17,9 @@ def execute(name: str, **env: str) -> tuple[str, int]:
 
     The kernel draws with matplotlib's inline backend: PNGs in the outputs, no display needed.
     """
+    import nbformat  # here, not at the top: collecting the suite imports no Jupyter
+    from nbclient import NotebookClient
+
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), "outputs not stripped"
     client = NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": NOTEBOOKS}})

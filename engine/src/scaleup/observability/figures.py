@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torchmetrics.classification import MulticlassConfusionMatrix
 
-from scaleup.observability.loggers import log_image
+from scaleup.observability.loggers import log_image, takes_images
 
 
 class ClassificationFigures(L.Callback):
@@ -25,7 +25,8 @@ class ClassificationFigures(L.Callback):
     The logits come from a forward hook on the LightningModule (its `forward` must return them), so nothing
     is computed twice; batches other than (images, labels), such as dicts, draw no figure. Above `max_classes`
     classes the matrix is skipped: unreadable as an image, and gathering it from every process would cost memory
-    (1000 classes are 8 MB per process).
+    (1000 classes are 8 MB per process). A run without a logger that takes images (`logger=none`, CSV) draws
+    nothing: matplotlib's drawing takes about a second per test.
     """
 
     def __init__(self, max_samples: int = 16, max_classes: int = 50) -> None:
@@ -36,8 +37,9 @@ class ClassificationFigures(L.Callback):
         self._wrong: list[tuple[torch.Tensor, int, int]] = []
 
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._hook = pl_module.register_forward_hook(self._keep_logits)
         self._confusion, self._wrong = None, []
+        if takes_images(trainer):  # else no logits are kept, no batch is looked at, nothing is gathered or drawn
+            self._hook = pl_module.register_forward_hook(self._keep_logits)
 
     def _keep_logits(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
         self._logits = output
@@ -75,8 +77,9 @@ class ClassificationFigures(L.Callback):
             log_image(trainer, "test/misclassified", samples_image(self._wrong))
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._hook.remove()
-        self._logits = self._confusion = None
+        if self._hook is not None:
+            self._hook.remove()
+        self._logits = self._confusion = self._hook = None
         self._wrong = []
 
 

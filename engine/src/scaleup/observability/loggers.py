@@ -62,8 +62,18 @@ class ContinuedMLFlowLogger(MLFlowLogger):
         pass
 
 
+IMAGE_LOGGERS = (TensorBoardLogger, WandbLogger, MLFlowLogger)  # the loggers `log_image` writes images to
+
+
+def takes_images(trainer: L.Trainer) -> bool:
+    """Whether one of the run's loggers takes images (every process has the same loggers: the answer is the same
+    on all of them)."""
+    return any(isinstance(logger, IMAGE_LOGGERS) for logger in trainer.loggers)
+
+
 def log_image(trainer: L.Trainer, tag: str, image: np.ndarray) -> None:
-    """An RGB uint8 image (height, width, 3) to every logger that takes images, at the current global step."""
+    """An RGB uint8 image (height, width, 3) to every logger that takes images (IMAGE_LOGGERS), at the current global
+    step."""
     step = trainer.global_step
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):

@@ -1106,6 +1106,16 @@ def test_schema_messages(config, job, message, complete):
     assert str(raised.value) == message
 
 
+def test_an_init_group_of_your_own_without_the_engines_target_is_one_line(complete):
+    """init's option names the part that does its keys (`_target_: scaleup.finetune.prepare_start`): a group of the
+    user's own that leaves it out is told to start from the engine's option."""
+    config = complete({"init": {}}, "train")
+    del config["init"]["_target_"]
+    with pytest.raises(UserError) as raised:
+        validate_config(config, "train")
+    assert str(raised.value).startswith("init._target_ is missing: the engine's init options set it; start a group")
+
+
 @pytest.mark.parametrize(
     ("config", "override", "message"),
     [

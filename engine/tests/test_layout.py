@@ -210,7 +210,6 @@ CORE_IMPORTS_OF_EXTRAS = {
     ("callbacks.preemption", "watch"),
     ("checkpoints.io", "fsdp"),
     ("distributed.launch", "watch"),
-    ("train", "fine-tuning"),
     ("trainer", "auto batch size"),
 }
 

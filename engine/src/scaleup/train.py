@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from hydra.utils import get_method
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,12 +20,11 @@ from scaleup.callbacks.preemption import FailureRecord
 from scaleup.checkpoints.resume import ResumePoint, check_run_dir, resume_point
 from scaleup.config.outputs import check_outputs
 from scaleup.config.plain import instantiate_each, write_yaml
-from scaleup.config.typed import TrainConfig, train_config
+from scaleup.config.typed import TrainConfig, target, train_config
 from scaleup.data.datamodule import GlobalBatchDataModule
 from scaleup.distributed.launch import check_launch, prepare_launch, shards_the_model, watch_the_set_up
 from scaleup.distributed.process_group import shut_down_process_group
 from scaleup.errors import UserError, config_errors, in_search
-from scaleup.finetune import prepare_start
 from scaleup.observability.loggers import close_loggers
 from scaleup.observability.quiet import quiet_reattached_callbacks
 from scaleup.observability.rows import log_rows
@@ -65,7 +65,9 @@ def train_in(cfg: DictConfig, run_dir: Path, failure: FailureRecord) -> dict[str
     L.seed_everything(config.seed, workers=True, verbose=False)
     on_meta = shards_the_model(config.strategy, topology.world_size) and config.strategy.meta_init
     datamodule, model, dataset_sizes, recording = build_data_and_model(config, run_dir, on_meta)
-    start = prepare_start(config.init, model)  # init.weights fit (else one line), init.freeze applied: before the plan
+    # init's part, which its option names (finetune.py's prepare_start): init.freeze applied before the plan counts what
+    # trains; init.weights loaded once the run knows it does not resume (start.begin)
+    start = get_method(target(config.init))(config.init, model)
     launch = prepare_launch(
         config.strategy,
         topology,

@@ -211,6 +211,15 @@ class Init(ClosedSection):
     freeze_bn: bool
     bn_batch_size: PositiveInt | None
 
+    @classmethod
+    def known_keys(cls, section: Mapping[str, Any]) -> list[str]:
+        """Its keys, and the `_target_` that names what does them (the engine's init option's)."""
+        return ["_target_", *super().known_keys(section)]
+
+    @classmethod
+    def required_keys(cls, section: Mapping[str, Any]) -> list[str]:
+        return ["_target_", *super().required_keys(section)]
+
 
 class DataBatches(Section):
     """The keys every data module takes (scaleup.data.datamodule.GlobalBatchDataModule); the batch keys are the

@@ -172,3 +172,8 @@ def values(settings: Section) -> dict[str, Any]:
     """A section's keys and values as the config gave them (with the extras a section passes on, such as every
     lightning.Trainer argument): what a constructor takes as keyword arguments."""
     return {**{name: getattr(settings, name) for name in settings.model_fields_set}, **(settings.model_extra or {})}
+
+
+def target(settings: Section) -> str:
+    """The `_target_` an engine section's option names for its part (init's: scaleup.finetune.prepare_start)."""
+    return (settings.model_extra or {})["_target_"]

@@ -411,7 +411,7 @@ class FSDPStrategy(ModelParallelStrategy):
         cpu_offload: bool = False,
         activation_checkpointing: bool = False,
         timeout: timedelta,
-        async_save: bool | str = "auto",
+        async_save: bool | str = False,
         recording: MetaInit | None = None,
     ) -> None:
         super().__init__(data_parallel_size=world_size, tensor_parallel_size=1, timeout=timeout)

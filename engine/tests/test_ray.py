@@ -39,8 +39,9 @@ from kubeflow_operators import load, validation_errors
 
 DEPLOY = ROOT / "deploy" / "kubernetes"
 RAY_TRAIN = [sys.executable, "-m", "scaleup.distributed.ray_train"]
-# The test cluster listens on this machine only: no token (Ray would keep one under ~/.ray for its clients).
-RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+# The test cluster listens on this machine only: no token (Ray would keep one under ~/.ray for its clients). Its
+# one node is never pre-empted: no actor of Ray Train's own watching for that (a process of its own per run).
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 
 
 def ray_train(args: list[str], log: Path) -> subprocess.Popen:

@@ -67,15 +67,16 @@ def ray_cluster() -> Iterator[str]:
         # No drain on SIGTERM: nothing runs on the cluster when the tests stop it.
         env = clean_env(**RAY_ENV, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
         head = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while "Ray runtime started" not in (temp / "head.log").read_text():
-        assert head.poll() is None and time.monotonic() < deadline, (temp / "head.log").read_text()
-        time.sleep(0.2)
-    yield address
-    head.send_signal(signal.SIGTERM)  # --block: stops every process of the cluster
-    head.wait(timeout=60)
-    shutil.rmtree(temp, ignore_errors=True)
+    try:  # stopped also when it does not start in time: no cluster is left running
+        deadline = time.monotonic() + 120  # about 10 s on a quiet machine
+        while "Ray runtime started" not in (temp / "head.log").read_text():
+            assert head.poll() is None and time.monotonic() < deadline, (temp / "head.log").read_text()
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        head.send_signal(signal.SIGTERM)  # --block: stops every process of the cluster
+        head.wait(timeout=60)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture

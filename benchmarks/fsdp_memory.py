@@ -40,8 +40,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from scaleup.build import build_recorded
-from scaleup.distributed.fsdp import gradient_sync_paused, local_bytes, model_state_bytes, shard, shard_built
+from scaleup.distributed.fsdp import (
+    build_recorded,
+    gradient_sync_paused,
+    local_bytes,
+    model_state_bytes,
+    shard,
+    shard_built,
+)
 
 WIDTH, BLOCKS, SAMPLES, STEPS = 1024, 12, 512, 2
 MICRO_BATCHES, MICRO_SAMPLES, SYNC_STEPS = 4, 32, 3  # the sync part: 3 optimizer steps, the first not timed

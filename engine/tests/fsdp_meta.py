@@ -1,7 +1,7 @@
 """A model larger than a rank may hold, built on the meta device and sharded: `python tests/fsdp_meta.py [OUT_DIR]`.
 
 Two gloo processes set up a 34M-parameter network (16 MLP blocks, 134 MB in float32) as strategy=fsdp does with
-strategy.meta_init (build.build_recorded, then fsdp.shard_built), each under a hard limit on its data memory
+strategy.meta_init (fsdp.build_recorded, then fsdp.shard_built), each under a hard limit on its data memory
 (RLIMIT_DATA) of 0.75x the network's parameters above what it held before. The same limit refuses the ordinary
 build (checked in the same processes). Each rank's shards must equal its slice of the ordinary build's weights
 (built after the limit is lifted), and one training step must run on the shards. Exit 1 if any is off.
@@ -18,8 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from scaleup.build import build_recorded
-from scaleup.distributed.fsdp import shard_built
+from scaleup.distributed.fsdp import build_recorded, shard_built
 from scaleup.distributed.meta_init import local_part
 
 WIDTH, BLOCKS, LIMIT = 512, 16, 0.75

@@ -206,7 +206,6 @@ EXTRAS = {
 CORE_IMPORTS_OF_EXTRAS = {
     ("api", "diagnostics"),
     ("api", "images"),
-    ("build", "fsdp"),
     ("callbacks.preemption", "watch"),
     ("checkpoints.io", "fsdp"),
     ("distributed.launch", "watch"),

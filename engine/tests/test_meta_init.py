@@ -10,7 +10,7 @@ from lightning.pytorch.demos import Transformer
 from torch import nn
 from torch.nn.init import trunc_normal_
 
-from scaleup.build import build_recorded
+from scaleup.distributed.fsdp import build_recorded
 from scaleup.distributed.meta_init import build_on_meta, materialize_outside, tensors_of
 from testbed.models import ImageClassifier
 

@@ -7,7 +7,7 @@ import copy
 import logging
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,6 @@ from scaleup.config.schema import TEMPLATE_BATCH_KEYS, accepted_arguments, argum
 from scaleup.config.typed import TrainConfig, values
 from scaleup.data.adopted import AdoptedDataModule
 from scaleup.data.datamodule import GlobalBatchDataModule, apply_model_settings, sizes_for_plan
-from scaleup.distributed.fsdp import networks
-from scaleup.distributed.meta_init import MetaInit, build_on_meta, materialize_outside, tensors_of
 from scaleup.errors import UserError, config_errors
 
 log = logging.getLogger("scaleup")
@@ -90,16 +88,16 @@ def build_datamodule(data_cfg: dict[str, Any], loader: dict[str, Any], seed: int
 
 
 def build_data_and_model(
-    config: TrainConfig, run_dir: Path, on_meta: bool = False
-) -> tuple[GlobalBatchDataModule, L.LightningModule, dict[str, int], MetaInit | None]:
+    config: TrainConfig, run_dir: Path, strategy: Any = None
+) -> tuple[GlobalBatchDataModule, L.LightningModule, dict[str, int]]:
     """The data module, the LightningModule, and the split sizes the plan is made from.
 
     The data is downloaded and set up first: the plan needs its split sizes, the model what only the data knows
     (classes, input channels, vocabulary), filled into the `model` config where it says null. A dry run takes only
     what the data module states without its files, and builds the net with 2 for what it cannot state (the plan
-    needs the parameter groups and whether there is BatchNorm, not those sizes). `on_meta` (strategy=fsdp) builds
-    the networks on the meta device with their construction recorded, for the strategy to replay into each rank's
-    shards (distributed/meta_init.py): the recording is returned, None where the model was built eagerly.
+    needs the parameter groups and whether there is BatchNorm, not those sizes). A run's `strategy` (the launch's)
+    builds the model where it has a `build_model(build)`: strategy=fsdp's, on the meta device with its construction
+    recorded, for each rank's shards (distributed/fsdp.py).
     """
     datamodule = build_datamodule(config.data, values(config.loader), config.seed)
     dataset_sizes = sizes_for_plan(datamodule, run_dir=run_dir, dry_run=config.dry_run)
@@ -121,9 +119,9 @@ def build_data_and_model(
     if config.dry_run:
         # Shapes and parameter groups, no memory and no time: a 7B model plans on a laptop.
         with torch.device("meta"):
-            return datamodule, build(), dataset_sizes, None
-    model, recording = build_recorded(build) if on_meta else (build(), None)
-    return datamodule, model, dataset_sizes, recording
+            return datamodule, build(), dataset_sizes
+    builds_it = getattr(strategy, "build_model", None)
+    return datamodule, builds_it(build) if builds_it else build(), dataset_sizes
 
 
 def take_recipe_batch(config: TrainConfig, datamodule: AdoptedDataModule) -> None:
@@ -142,24 +140,6 @@ def take_recipe_batch(config: TrainConfig, datamodule: AdoptedDataModule) -> Non
         )
     log.info(f"data: {name}'s train loader batch_size={own} is the global batch, split over the devices")
     batches.global_batch_size = datamodule.global_batch_size = config.data["global_batch_size"] = own
-
-
-def build_recorded(build: Callable[[], L.LightningModule]) -> tuple[L.LightningModule, MetaInit | None]:
-    """The model on the meta device, its construction recorded, and everything outside its networks made real;
-    or, where a network's tensor cannot be replayed on its own, built eagerly, with a warning that says which."""
-    state = torch.random.get_rng_state()
-    model, recording = build_on_meta(build)
-    nets = networks(model)
-    if problem := recording.unreplayable((f"{root}.{name}", t) for root, net in nets for name, t in tensors_of(net)):
-        name, why = problem
-        log.warning(
-            f"strategy.meta_init: {name} cannot be made shard by shard ({why}): every rank builds the whole model "
-            "first (the same weights; the memory of a full copy per rank during set-up)"
-        )
-        torch.random.set_rng_state(state)  # the eager build draws what the recorded one drew
-        return build(), None
-    materialize_outside(model, [net for _, net in nets], recording)
-    return model, recording
 
 
 def check_model_fits_data(model_cfg: dict[str, Any], data_cfg: dict[str, Any], settings: dict[str, Any]) -> None:

@@ -152,7 +152,7 @@ def check_contract(
         config = train_config(compose("train", [*overrides, f"hydra.run.dir={run_dir}/build"]))  # resolved
         HydraConfig.instance().cfg = None  # what follows needs no Hydra
         L.seed_everything(config.seed, workers=True, verbose=False)
-        datamodule, model, _, _ = build_data_and_model(config, Path(run_dir))
+        datamodule, model, _ = build_data_and_model(config, Path(run_dir))
         problems = []
         for split in ("train", "val", "test"):
             dataset = datamodule.splits.get(split)

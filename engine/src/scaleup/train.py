@@ -63,20 +63,21 @@ def train_in(cfg: DictConfig, run_dir: Path, failure: FailureRecord) -> dict[str
     # Same seed on every rank before the data and the model are built: the same splits (also where a data module
     # splits with the global random state) and identical initial weights everywhere.
     L.seed_everything(config.seed, workers=True, verbose=False)
-    on_meta = shards_the_model(config.strategy, topology.world_size) and config.strategy.meta_init
-    datamodule, model, dataset_sizes, recording = build_data_and_model(config, run_dir, on_meta)
-    # init's part, which its option names (finetune.py's prepare_start): init.freeze applied before the plan counts what
-    # trains; init.weights loaded once the run knows it does not resume (start.begin)
-    start = get_method(target(config.init))(config.init, model)
     launch = prepare_launch(
         config.strategy,
         topology,
         multirun=HydraConfig.get().mode == RunMode.MULTIRUN,
         dry_run=config.dry_run,
         async_save=config.checkpoint.async_save,
-        recording=recording,
     )
+    datamodule, model, dataset_sizes = build_data_and_model(config, run_dir, launch.strategy)
+    # The meta build's recording (strategy=fsdp's build_model), which init.weights are read into for each rank's shards
+    recording = getattr(launch.strategy, "recording", None)
+    # init's part, which its option names (finetune.py's prepare_start): init.freeze applied before the plan counts what
+    # trains; init.weights loaded once the run knows it does not resume (start.begin)
+    start = get_method(target(config.init))(config.init, model)
     # A dry run plans the meta build without recording it; a real one may have built the ordinary way (it warned).
+    on_meta = shards_the_model(config.strategy, topology.world_size) and config.strategy.meta_init
     plan = make_plan(
         config,
         topology,

@@ -35,7 +35,14 @@ from scaleup.checkpoints.background import BackgroundSaver, split
 from scaleup.checkpoints.sharded import save_sharded
 from scaleup.compat.gates import ACTIVATION_CHECKPOINTING, require
 from scaleup.compat.precision import model_parallel_precision
-from scaleup.distributed.meta_init import META, MetaInit, materialize_shards, tensors_of
+from scaleup.distributed.meta_init import (
+    META,
+    MetaInit,
+    build_on_meta,
+    materialize_outside,
+    materialize_shards,
+    tensors_of,
+)
 from scaleup.errors import UserError
 from scaleup.plan.checks import BATCH_NORMS
 from scaleup.plan.resolve import Plan, mib
@@ -336,6 +343,24 @@ def eager_values(model: nn.Module, recording: MetaInit) -> dict[str, dict[str, C
     return values
 
 
+def build_recorded(build: Callable[[], nn.Module]) -> tuple[nn.Module, MetaInit | None]:
+    """The model on the meta device, its construction recorded, and everything outside its networks made real;
+    or, where a network's tensor cannot be replayed on its own, built eagerly, with a warning that says which."""
+    state = torch.random.get_rng_state()
+    model, recording = build_on_meta(build)
+    nets = networks(model)
+    if problem := recording.unreplayable((f"{root}.{name}", t) for root, net in nets for name, t in tensors_of(net)):
+        name, why = problem
+        log.warning(
+            f"strategy.meta_init: {name} cannot be made shard by shard ({why}): every rank builds the whole model "
+            "first (the same weights; the memory of a full copy per rank during set-up)"
+        )
+        torch.random.set_rng_state(state)  # the eager build draws what the recorded one drew
+        return build(), None
+    materialize_outside(model, [net for _, net in nets], recording)
+    return model, recording
+
+
 def shard_built(
     model: nn.Module,
     mesh: Any,
@@ -412,7 +437,7 @@ class FSDPStrategy(ModelParallelStrategy):
         activation_checkpointing: bool = False,
         timeout: timedelta,
         async_save: bool | str = False,
-        recording: MetaInit | None = None,
+        meta_init: bool = False,
     ) -> None:
         super().__init__(data_parallel_size=world_size, tensor_parallel_size=1, timeout=timeout)
         if activation_checkpointing:
@@ -426,13 +451,22 @@ class FSDPStrategy(ModelParallelStrategy):
             "cpu_offload": cpu_offload,
             "activation_checkpointing": activation_checkpointing,
         }
-        # The recorded build of a model made on the meta device: each rank fills its shards with the values the
-        # eager build gives.
-        self.recording = recording
+        self.meta_init = meta_init
+        # The recorded build of a model made on the meta device (build_model): each rank fills its shards with the
+        # values the eager build gives.
+        self.recording: MetaInit | None = None
         self._background_saver: BackgroundSaver | None = None
         self._measured = False
         self._total_parameter_bytes = 0
         self.async_save = async_save in (True, "auto")  # checkpoint.async_save: auto is on here
+
+    def build_model(self, build: Callable[[], nn.Module]) -> nn.Module:
+        """The run's model, from `build`: with `meta_init` (strategy.meta_init), on the meta device with its
+        construction recorded (build_recorded), else as `build` makes it."""
+        if not self.meta_init:
+            return build()
+        model, self.recording = build_recorded(build)
+        return model
 
     @staticmethod
     def trainer_precision(precision: str) -> tuple[str | None, list[Any]]:

@@ -79,15 +79,11 @@ def prepare_launch(
     multirun: bool,
     dry_run: bool,
     async_save: bool | str = "auto",
-    recording: object = None,
 ) -> Launch:
-    """Build the strategy, once the model is: FSDP takes the recorded build of a model made on the meta device
-    (`recording`, which the core passes on unread: distributed/meta_init.py's MetaInit). `async_save`:
-    `checkpoint.async_save`."""
+    """Build the strategy, before the model: a strategy may build the model itself (strategy=fsdp's `build_model`, on
+    the meta device). `async_save`: `checkpoint.async_save`."""
     with config_errors("strategy"):
-        built, name = build_strategy(
-            strategy, topology.world_size, multirun, async_save, num_nodes=topology.num_nodes, recording=recording
-        )
+        built, name = build_strategy(strategy, topology.world_size, multirun, async_save, num_nodes=topology.num_nodes)
     if dry_run:
         launcher = Launcher("dry_run")
     elif name == "ddp_spawn" and launched_world_size() is None:
@@ -103,7 +99,6 @@ def build_strategy(
     multirun: bool,
     async_save: bool | str = "auto",
     num_nodes: int = 1,
-    recording: object = None,
 ) -> tuple[Any, str]:
     """The Trainer's `strategy` argument and a name for the plan, from the `strategy` config group.
 
@@ -115,8 +110,8 @@ def build_strategy(
     timeout = timedelta(minutes=float(strategy.timeout_minutes))
     if world_size > 1:
         warn_if_collectives_time_out_first(strategy)
-    # meta_init: how the job builds the model (build.py); hang_timeout_minutes: the watchdog's (callbacks/preemption.py)
-    engine_keys = ("name", "timeout_minutes", "hang_timeout_minutes", "meta_init")
+    # hang_timeout_minutes: the watchdog's (callbacks/preemption.py)
+    engine_keys = ("name", "timeout_minutes", "hang_timeout_minutes")
     options = {key: value for key, value in values(strategy).items() if key not in engine_keys}
     # An option that names its own Lightning strategy (strategy=fsdp: distributed/fsdp.py's), built on 2 or more
     # processes: one process has nothing to shard, it trains as DDP's single process does and writes one file.
@@ -127,7 +122,6 @@ def build_strategy(
             num_nodes=num_nodes,
             timeout=timeout,
             async_save=async_save,
-            recording=recording,
             _convert_="all",
         )
         return built, name

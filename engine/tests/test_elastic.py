@@ -57,7 +57,7 @@ def test_a_node_lost_mid_run_continues_on_the_survivor_with_exact_weights(baseli
     time.sleep(1)
     survivor = agent(port, is_host=True, args=args, log=logs[1])
     run_dir = tmp_path / "train" / "torchrun-elastic"  # named after --rdzv-id, on both nodes and after the loss
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300
     while not (run_dir / "checkpoints" / "last.ckpt").exists() and time.monotonic() < deadline:
         assert survivor.poll() is None and lost.poll() is None, (survivor.poll(), lost.poll())
         time.sleep(0.05)

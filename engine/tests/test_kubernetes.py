@@ -151,7 +151,7 @@ def test_pytorchjob_pods_equal_the_two_process_run_and_resume_after_sigterm(base
 
     logs = tmp_path / "logs"
     procs = start_pods(pods, shared, free_port(), recipe, logs)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while not (run_dir / "checkpoints" / "last.ckpt").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     procs[1].send_signal(signal.SIGTERM)  # the worker pod's node is drained

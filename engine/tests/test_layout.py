@@ -204,8 +204,6 @@ EXTRAS = {
 # The core modules that still import an extra, each a place where the core switches an extra on itself: to be cut,
 # never added to (docs/architecture.md#where-the-cut-stands).
 CORE_IMPORTS_OF_EXTRAS = {
-    ("api", "diagnostics"),
-    ("api", "images"),
     ("callbacks.preemption", "watch"),
     ("checkpoints.io", "fsdp"),
     ("distributed.launch", "watch"),
@@ -231,13 +229,20 @@ def test_the_core_imports_no_extra_but_the_listed_ones():
     found = set()
     for name, tree in trees.items():
         module = name.removeprefix(f"{MACHINERY}.")
-        if name == MACHINERY or extra_of(module) is not None:
+        if name in (MACHINERY, PUBLIC_API) or extra_of(module) is not None:
             continue
         for target in imported(tree):
             extra = extra_of(target.removeprefix(f"{MACHINERY}.")) if target.startswith(f"{MACHINERY}.") else None
             if extra is not None:
                 found.add((module, extra))
     assert found == CORE_IMPORTS_OF_EXTRAS
+
+
+def test_the_public_api_is_the_surface_above_the_core_and_the_extras():
+    """scaleup.api gathers, for your code, the core's names and the extras' (ImageDataModule, ClassificationFigures):
+    it is neither, and no module of the engine imports it, so neither layer depends on the surface."""
+    trees = modules(MACHINERY)
+    assert not [name for name, tree in trees.items() if name != PUBLIC_API and PUBLIC_API in imported(tree)]
 
 
 # The extras cut loose: engine/tests/test_removable_extras.py runs the engine with them deleted.

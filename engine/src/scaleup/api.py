@@ -1,7 +1,8 @@
 """Everything your code (src/<your project>/) may import from the template: this module only.
 
 What is here keeps its name and meaning across template updates; the rest of `scaleup` is the machinery, which an
-update may reorganise. docs/contract.md says what the jobs expect of your DataModule and LightningModule.
+update may reorganise. It gathers the core's names and the extras' (images, figures) and sits above both: no module
+of the engine imports it. docs/contract.md says what the jobs expect of your DataModule and LightningModule.
 
 Data modules: subclass `GlobalBatchDataModule` (implement `build_splits`), or `ClassificationDataModule` to tell
 the model its classes and input channels, or `ImageDataModule` for images that travel as uint8 and are normalised

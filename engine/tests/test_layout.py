@@ -182,7 +182,6 @@ EXTRAS = {
         "distributed.fsdp",
         "distributed.meta_init",
         "compat.dcp",
-        "checkpoints.sharded",
         "checkpoints.background",
     ),
     "launchers": ("distributed.torchrun", "distributed.ray_train", "distributed.ray_worker"),
@@ -205,7 +204,6 @@ EXTRAS = {
 # never added to (docs/architecture.md#where-the-cut-stands).
 CORE_IMPORTS_OF_EXTRAS = {
     ("callbacks.preemption", "watch"),
-    ("checkpoints.io", "fsdp"),
     ("distributed.launch", "watch"),
     ("trainer", "auto batch size"),
 }

@@ -181,7 +181,6 @@ EXTRAS = {
     "fsdp": (
         "distributed.fsdp",
         "distributed.meta_init",
-        "compat.dcp",
         "checkpoints.background",
     ),
     "launchers": ("distributed.torchrun", "distributed.ray_train", "distributed.ray_worker"),

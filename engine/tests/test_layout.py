@@ -204,7 +204,6 @@ EXTRAS = {
 CORE_IMPORTS_OF_EXTRAS = {
     ("callbacks.preemption", "watch"),
     ("distributed.launch", "watch"),
-    ("trainer", "auto batch size"),
 }
 
 
@@ -243,7 +242,7 @@ def test_the_public_api_is_the_surface_above_the_core_and_the_extras():
 
 
 # The extras cut loose: engine/tests/test_removable_extras.py runs the engine with them deleted.
-REMOVABLE = ("ema", "equivalence", "search", "project tests")
+REMOVABLE = ("ema", "equivalence", "search", "project tests", "auto batch size")
 
 
 def test_no_module_outside_a_removable_extra_imports_it():

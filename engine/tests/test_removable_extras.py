@@ -33,6 +33,12 @@ for info in pkgutil.walk_packages(scaleup.__path__, "scaleup."):
     importlib.import_module(info.name)
 sys.argv = ["train.py", "dry_run=true", f"hydra.run.dir={run_dir}"]
 runpy.run_path("train.py", run_name="__main__")
+# the auto batch size is registered (an entry point) but deleted: asking for it is one line, exit 2
+sys.argv = ["train.py", "data.max_per_device_batch_size=auto", f"hydra.run.dir={run_dir}-auto"]
+try:
+    runpy.run_path("train.py", run_name="__main__")
+except SystemExit as stop:
+    print("auto exit", stop.code)
 """
 
 
@@ -66,3 +72,9 @@ def test_the_engine_runs_with_the_extras_deleted(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "plan (dry run: nothing is started)" in done.stdout + done.stderr
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("error: ")]
+    assert "auto exit 2" in done.stdout and errors == [
+        "error: data.max_per_device_batch_size=auto: the part that settles it is not installed (no "
+        "scaleup.per_device_caps entry point 'auto' loads; reinstall the engine: pip install -e ./engine); or give a "
+        "number"
+    ], done.stderr[-3000:]

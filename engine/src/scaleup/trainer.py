@@ -4,6 +4,7 @@ topology; and what the jobs read back from them (`TrainerJob`)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import logging
 import math
 import pkgutil
@@ -45,7 +46,6 @@ from scaleup.config.typed import TrainConfig, values
 from scaleup.distributed.clusters import cluster_plugins
 from scaleup.errors import UserError, config_errors, first_line
 from scaleup.observability.quiet import quiet
-from scaleup.plan.batch_probe import AutoBatchSize
 from scaleup.plan.progress import StopAtPlannedSteps
 from scaleup.plan.resolve import Plan
 from scaleup.plan.topology import Topology
@@ -111,13 +111,36 @@ def template_callbacks(config: TrainConfig, plan: Plan, run_dir: Path) -> list[L
         StepPlan(
             plan.tf32, plan.channels_last, LRScaling(plan.schedule()), StepSeed(plan.seed, plan.global_batch_size)
         ),
-        *([AutoBatchSize(plan, run_dir / "batch_probe.json")] if plan.max_per_device_batch_size == "auto" else []),
+        *settle_named_cap(plan, run_dir),
         ExactEvalMetrics(monitor=config.monitor.metric),
         *checkpoint_callbacks(config.monitor, config.checkpoint),
         LoopRepairs(),
         RunFiles(run_dir / "metrics.json", config.plain, plan.to_dict()),
         *([StopAtPlannedSteps(plan.total_steps)] if plan.manual_optimization else []),
     ]
+
+
+CAP_SETTLERS = "scaleup.per_device_caps"  # entry points: a named per-device cap -> the callback that settles it
+
+
+def settle_named_cap(plan: Plan, run_dir: Path) -> list[L.Callback]:
+    """A per-device cap given by name (`data.max_per_device_batch_size=auto`) is settled at the start of fit by the
+    callback registered under that name: the engine's `auto` is the auto batch size (plan/batch_probe.py), found
+    through the `scaleup.per_device_caps` entry points, so the Trainer names no extra. A number or no cap: none."""
+    name = plan.max_per_device_batch_size
+    if not isinstance(name, str):
+        return []
+    found = list(importlib.metadata.entry_points(group=CAP_SETTLERS, name=name))
+    try:
+        settler = found[0].load() if found else None
+    except ImportError:  # registered, but its extra's files are gone
+        settler = None
+    if settler is None:
+        raise UserError(
+            f"data.max_per_device_batch_size={name}: the part that settles it is not installed (no {CAP_SETTLERS} "
+            f"entry point {name!r} loads; reinstall the engine: pip install -e ./engine); or give a number"
+        )
+    return [settler(plan, run_dir / "batch_probe.json")]
 
 
 # What build_trainer passes from the topology and the plan in place of the config's values (auto resolved, checked

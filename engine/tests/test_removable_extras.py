@@ -1,6 +1,6 @@
-"""The extras are removable: with their files deleted from a copy of the engine, every other engine module imports and
-a default dry run of the suite's project plans and exits 0 (docs/architecture.md#where-the-cut-stands). A core module
-that still imported one of them, at its top or inside a function the dry run calls, fails here. They are deleted
+"""The extras are removable: with their files deleted from a copy of the engine, every other engine module imports
+and a default dry run of the suite's project plans and exits 0 (docs/architecture.md#how-an-extra-joins-a-run). A core
+module that still imported one of them, at its top or inside a function the dry run calls, fails here. They are deleted
 together, in one process (an import of the engine costs seconds): one extra's import of another is test_layout's
 static check to find."""
 

@@ -4,11 +4,11 @@ topology; and what the jobs read back from them (`TrainerJob`)."""
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import logging
 import math
 import pkgutil
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from scaleup.compat.gates import (
     SIGTERM_HANDLER,
     require,
 )
+from scaleup.conf import group_values
 from scaleup.config.plain import instantiate_each
 from scaleup.config.schema import Checkpointing, Monitor, TrainerArgs, render
 from scaleup.config.typed import TrainConfig, values
@@ -49,6 +50,7 @@ from scaleup.observability.quiet import quiet
 from scaleup.plan.progress import StopAtPlannedSteps
 from scaleup.plan.resolve import Plan
 from scaleup.plan.topology import Topology
+from scaleup.registry import registered
 
 
 def checkpoint_callbacks(monitor: Monitor, checkpoint: Checkpointing) -> list[ModelCheckpoint]:
@@ -91,9 +93,16 @@ class TrainerJob:
     stop: JobControl
     best: ModelCheckpoint | None = None
 
-    def running(self, resume_hint: str) -> contextlib.AbstractContextManager[None]:
-        """Where the job runs `fit` and `test`: a SIGTERM ends it with exit code 143 and `resume_hint`."""
-        return exit_when_stopped(self.stop, resume_hint)
+    @contextlib.contextmanager
+    def running(self, resume_hint: str) -> Iterator[None]:
+        """Where the job runs `fit` and `test`: a SIGTERM ends it with exit code 143 and `resume_hint`. When it ends,
+        each callback with a `job_ended` hook is told (the failure watch stops)."""
+        try:
+            with exit_when_stopped(self.stop, resume_hint):
+                yield
+        finally:
+            for callback in self.trainer.callbacks:
+                getattr(callback, "job_ended", lambda: None)()
 
 
 def template_callbacks(config: TrainConfig, plan: Plan, run_dir: Path) -> list[L.Callback]:
@@ -120,27 +129,28 @@ def template_callbacks(config: TrainConfig, plan: Plan, run_dir: Path) -> list[L
     ]
 
 
-CAP_SETTLERS = "scaleup.per_device_caps"  # entry points: a named per-device cap -> the callback that settles it
-
-
 def settle_named_cap(plan: Plan, run_dir: Path) -> list[L.Callback]:
     """A per-device cap given by name (`data.max_per_device_batch_size=auto`) is settled at the start of fit by the
-    callback registered under that name: the engine's `auto` is the auto batch size (plan/batch_probe.py), found
-    through the `scaleup.per_device_caps` entry points, so the Trainer names no extra. A number or no cap: none."""
+    callback registered under that name (registry.py): the engine's `auto` is the auto batch size
+    (plan/batch_probe.py). A number or no cap: none."""
     name = plan.max_per_device_batch_size
     if not isinstance(name, str):
         return []
-    found = list(importlib.metadata.entry_points(group=CAP_SETTLERS, name=name))
-    try:
-        settler = found[0].load() if found else None
-    except ImportError:  # registered, but its extra's files are gone
-        settler = None
+    settler = registered("per_device_caps", name)
     if settler is None:
         raise UserError(
-            f"data.max_per_device_batch_size={name}: the part that settles it is not installed (no {CAP_SETTLERS} "
-            f"entry point {name!r} loads; reinstall the engine: pip install -e ./engine); or give a number"
+            f"data.max_per_device_batch_size={name}: the part that settles it is not installed (no "
+            f"scaleup.per_device_caps entry point {name!r} loads; reinstall the engine: pip install -e ./engine); or "
+            "give a number"
         )
     return [settler(plan, run_dir / "batch_probe.json")]
+
+
+def job_watch(world_size: int, hang_timeout_minutes: float | None, timeout_minutes: float | None) -> list[L.Callback]:
+    """On several processes, the failure watch's part (registry.py: distributed/watchdog.py's JobWatch), which names a
+    rank that fails, hangs or is killed and ends every rank. Its hooks come before JobControl's."""
+    watch = registered("job_watch", "default") if world_size > 1 else None
+    return [watch(hang_timeout_minutes, timeout_minutes)] if watch is not None else []
 
 
 # What build_trainer passes from the topology and the plan in place of the config's values (auto resolved, checked
@@ -282,10 +292,11 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     elif not any(isinstance(cb, ProgressBar) for cb in callbacks):
         callbacks.append(RichProgressBar(refresh_rate=4))
+    bounds = config.strategy.hang_timeout_minutes, config.strategy.timeout_minutes
+    callbacks += job_watch(topology.world_size, *bounds)
     stop = JobControl(
         config.checkpoint.dirpath,
         config.strategy.hang_timeout_minutes,
-        config.strategy.timeout_minutes,
         stop_on_nonfinite_loss=config.stop_on_nonfinite_loss,
     )
     callbacks.append(stop)
@@ -345,14 +356,18 @@ def planned_length(plan: Plan) -> dict[str, int]:
     return {"max_steps": -1, "max_epochs": math.ceil(plan.total_steps / plan.steps_per_epoch)}
 
 
+HANG_TIMEOUT_MINUTES = group_values("strategy/_base")["hang_timeout_minutes"]  # eval.py's: it has no strategy section
+
+
 def build_eval_trainer(topology: Topology, precision: Any, plan: Plan, run_dir: Path, progress_bar: bool) -> TrainerJob:
     """The Trainer of `eval.py`: the checkpoint's own speed settings, exact metrics into metrics.json, no logger."""
     quiet()
     require(EXACT_EVAL, SIGTERM_HANDLER)
-    stop = JobControl()
+    stop = JobControl(hang_timeout_minutes=HANG_TIMEOUT_MINUTES)
     tf32, channels_last = plan.tf32, plan.channels_last  # as trained
     set_tf32(tf32)  # here too: Lightning checks the setting when it sets up the GPU, before any callback runs
-    callbacks = [StepPlan(tf32, channels_last), ExactEvalMetrics(), RunFiles(run_dir / "metrics.json"), stop]
+    callbacks = [StepPlan(tf32, channels_last), ExactEvalMetrics(), RunFiles(run_dir / "metrics.json")]
+    callbacks += [*job_watch(topology.world_size, HANG_TIMEOUT_MINUTES, None), stop]
     trainer = L.Trainer(  # every value checked before (the topology, the precision): what fails here is a bug
         accelerator=topology.accelerator,
         devices=topology.devices,

@@ -1,11 +1,11 @@
 """How a job ends other than by finishing: SIGTERM (a scheduler's "go now") stops every rank at the same step, saves
-last.ckpt and exits 143, Ctrl-C (SIGINT) the same way with exit 130; a rank that fails, hangs or is killed is named
-and ends every rank (distributed/watchdog.py).
+last.ckpt and exits 143, Ctrl-C (SIGINT) the same way with exit 130. On several processes, a rank that fails, hangs
+or is killed is named and ends every rank: the failure watch's part (distributed/watchdog.py's JobWatch).
 
 Schedulers (SLURM, Kubernetes, torchrun's agent) send SIGTERM, then SIGKILL after a grace period. `JobControl`
 (which replaces Lightning's own handling) stops every rank after the same micro-batch and writes last.ckpt there;
 the jobs wrap `fit` and `test` in `exit_when_stopped`, which exits 143 (never 0 without results), so
-`ckpt_path=last` continues the run. On several processes it also keeps the rank's place in the job for the watchdog.
+`ckpt_path=last` continues the run.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import subprocess
 import sys
 import threading
 import traceback
@@ -29,30 +28,17 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from scaleup.callbacks.nonfinite import FirstNonFiniteLoss, nonfinite_loss_error
-from scaleup.conf import group_values
-from scaleup.distributed.watchdog import (
-    EXIT_FAILED,
-    Children,
-    Progress,
-    Watchdog,
-    dump_stacks,
-    exit_now,
-    report,
-    set_up_watch,
-    to_log_file,
-    write_failure,
-)
 from scaleup.errors import EXIT_USER_ERROR, as_user_error
+from scaleup.observability.failure import EXIT_FAILED, dump_stacks, exit_now, report, to_log_file, write_failure
 
 log = logging.getLogger("scaleup")
 
 # How a job that did not finish exits (every rank of it):
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, the shell's convention for "terminated"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
-# and, from distributed/watchdog.py on several processes: EXIT_HUNG = 124 (as timeout(1): a rank made no progress
-# within strategy.hang_timeout_minutes) and EXIT_FAILED = 1 (a rank raised, or died)
+# and, from observability/failure.py: EXIT_HUNG = 124 (as timeout(1): a rank made no progress within
+# strategy.hang_timeout_minutes) and EXIT_FAILED = 1 (a rank raised, or died)
 SIGTERM_GRACE_SECONDS = 30.0  # a rank that got SIGTERM and reaches no next step in this time exits on its own
-HANG_TIMEOUT_MINUTES = group_values("strategy/_base")["hang_timeout_minutes"]  # eval.py's: it has no strategy section
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # each stops every rank at the next step, saving in training
 
 
@@ -70,7 +56,7 @@ def exit_when_stopped(stop: JobControl, resume_hint: str) -> Iterator[None]:
     the same hint after Ctrl-C (SIGINT), saved as SIGTERM saves, or a KeyboardInterrupt (a second Ctrl-C). Rank 0
     says so, once for the job. The SIGTERM and SIGINT handlers the job found are put back when it ends: a process
     that trains twice (a notebook, a test session) and the processes it forks later still die on SIGTERM and stop
-    on Ctrl-C; the watchdog stops."""
+    on Ctrl-C."""
     main_thread = threading.current_thread() is threading.main_thread()
     found = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     try:
@@ -90,7 +76,7 @@ def exit_when_stopped(stop: JobControl, resume_hint: str) -> Iterator[None]:
 
 
 class FailureRecord(contextlib.AbstractContextManager):
-    """Around a whole job: one that fails leaves why in its run directory, as the watchdog leaves it for a failing
+    """Around a whole job: one that fails leaves why in its run directory, as the failure watch leaves it for a failing
     rank of several processes (which ends that process before this sees the error): rank 0 writes the traceback of
     a bug (or a user mistake's `error:` line) into the log file, and failure.json (what, ranks, exit_code,
     message). A bug in the user's code while the job builds (a LightningModule's `__init__`) counts; a mistake
@@ -112,8 +98,7 @@ class FailureRecord(contextlib.AbstractContextManager):
 
 
 class JobControl(Callback):
-    """Takes SIGTERM over from Lightning as soon as the process group exists, and stops every rank at the same point;
-    on several processes, keeps this rank's place in the job for the watchdog (distributed/watchdog.py).
+    """Takes SIGTERM over from Lightning as soon as the process group exists, and stops every rank at the same point.
 
     Lightning 2.6.6. Reason: its handler runs a collective inside the signal handler (a broadcast that can
     interleave with the training step's and hang), a signal in `test` ends with SIGTERMException, a SystemExit
@@ -139,16 +124,9 @@ class JobControl(Callback):
     ranks agree once, at the end of each rank's last batch, before the epoch end's metric collectives
     (ExactEvalMetrics), in which a rank that had stopped alone would leave its peers with a closed connection. So
     a signal on any rank, also one between `fit` and `test`, stops every rank at the end of its share of the test.
-    `exit_when_stopped` then exits 143. A rank that got SIGTERM and reaches no next step (no hook of the loop)
-    within SIGTERM_GRACE_SECONDS (or `hang_timeout_minutes`, if shorter) writes its stacks to hang/rank<N>.txt and
-    exits 143 on its own: a rank stuck in the user's code, or in a collective with a rank that is gone, is never
-    left running.
-
-    The watchdog: started in `setup` on several processes, it reads `progress`, which the loop's hooks below write
-    (plain attribute writes, nothing that talks to another process), and `on_exception` hands it the rank's error,
-    so that the failing rank is named and its traceback printed once (rank 0, last), and every rank ends.
-    `hang_timeout_minutes`: strategy.hang_timeout_minutes (0 or None: no hang watch); `timeout_minutes`:
-    strategy.timeout_minutes, the process group's, which bounds a slow stall (see the watchdog).
+    `exit_when_stopped` then exits 143. A rank that got SIGTERM and reaches no next batch or checkpoint within
+    SIGTERM_GRACE_SECONDS (or `hang_timeout_minutes`, if shorter) writes its stacks to hang/rank<N>.txt and exits 143
+    on its own: a rank stuck in the user's code, or in a collective with a rank that is gone, is never left running.
 
     `stop_on_nonfinite_loss`: a training loss that turns NaN or inf stops every rank with one line naming the step
     (callbacks/nonfinite.py), checked at logging steps, epoch ends and before each checkpoint is written (then none
@@ -158,18 +136,13 @@ class JobControl(Callback):
     def __init__(
         self,
         dirpath: str | Path | None = None,
-        hang_timeout_minutes: float | None = HANG_TIMEOUT_MINUTES,
-        timeout_minutes: float | None = None,
+        hang_timeout_minutes: float | None = None,
         stop_on_nonfinite_loss: bool = False,
     ) -> None:
         self.nonfinite = FirstNonFiniteLoss() if stop_on_nonfinite_loss else None
         self.path = f"{str(dirpath).rstrip('/')}/last.ckpt" if dirpath is not None else None  # a local path or a URL
-        self.hang_seconds = 60 * hang_timeout_minutes if hang_timeout_minutes else None
-        self.collective_seconds = 60 * timeout_minutes if timeout_minutes else None
-        # A watch started before the set-up (distributed/launch.py) goes on here: the set-up is done.
-        self.watchdog: Watchdog | None = set_up_watch()
-        self.progress = self.watchdog.progress if self.watchdog is not None else Progress()
-        self.progress.enter("start")
+        self.grace = min(SIGTERM_GRACE_SECONDS, 60 * hang_timeout_minutes if hang_timeout_minutes else float("inf"))
+        self.ticks = 0  # batch starts and ends, checkpoints: after a signal, whether this rank still gets on
         self._overdue: threading.Timer | None = None  # ends a rank that does not stop after SIGTERM
         self.requested = False
         self.signum = 0  # the first stop signal received: SIGTERM or SIGINT
@@ -181,8 +154,9 @@ class JobControl(Callback):
         self._alone = True  # one process: the flag is the answer (set once, not read from the Trainer per step)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.watchdog is not None and self.watchdog.ending:
-            return  # the watch ends this rank already (torchrun's agent stops the ranks a hung one leaves behind)
+        callbacks = self._trainer.callbacks if self._trainer is not None else []
+        if any(getattr(callback, "ending", False) for callback in callbacks):
+            return  # the failure watch ends this rank already (torchrun's agent stops the ranks a hung one leaves)
         if signum == signal.SIGINT and self.signum == signal.SIGINT:  # Ctrl-C again: at once, as Python stops
             signal.default_int_handler(signum, frame)
         if not self.requested:
@@ -198,29 +172,27 @@ class JobControl(Callback):
             # and a second SIGINT would stop them at once)
             if launcher is not None and signum == signal.SIGTERM:
                 launcher.kill(signum)
-            grace = min(SIGTERM_GRACE_SECONDS, self.hang_seconds or SIGTERM_GRACE_SECONDS)
-            self._overdue = threading.Timer(grace, self._stop_overdue, args=(self.progress.ticks, grace))
+            self._overdue = threading.Timer(self.grace, self._stop_overdue, args=(self.ticks,))
             self._overdue.daemon = True
             self._overdue.start()
         self.requested = True
 
-    def _stop_overdue(self, ticks: int, grace: float) -> None:
+    def _stop_overdue(self, ticks: int) -> None:
         """The grace period after the signal ran out: a rank that made no progress since exits 143 (130 after
         Ctrl-C) with its stacks."""
-        if self.progress.ticks != ticks or self._trainer is None:
+        if self.ticks != ticks or self._trainer is None:
             return
         rank, code = self._trainer.global_rank, EXIT_INTERRUPTED if self.signum == signal.SIGINT else EXIT_PREEMPTED
-        dump = dump_stacks(Path(self._trainer.default_root_dir), rank, self.progress)
+        where = f"at step {self._trainer.global_step}"
+        dump = dump_stacks(Path(self._trainer.default_root_dir), rank, where)
         report(
-            f"rank {rank}: got {signal.Signals(self.signum).name} {grace:.0f} s ago and reached no next step: "
+            f"rank {rank}: got {signal.Signals(self.signum).name} {self.grace:.0f} s ago and reached no next step: "
             f"exiting {code}; its stack: {dump}"
         )
         exit_now(code)
 
     def finish(self) -> None:
-        """The job ended: stop the watchdog and the timer of a SIGTERM's grace period."""
-        if self.watchdog is not None:
-            self.watchdog.stop()
+        """The job ended: stop the timer of a SIGTERM's grace period."""
         if self._overdue is not None:
             self._overdue.cancel()
 
@@ -232,7 +204,6 @@ class JobControl(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Lightning starts the process group just before `setup`, which every rank runs together.
         self._trainer = trainer
-        self.progress.enter("start")  # past the rendezvous: progress
         self._install()
         if self._ready:
             return
@@ -243,60 +214,18 @@ class JobControl(Callback):
         if not self._alone:
             # gloo runs on the CPU: NCCL's default group would sync the device.
             self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-            self._start_watchdog(trainer)
         self._ready = True
 
-    def _start_watchdog(self, trainer: L.Trainer) -> None:
-        # Lightning's launcher: the processes rank 0 of this node started (local ranks 1, 2, ...), named if one dies.
-        procs = getattr(trainer.strategy.launcher, "procs", None) or []
-        first = trainer.global_rank - trainer.local_rank + 1
-        children = Children({first + i: proc for i, proc in enumerate(procs) if isinstance(proc, subprocess.Popen)})
-        if (
-            self.watchdog is not None
-            and self.watchdog.rank == trainer.global_rank
-            and self.watchdog.take_over(children)
-        ):
-            self.watchdog.workers.register()
-            return
-        if self.watchdog is not None:  # ranks read wrong, or no store: a watch of its own, as without a set-up's watch
-            self.watchdog.stop()
-        watchdog = Watchdog(
-            self.progress,
-            rank=trainer.global_rank,
-            world_size=trainer.world_size,
-            run_dir=Path(trainer.default_root_dir),
-            hang_seconds=self.hang_seconds,
-            children=children,
-            collective_seconds=self.collective_seconds,
-        )
-        self.watchdog = watchdog if watchdog.start() else None
-        if self.watchdog is not None:
-            self.watchdog.workers.register()  # before the loaders fork their workers, which inherit it
-
-    # The loop's hooks: this rank's place for the watchdog, in plain attribute writes.
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.progress.enter("data")
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.progress.enter("data")
-
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        self.progress.enter("forward")
+        self.ticks += 1
         if self.nonfinite is not None:
             self.nonfinite.step = trainer.global_step
 
-    def on_before_backward(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        self.progress.enter("backward")
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        self.progress.enter("optimizer step")
-
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.progress.enter("data")
         self._stop_on_nonfinite_loss()
 
     def on_save_checkpoint(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        self.progress.enter(self.progress.phase)
+        self.ticks += 1
         if trainer.state.fn == "fit":
             self._stop_on_nonfinite_loss()  # raised here, inside Trainer.save_checkpoint: nothing is written
 
@@ -308,34 +237,13 @@ class JobControl(Callback):
         if (step := self._nonfinite_step()) is not None:
             raise nonfinite_loss_error(step)
 
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.progress.eval_batches = 0
-        self.progress.enter("validation")
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.progress.evaluations += 1
-        self.progress.enter("data")
-
-    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.progress.eval_batches = 0
-        self.progress.enter("test")
-
-    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.progress.evaluations += 1
-        self.progress.enter("test end")
-
-    def _evaluated(self, phase: str, last_batch: bool) -> None:
-        self.progress.eval_batches += 1
-        self.progress.enter(f"{phase} end" if last_batch else phase)
-
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        self.progress.micro_batches += 1
-        self.progress.enter("data")
+        self.ticks += 1
         if self.nonfinite is not None:
             self.nonfinite.record(args[1] if len(args) > 1 else kwargs.get("outputs"))
             # After the optimizer step of a logging step: Lightning reads the logged values back there anyway.
@@ -346,16 +254,13 @@ class JobControl(Callback):
             raise SIGTERMException
 
     def on_test_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        last_batch = trainer.test_loop.batch_progress.is_last_batch
-        self._evaluated("test", last_batch)
-        self._stop_evaluation(last_batch)
+        self.ticks += 1
+        self._stop_evaluation(trainer.test_loop.batch_progress.is_last_batch)
 
     def on_validation_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self.ticks += 1
         if trainer.state.fn == "validate":  # inside fit, validation runs to its end
-            self._evaluated("validation", trainer.validate_loop.batch_progress.is_last_batch)
             self._stop_evaluation(trainer.validate_loop.batch_progress.is_last_batch)
-        else:
-            self._evaluated("validation", trainer.fit_loop.epoch_loop.val_loop.batch_progress.is_last_batch)
 
     def _stop_evaluation(self, last_batch: bool) -> None:
         """Stops a test or a validation: one process at once; several when any rank asked, checked at the last
@@ -381,8 +286,6 @@ class JobControl(Callback):
         return agreed
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if self.watchdog is not None:  # an error of this rank, or a collective a peer left: named, and every rank ends
-            self.watchdog.failed(exception)
         if self.path is not None and isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
             if (step := self._nonfinite_step()) is not None:  # no save of weights trained on it
                 if trainer.is_global_zero:

@@ -18,6 +18,7 @@ from scaleup.distributed.clusters import Launcher, check_one_process_per_pod, la
 from scaleup.distributed.process_group import shut_down_process_group
 from scaleup.errors import UserError, config_errors
 from scaleup.plan.topology import Topology
+from scaleup.registry import registered
 
 if TYPE_CHECKING:
     from scaleup.config.schema import Strategy
@@ -162,15 +163,16 @@ def warn_if_collectives_time_out_first(strategy: Strategy) -> None:
 
 def watch_the_set_up(strategy: Strategy, topology: Topology, run_dir: Path, *, multirun: bool) -> None:
     """Where the launcher re-runs the script in every process (Lightning's, torchrun, srun), start this rank's hang
-    watch before its set-up (the data, the model, the plan; distributed/watchdog.py): a rank that hangs there while
-    the others wait in the rendezvous is named, with its stack, before the rendezvous times out. Spawned processes
-    (ddp_spawn, a sweep's) run no set-up of their own: their watch starts with the Trainer's."""
+    watch (the failure watch, distributed/watchdog.py) before its set-up (the data, the model, the plan): a rank that
+    hangs there while the others wait in the rendezvous is named, with its stack, before the rendezvous times out.
+    Spawned processes (ddp_spawn, a sweep's) run no set-up of their own: their watch starts with the Trainer's."""
     spawned = launched_world_size() is None and (strategy.name == "ddp_spawn" or multirun)
     if topology.world_size == 1 or spawned or not strategy.hang_timeout_minutes:
         return
-    from scaleup.distributed.watchdog import watch_the_set_up as start
-
-    start(
+    watch = registered("job_watch", "default")  # the failure watch's part (registry.py), where it is installed
+    if watch is None:
+        return
+    watch.watch_the_set_up(
         rank=launched_rank(topology),
         world_size=topology.world_size,
         run_dir=run_dir,

@@ -26,8 +26,8 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from scaleup.callbacks.preemption import EXIT_PREEMPTED
-from scaleup.distributed.watchdog import EXIT_HUNG
 from scaleup.errors import EXIT_USER_ERROR
+from scaleup.observability.failure import EXIT_HUNG
 
 # The workers' exit codes passed on, and what each says; a worker killed by SIGTERM counts as EXIT_PREEMPTED.
 PASSED_ON = {

@@ -1,10 +1,10 @@
 """When one rank of a multi-process job fails, hangs or is killed: the job says which, where and why within a bound,
 and every rank ends.
 
-Each rank runs a `Watchdog`, a daemon thread that reads the rank's place in the job (`Progress`, which
-`scaleup.callbacks.preemption.JobControl`'s hooks write with plain attribute writes: nothing per step talks to
-another process) and talks to the other ranks through the job's TCPStore at MASTER_ADDR:MASTER_PORT (the store of
-init_process_group's env:// rendezvous, or torchrun's agent's), under a key prefix of its own. Never through a
+Each rank runs a `Watchdog`, a daemon thread that reads the rank's place in the job (`Progress`, which `JobWatch`'s
+hooks write with plain attribute writes: nothing per step talks to another process) and talks to the other ranks
+through the job's TCPStore at MASTER_ADDR:MASTER_PORT (the store of init_process_group's env:// rendezvous, or
+torchrun's agent's), under a key prefix of its own. Never through a
 collective: a hung rank never joins one.
 
 - A hang: a rank that the others wait for, or one that stops while the others go on. A rank that makes no progress
@@ -33,7 +33,6 @@ import contextlib
 import faulthandler
 import json
 import logging
-import multiprocessing
 import os
 import re
 import signal
@@ -51,14 +50,23 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import lightning as L
 import torch.distributed as dist
+from lightning.pytorch import Callback
 
 from scaleup.errors import EXIT_USER_ERROR, as_user_error, is_users_code, record_for_launcher
+from scaleup.observability.failure import (
+    EXIT_FAILED,
+    EXIT_HUNG,
+    dump_stacks,
+    exit_now,
+    own_children,
+    report,
+    write_failure,
+)
 
 log = logging.getLogger("scaleup")
 
-EXIT_HUNG = 124  # as timeout(1): no progress within strategy.hang_timeout_minutes
-EXIT_FAILED = 1  # a rank raised, or died: every rank of the job exits with it
 POLL_SECONDS = 5.0  # at most: how often a rank publishes its place and looks for news (sooner for short bounds)
 GATHER_SECONDS = 5.0  # at least: how long the reporting rank waits for the others' answers
 CONNECT_SECONDS = 5.0  # how long a failing rank tries to reach the job's store before it reports alone
@@ -127,16 +135,6 @@ def describe(place: dict[str, Any]) -> str:
     if phase == "set-up":
         return "in its set-up (data, model and plan, before the process group)"
     return f"in {phase} of training micro-batch {place['micro_batch']}" if phase != "start" else "before training"
-
-
-def stacks() -> str:
-    """Every thread's Python stack, most recent call last, as a traceback shows it."""
-    names = {thread.ident: thread.name for thread in threading.enumerate()}
-    main_first = sorted(sys._current_frames().items(), key=lambda item: item[0] != threading.main_thread().ident)
-    return "\n".join(
-        f"Thread {names.get(ident, ident)} (most recent call last):\n{''.join(traceback.format_stack(frame))}"
-        for ident, frame in main_first
-    )
 
 
 def main_thread_frames() -> list[FrameType]:
@@ -225,30 +223,6 @@ class WorkerStacks:
         return os.pread(fd, size - start, start).decode(errors="replace")
 
 
-def dump_stacks(run_dir: Path, rank: int, progress: Progress) -> Path:
-    """Write this process's stacks, all threads, to `run_dir`/hang/rank<rank>.txt; returns the path."""
-    path = run_dir / "hang" / f"rank{rank}.txt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    head = f"rank {rank} (pid {os.getpid()} on {socket.gethostname()}), {describe(progress.place())}\n\n"
-    path.write_text(head + stacks())
-    return path
-
-
-def to_log_file(text: str) -> None:
-    """`text` into the run's log file only (rank 0's train.log; other ranks log to the null device): what is printed
-    on stderr, kept in the run directory without showing twice on the terminal."""
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, text, None, None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
-
-
-def report(text: str) -> None:
-    """Print `text` on stderr and keep it in the log file."""
-    print(text, file=sys.stderr, flush=True)
-    to_log_file(text)
-
-
 def communication_error(err: BaseException) -> bool:
     """Whether `err` says that a collective failed (a peer closed its connections), not that this rank's own code
     failed. torch raises gloo's and NCCL's failures as RuntimeError or DistBackendError with the library's message."""
@@ -313,43 +287,6 @@ def in_one_line(err: BaseException, failing: dict[str, Any]) -> str:
     if mistake is not None:
         return "the same error" if failing["text"].endswith(f"error: {mistake}") else f"error: {mistake}"
     return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-
-
-def exit_now(code: int) -> None:
-    """End this process at once with `code`, what it printed and logged flushed: the main thread may be blocked in a
-    collective that never returns, and an interpreter shutdown could wait on it."""
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    end_children()
-    os._exit(code)
-
-
-def own_children() -> list[multiprocessing.process.BaseProcess]:
-    """This process's multiprocessing children (DataLoader workers). A process forked by other means from one that
-    had children inherits its list of them (multiprocessing resets it only in the processes it starts): those are
-    not this process's, and are left alone (told apart by their parent's pid, where the system shows it)."""
-    return [child for child in multiprocessing.active_children() if parent_pid(child.pid) in (os.getpid(), None)]
-
-
-def parent_pid(pid: int | None) -> int | None:
-    """The parent process of `pid` as Linux's /proc shows it; None where it does not (another system, gone)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:")), None)
-
-
-def end_children() -> None:
-    """Kill this process's multiprocessing children (DataLoader workers): one blocked in the user's code never looks
-    for its parent, and would run on after it."""
-    children = own_children()
-    for child in children:
-        child.kill()
-    for child in children:
-        child.join(1)
 
 
 @dataclass
@@ -538,7 +475,7 @@ class Watchdog:
     def _hang(self, idle: float, timed_out: bool = False) -> None:
         """Dump this rank's stacks (and its DataLoader workers'), publish where it is, and (rank 0) name the rank(s)
         the others wait for; exit EXIT_HUNG. `timed_out`: this rank's collective timed out (it was waiting)."""
-        dump = dump_stacks(self.run_dir, self.rank, self.progress)
+        dump = dump_stacks(self.run_dir, self.rank, describe(self.progress.place()))
         workers = self.workers.dump(dump.parent, self.rank)
         # A rank whose main thread waits on its workers: the line a worker is blocked in.
         frame = users_frame() or next((f"{at} (DataLoader worker pid {pid})" for pid, at in workers if at), None)
@@ -617,7 +554,7 @@ class Watchdog:
         return f"  rank {rank} (pid {record['pid']} on {record['host']}) {verb} {describe(record)}{where}"
 
     def _orphaned(self, idle: float) -> None:
-        dump = dump_stacks(self.run_dir, self.rank, self.progress)
+        dump = dump_stacks(self.run_dir, self.rank, describe(self.progress.place()))
         report(
             f"rank {self.rank}: no progress for {idle:.0f} s and the job's store at {':'.join(self.address)} is gone "
             f"(rank 0 or the launcher ended): exiting with {EXIT_HUNG}; this rank's stack: {dump}"
@@ -720,7 +657,127 @@ class Watchdog:
         write_failure(self.run_dir, what, ranks, exit_code, message)
 
 
-def write_failure(run_dir: Path, what: str, ranks: list[int], exit_code: int, message: str) -> None:
-    """Rank 0: the run directory's failure.json, beside the checkpoints that `ckpt_path=last` resumes from."""
-    record = {"what": what, "ranks": ranks, "exit_code": exit_code, "message": message}
-    (run_dir / "failure.json").write_text(json.dumps(record, indent=2) + "\n")
+class JobWatch(Callback):
+    """The watch as a part of the Trainer, on several processes: this rank's place in the job (`progress`), written by
+    the loop's hooks below with plain attribute writes (nothing that talks to another process), and the `Watchdog`
+    that reads it, started in `setup` (or the set-up's watch, taken over). `on_exception` hands the watchdog this
+    rank's error, so that the failing rank is named and its traceback printed once (rank 0, last), and every rank
+    ends.
+
+    trainer.py adds it on several processes, found through the engine's registry (the `scaleup.job_watch` entry point
+    `default`), before JobControl: its hooks see the batch before JobControl may stop after it.
+    `hang_timeout_minutes`: strategy.hang_timeout_minutes (0 or None: no hang watch; failures are still named);
+    `timeout_minutes`: strategy.timeout_minutes, the process group's, which bounds a slow stall.
+    """
+
+    def __init__(self, hang_timeout_minutes: float | None = None, timeout_minutes: float | None = None) -> None:
+        self.hang_seconds = 60 * hang_timeout_minutes if hang_timeout_minutes else None
+        self.collective_seconds = 60 * timeout_minutes if timeout_minutes else None
+        # A watch started before the set-up (distributed/launch.py) goes on here: the set-up is done.
+        self.watchdog: Watchdog | None = set_up_watch()
+        self.progress = self.watchdog.progress if self.watchdog is not None else Progress()
+        self.progress.enter("start")
+        self._started = False  # once per job: `setup` runs for each stage
+
+    watch_the_set_up = staticmethod(watch_the_set_up)  # what distributed/launch.py starts before the set-up
+
+    @property
+    def ending(self) -> bool:
+        """Whether the watch is ending this rank (a hang, a failure): a SIGTERM then changes nothing (JobControl)."""
+        return self.watchdog is not None and self.watchdog.ending
+
+    def job_ended(self) -> None:
+        """The job ended (trainer.py's TrainerJob.running): stop watching."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Lightning starts the process group just before `setup`, which every rank runs together.
+        self.progress.enter("start")  # past the rendezvous: progress
+        if not self._started and trainer.world_size > 1 and dist.is_initialized():
+            self._start(trainer)
+        self._started = True
+
+    def _start(self, trainer: L.Trainer) -> None:
+        # Lightning's launcher: the processes rank 0 of this node started (local ranks 1, 2, ...), named if one dies.
+        procs = getattr(trainer.strategy.launcher, "procs", None) or []
+        first = trainer.global_rank - trainer.local_rank + 1
+        children = Children({first + i: proc for i, proc in enumerate(procs) if isinstance(proc, subprocess.Popen)})
+        if (
+            self.watchdog is not None
+            and self.watchdog.rank == trainer.global_rank
+            and self.watchdog.take_over(children)
+        ):
+            self.watchdog.workers.register()
+            return
+        if self.watchdog is not None:  # ranks read wrong, or no store: a watch of its own, as without a set-up's watch
+            self.watchdog.stop()
+        watchdog = Watchdog(
+            self.progress,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            run_dir=Path(trainer.default_root_dir),
+            hang_seconds=self.hang_seconds,
+            children=children,
+            collective_seconds=self.collective_seconds,
+        )
+        self.watchdog = watchdog if watchdog.start() else None
+        if self.watchdog is not None:
+            self.watchdog.workers.register()  # before the loaders fork their workers, which inherit it
+
+    # The loop's hooks: this rank's place for the watchdog, in plain attribute writes.
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.progress.enter("data")
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.progress.enter("data")
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self.progress.enter("forward")
+
+    def on_before_backward(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self.progress.enter("backward")
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self.progress.enter("optimizer step")
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self.progress.micro_batches += 1
+        self.progress.enter("data")
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.progress.enter("data")
+
+    def on_save_checkpoint(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self.progress.enter(self.progress.phase)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.progress.eval_batches = 0
+        self.progress.enter("validation")
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        loop = trainer.validate_loop if trainer.state.fn == "validate" else trainer.fit_loop.epoch_loop.val_loop
+        self._evaluated("validation", loop.batch_progress.is_last_batch)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.progress.evaluations += 1
+        self.progress.enter("data")
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.progress.eval_batches = 0
+        self.progress.enter("test")
+
+    def on_test_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._evaluated("test", trainer.test_loop.batch_progress.is_last_batch)
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.progress.evaluations += 1
+        self.progress.enter("test end")
+
+    def _evaluated(self, phase: str, last_batch: bool) -> None:
+        self.progress.eval_batches += 1
+        self.progress.enter(f"{phase} end" if last_batch else phase)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self.watchdog is not None:  # an error of this rank, or a collective a peer left: named, and every rank ends
+            self.watchdog.failed(exception)

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import (
     RichProgressBar,
     WeightAveraging,
 )
-from lightning.pytorch.utilities.rank_zero import rank_zero_module
+from lightning.pytorch.utilities.rank_zero import rank_zero_module, rank_zero_only
 
 from scaleup.callbacks.exact_metrics import ExactEvalMetrics
 from scaleup.callbacks.loop_repairs import LoopRepairs, install_fit_loop_fixes
@@ -51,6 +51,8 @@ from scaleup.plan.progress import StopAtPlannedSteps
 from scaleup.plan.resolve import Plan
 from scaleup.plan.topology import Topology
 from scaleup.registry import registered
+
+log = logging.getLogger("scaleup")
 
 
 def checkpoint_callbacks(monitor: Monitor, checkpoint: Checkpointing) -> list[ModelCheckpoint]:
@@ -149,8 +151,17 @@ def settle_named_cap(plan: Plan, run_dir: Path) -> list[L.Callback]:
 def job_watch(world_size: int, hang_timeout_minutes: float | None, timeout_minutes: float | None) -> list[L.Callback]:
     """On several processes, the failure watch's part (registry.py: distributed/watchdog.py's JobWatch), which names a
     rank that fails, hangs or is killed and ends every rank. Its hooks come before JobControl's."""
-    watch = registered("job_watch", "default") if world_size > 1 else None
-    return [watch(hang_timeout_minutes, timeout_minutes)] if watch is not None else []
+    if world_size == 1:
+        return []
+    watch = registered("job_watch", "default")
+    if watch is None:
+        if rank_zero_only.rank == 0:
+            log.warning(
+                "the failure watch is not installed (no scaleup.job_watch entry point loads; reinstall the engine: pip "
+                "install -e ./engine): a rank that fails, hangs or is killed is not named, and the others wait for it"
+            )
+        return []
+    return [watch(hang_timeout_minutes, timeout_minutes)]
 
 
 # What build_trainer passes from the topology and the plan in place of the config's values (auto resolved, checked

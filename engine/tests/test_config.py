@@ -313,7 +313,7 @@ def test_the_strategy_options_shared_defaults_are_stated_once():
         assert not set(shared) & set(own), f"strategy/{option}.yaml restates {set(shared) & set(own)}"
         assert {key: composed(f"strategy={option}")["strategy"][key] for key in shared} == shared
     assert all(Strategy.model_fields[key].is_required() for key in shared)
-    assert HANG_TIMEOUT_MINUTES == shared["hang_timeout_minutes"]
+    assert shared["hang_timeout_minutes"] == HANG_TIMEOUT_MINUTES
 
 
 def test_the_loader_groups_defaults_are_stated_once():

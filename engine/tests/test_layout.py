@@ -199,6 +199,8 @@ EXTRAS = {
     "sweep check": ("config.sweep",),
     "project tests": ("testing",),
 }
+
+
 def extra_of(module: str) -> str | None:
     """The extra `module` (a name without the `scaleup.` prefix) belongs to, or None for the core."""
     return next(

@@ -332,6 +332,32 @@ def test_a_rank_hung_in_its_set_up_is_named_before_the_rendezvous_times_out(tmp_
     assert not [pid for pid in [*pids(marks), job.proc.pid] if alive(pid)]
 
 
+def test_without_a_hang_bound_a_rank_left_in_its_set_up_by_a_failed_rendezvous_ends(tmp_path):
+    """strategy.hang_timeout_minutes=0 (no hang bound), strategy.timeout_minutes 0.2 (12 s): rank 1 blocks in its
+    DataModule's set-up while rank 0 waits in the rendezvous, which fails (exit 1, torch's DistStoreError: no rank
+    joined to name). Rank 1's watch finds the job's store gone and, with no hang bound, ends it at the process group's
+    bound: its stack written, exit 124, no process of the job left running."""
+    run_dir, marks = tmp_path / "run", tmp_path / "marks"
+    bounds = ["strategy.timeout_minutes=0.2", "strategy.hang_timeout_minutes=0"]
+    data = "data._target_=user_modules.MisbehavingDigits"
+    job = train(
+        [*TINY, *bounds, data, "trainer.devices=2", f"hydra.run.dir={run_dir}"],
+        misbehaving("hang_in_setup", marks),
+        tmp_path,
+    )
+    job.wait_until_reached()
+    code, _ = job.finish(90)
+    deadline = time.monotonic() + 60
+    while [pid for pid in pids(marks) if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    output = job.output()
+    print(f"rank 0 exited {code}; rank 1 ended {time.monotonic() - job.reached:.1f} s after its hang began")
+    assert code == 1 and "1/2 clients joined" in output, output[-3000:]
+    assert not [pid for pid in pids(marks) if alive(pid)], output[-3000:]
+    assert "rank 1: no progress for" in output and "is gone (rank 0 or the launcher ended): exiting with 124" in output
+    assert "a set-up's hang" in (run_dir / "hang" / "rank1.txt").read_text()
+
+
 def place(micro_batch: int, phase: str, doing: str = "working", warm: bool = True) -> dict:
     from scaleup.distributed.watchdog import PHASES
 

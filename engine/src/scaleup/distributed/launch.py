@@ -165,9 +165,11 @@ def watch_the_set_up(strategy: Strategy, topology: Topology, run_dir: Path, *, m
     """Where the launcher re-runs the script in every process (Lightning's, torchrun, srun), start this rank's hang
     watch (the failure watch, distributed/watchdog.py) before its set-up (the data, the model, the plan): a rank that
     hangs there while the others wait in the rendezvous is named, with its stack, before the rendezvous times out.
-    Spawned processes (ddp_spawn, a sweep's) run no set-up of their own: their watch starts with the Trainer's."""
+    Without a hang bound (strategy.hang_timeout_minutes 0 or null), such a rank ends with its stack once the
+    rendezvous failed and strategy.timeout_minutes passed: none is left running. Spawned processes (ddp_spawn, a
+    sweep's) run no set-up of their own: their watch starts with the Trainer's."""
     spawned = launched_world_size() is None and (strategy.name == "ddp_spawn" or multirun)
-    if topology.world_size == 1 or spawned or not strategy.hang_timeout_minutes:
+    if topology.world_size == 1 or spawned:
         return
     watch = registered("job_watch", "default")  # the failure watch's part (registry.py), where it is installed
     if watch is None:
@@ -176,7 +178,7 @@ def watch_the_set_up(strategy: Strategy, topology: Topology, run_dir: Path, *, m
         rank=launched_rank(topology),
         world_size=topology.world_size,
         run_dir=run_dir,
-        hang_seconds=60 * strategy.hang_timeout_minutes,
+        hang_seconds=60 * strategy.hang_timeout_minutes if strategy.hang_timeout_minutes else None,
         collective_seconds=60 * strategy.timeout_minutes,
     )
 

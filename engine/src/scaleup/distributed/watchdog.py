@@ -419,7 +419,8 @@ class Watchdog:
                 elif self._store.check(["hang/requested"]) or (stalled and self._hung(idle)):
                     self._end(self._hang, idle, EXIT_HUNG)
             except (RuntimeError, dist.DistError):  # the store's host (rank 0, torchrun's agent) is gone
-                if stalled:
+                # Without a hang bound, the process group's: a rank left in its set-up by a failed rendezvous ends.
+                if idle >= (self.hang_seconds or self.collective_seconds or float("inf")):
                     self._end(self._orphaned, idle, EXIT_HUNG)
 
     def _hung(self, idle: float) -> bool:

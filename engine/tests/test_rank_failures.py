@@ -304,20 +304,26 @@ def test_a_rank_hung_in_on_fit_start_is_named_when_the_process_group_times_out_f
     assert not [pid for pid in pids(marks) if alive(pid)]
 
 
+def hung_in_its_set_up(bounds: list[str], tmp_path: Path) -> Job:
+    """A 2-process run with `bounds` whose rank 1 blocks in its DataModule's set-up (before the Trainer, while rank 0
+    waits in the rendezvous), into tmp_path/run; returned once rank 1 is there."""
+    data = "data._target_=user_modules.MisbehavingDigits"
+    job = train(
+        [*TINY, *bounds, data, "trainer.devices=2", f"hydra.run.dir={tmp_path / 'run'}"],
+        misbehaving("hang_in_setup", tmp_path / "marks"),
+        tmp_path,
+    )
+    job.wait_until_reached()
+    return job
+
+
 def test_a_rank_hung_in_its_set_up_is_named_before_the_rendezvous_times_out(tmp_path):
     """Rank 1 blocks in its DataModule's set-up (before the Trainer; rank 0 waits in the rendezvous), hang bound 3 s,
     strategy.timeout_minutes 0.3 (18 s): rank 0 says at the hang bound that the job is slow, not hung (a set-up has
     the longer bound); before the rendezvous would fail, rank 1 is named with its line and stack, failure.json names
     it, every rank exits 124 (no DistStoreError traceback) and no process of the job is left."""
     run_dir, marks = tmp_path / "run", tmp_path / "marks"
-    bounds = ["strategy.timeout_minutes=0.3", "strategy.hang_timeout_minutes=0.05"]
-    data = "data._target_=user_modules.MisbehavingDigits"
-    job = train(
-        [*TINY, *bounds, data, "trainer.devices=2", f"hydra.run.dir={run_dir}"],
-        misbehaving("hang_in_setup", marks),
-        tmp_path,
-    )
-    job.wait_until_reached()
+    job = hung_in_its_set_up(["strategy.timeout_minutes=0.3", "strategy.hang_timeout_minutes=0.05"], tmp_path)
     code, seconds = job.finish(90)
     output = job.output()
     print(f"a hang in rank 1's set-up, rendezvous timeout 18 s: exit {code}, {seconds:.1f} s after it")
@@ -338,14 +344,7 @@ def test_without_a_hang_bound_a_rank_left_in_its_set_up_by_a_failed_rendezvous_e
     joined to name). Rank 1's watch finds the job's store gone and, with no hang bound, ends it at the process group's
     bound: its stack written, exit 124, no process of the job left running."""
     run_dir, marks = tmp_path / "run", tmp_path / "marks"
-    bounds = ["strategy.timeout_minutes=0.2", "strategy.hang_timeout_minutes=0"]
-    data = "data._target_=user_modules.MisbehavingDigits"
-    job = train(
-        [*TINY, *bounds, data, "trainer.devices=2", f"hydra.run.dir={run_dir}"],
-        misbehaving("hang_in_setup", marks),
-        tmp_path,
-    )
-    job.wait_until_reached()
+    job = hung_in_its_set_up(["strategy.timeout_minutes=0.2", "strategy.hang_timeout_minutes=0"], tmp_path)
     code, _ = job.finish(90)
     deadline = time.monotonic() + 60
     while [pid for pid in pids(marks) if alive(pid)] and time.monotonic() < deadline:

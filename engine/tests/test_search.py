@@ -110,7 +110,7 @@ def test_a_search_on_two_processes_is_the_same_trial_for_trial(searches):
     assert searches["two"].returncode == 0, searches["two"].stderr[-3000:]
     root = searches["root"]
     one, two = (trials(root / name / "search" / "digits_lr") for name in ("one", "two"))
-    assert [(t.state, t.params) for t in two] == [(t.state, t.params) for t in one[:2]]
+    assert [(t.state, t.params) for t in two] == [(t.state, t.params) for t in one[:2]], searches["two"].stderr[-3000:]
     for a, b in zip(one[:2], two, strict=True):
         assert a.intermediate_values.keys() == b.intermediate_values.keys()
         assert [b.intermediate_values[step] for step in a.intermediate_values] == pytest.approx(

@@ -82,7 +82,9 @@ def test_a_rank_three_times_slower_is_named_with_its_share(straggler_run):
         compute[1] / compute[0]
     )
     waiting = (comm[0] - comm[1]) / step0
-    assert 0.4 < waiting < 0.75  # rank 0 waits for rank 1's extra 100 ms; rank 1 waits for the transfer alone
+    # rank 0 waits for rank 1's extra 100 ms (about 60% of its step on an idle machine; less where a busy machine
+    # slows the compute); rank 1 waits for the transfer alone
+    assert 0.25 < waiting < 0.8
     log = (straggler_run / "train.log").read_text()
     [warning] = [line for line in log.splitlines() if "is a straggler" in line and "WARNING" in line]
     assert (

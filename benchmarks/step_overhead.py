@@ -383,7 +383,7 @@ def parts(tmp: Path) -> dict[str, Callable[[], tuple[L.LightningModule, list[L.C
         "StepPlan": lambda: StepPlan(True, False, LRScaling(schedule), StepSeed(42, BATCH)),
         "ExactEvalMetrics": ExactEvalMetrics,
         "LoopRepairs": LoopRepairs,
-        "RunFiles": lambda: RunFiles(tmp / "metrics.json", {}, {}),
+        "RunFiles": lambda: RunFiles(tmp / "metrics.json", None, None),
         "JobControl": lambda: JobControl(tmp / "ckpt", stop_on_nonfinite_loss=True),  # train.py's default
     }
     defaults = {  # engine/src/scaleup/conf/callbacks/default.yaml

@@ -340,9 +340,10 @@ def test_a_rank_hung_in_its_set_up_is_named_before_the_rendezvous_times_out(tmp_
 
 def test_without_a_hang_bound_a_rank_left_in_its_set_up_by_a_failed_rendezvous_ends(tmp_path):
     """strategy.hang_timeout_minutes=0 (no hang bound), strategy.timeout_minutes 0.2 (12 s): rank 1 blocks in its
-    DataModule's set-up while rank 0 waits in the rendezvous, which fails (exit 1, torch's DistStoreError: no rank
-    joined to name). Rank 1's watch finds the job's store gone and, with no hang bound, ends it at the process group's
-    bound: its stack written, exit 124, no process of the job left running."""
+    DataModule's set-up while rank 0 waits in the rendezvous, which fails: one line (no traceback, which would show
+    only where Lightning starts the process group; no rank joined to name), failure.json, exit 1. Rank 1's watch
+    finds the job's store gone and, with no hang bound, ends it at the process group's bound: its stack written,
+    exit 124, no process of the job left running."""
     run_dir, marks = tmp_path / "run", tmp_path / "marks"
     job = hung_in_its_set_up(["strategy.timeout_minutes=0.2", "strategy.hang_timeout_minutes=0"], tmp_path)
     code, _ = job.finish(90)
@@ -351,7 +352,15 @@ def test_without_a_hang_bound_a_rank_left_in_its_set_up_by_a_failed_rendezvous_e
         time.sleep(0.2)
     output = job.output()
     print(f"rank 0 exited {code}; rank 1 ended {time.monotonic() - job.reached:.1f} s after its hang began")
-    assert code == 1 and "1/2 clients joined" in output, output[-3000:]
+    line = (
+        "error: the processes did not all meet: 1 of 2 joined rank 0 within strategy.timeout_minutes; the others are "
+        "slow or hung in their set-up (the data, the model) or never started. A rank left behind ends by itself, its "
+        f"stack in {run_dir / 'hang'}; with strategy.hang_timeout_minutes set, a rank hung in its set-up is named "
+        "sooner, with its stack"
+    )
+    assert code == 1 and line in output.splitlines() and "Traceback" not in output, output[-3000:]
+    failure = read_json(run_dir / "failure.json")
+    assert (failure["what"], failure["ranks"], failure["exit_code"], failure["message"]) == ("rendezvous", [], 1, line)
     assert not [pid for pid in pids(marks) if alive(pid)], output[-3000:]
     assert "rank 1: no progress for" in output and "is gone (rank 0 or the launcher ended): exiting with 124" in output
     assert "a set-up's hang" in (run_dir / "hang" / "rank1.txt").read_text()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 import sys
 import threading
@@ -89,12 +90,33 @@ class FailureRecord(contextlib.AbstractContextManager):
     def __exit__(self, kind: Any, err: BaseException | None, tb: Any) -> None:
         if not isinstance(err, Exception) or rank_zero_only.rank != 0:
             return  # finished, or a signal's exit (SystemExit) or Ctrl-C: exit_when_stopped said so
+        if (joined := rendezvous_joined(err)) is not None:
+            text = f"error: {rendezvous_failed(joined, self.run_dir)}"
+            report(text)  # torch's traceback would only show where Lightning starts the process group
+            write_failure(self.run_dir, "rendezvous", [], EXIT_FAILED, text)
+            raise SystemExit(EXIT_FAILED) from None
         mistake = as_user_error(err)
         if mistake is not None and not self.started:
             return
         text = f"error: {mistake}" if mistake else "".join(traceback.format_exception(err)).rstrip()
         to_log_file(text)  # the terminal shows it already: Hydra's traceback, or exit_on_user_error's line
         write_failure(self.run_dir, "error", [0], EXIT_USER_ERROR if mistake else EXIT_FAILED, text)
+
+
+def rendezvous_joined(err: BaseException) -> tuple[int, int] | None:
+    """(processes joined, processes expected) where `err` is rank 0's rendezvous timing out (torch's store: "Timed
+    out after N seconds waiting for clients. 1/2 clients joined."), else None."""
+    found = re.search(r"(\d+)/(\d+) clients joined", str(err)) if isinstance(err, dist.DistStoreError) else None
+    return None if found is None else (int(found[1]), int(found[2]))
+
+
+def rendezvous_failed(joined: tuple[int, int], run_dir: Path) -> str:
+    return (
+        f"the processes did not all meet: {joined[0]} of {joined[1]} joined rank 0 within strategy.timeout_minutes; "
+        "the others are slow or hung in their set-up (the data, the model) or never started. A rank left behind ends "
+        f"by itself, its stack in {run_dir / 'hang'}; with strategy.hang_timeout_minutes set, a rank hung in its "
+        "set-up is named sooner, with its stack"
+    )
 
 
 class JobControl(Callback):

@@ -359,6 +359,7 @@ def test_without_a_hang_bound_a_rank_left_in_its_set_up_by_a_failed_rendezvous_e
         "sooner, with its stack"
     )
     assert code == 1 and line in output.splitlines() and "Traceback" not in output, output[-3000:]
+    assert "TCPStore" not in output  # no C++ stack of torch's for a request to the store that is gone
     failure = read_json(run_dir / "failure.json")
     assert (failure["what"], failure["ranks"], failure["exit_code"], failure["message"]) == ("rendezvous", [], 1, line)
     assert not [pid for pid in pids(marks) if alive(pid)], output[-3000:]

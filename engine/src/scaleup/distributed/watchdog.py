@@ -342,6 +342,7 @@ class Watchdog:
         self._since = time.monotonic()  # when this rank last made progress
         self._slow = False  # this stall was found slow, not hung: it may last up to the slow bound
         self._warned = False  # the slow warning is said once a job
+        self._unanswered = 0  # the store's port refused this many times in a row
         self.interval = min(POLL_SECONDS, max(0.5, hang_seconds / 10)) if hang_seconds else POLL_SECONDS
         self.gather = max(GATHER_SECONDS, 3 * self.interval)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's agent's store outlives a restart
@@ -409,6 +410,14 @@ class Watchdog:
                 ticks, self._since, self._slow = self.progress.ticks, now, False
             idle = now - self._since
             stalled = self.hang_seconds is not None and idle >= self.hang_seconds
+            # A rank without progress knocks on the store's port first: torch logs its C++ stack (TCPStore's "sendBytes
+            # failed") for every request sent to a store that is gone (its host, rank 0 or torchrun's agent, ended).
+            if idle > self.interval and not self._answers():
+                self._unanswered += 1
+                if self._unanswered > 1:  # twice in a row: not a connection the store was too busy to take
+                    self._store_gone(idle)
+                continue
+            self._unanswered = 0
             try:
                 place = {**self.progress.place(), "slow": self._slow}
                 if place != published:
@@ -419,9 +428,21 @@ class Watchdog:
                 elif self._store.check(["hang/requested"]) or (stalled and self._hung(idle)):
                     self._end(self._hang, idle, EXIT_HUNG)
             except (RuntimeError, dist.DistError):  # the store's host (rank 0, torchrun's agent) is gone
-                # Without a hang bound, the process group's: a rank left in its set-up by a failed rendezvous ends.
-                if idle >= (self.hang_seconds or self.collective_seconds or float("inf")):
-                    self._end(self._orphaned, idle, EXIT_HUNG)
+                self._store_gone(idle)
+
+    def _answers(self) -> bool:
+        """Whether the job's store takes a connection (a port nobody listens on refuses it at once)."""
+        try:
+            socket.create_connection((self.address[0], int(self.address[1])), timeout=CONNECT_SECONDS).close()
+        except OSError:
+            return False
+        return True
+
+    def _store_gone(self, idle: float) -> None:
+        """The job's store is gone: this rank ends once idle past the hang bound, or without one, the process group's
+        (a rank left in its set-up by a failed rendezvous ends)."""
+        if idle >= (self.hang_seconds or self.collective_seconds or float("inf")):
+            self._end(self._orphaned, idle, EXIT_HUNG)
 
     def _hung(self, idle: float) -> bool:
         """This rank made no progress within the hang bound: whether that is a hang (see `slow_stall`), or slowness

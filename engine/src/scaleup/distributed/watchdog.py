@@ -366,10 +366,11 @@ class Watchdog:
         if host is None or port is None:
             return False
         self.address = (host, port)
+        if not self._answers():
+            return False
         try:
-            socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS).close()
             self._store = self._connect(self.gather + 10)
-        except (OSError, RuntimeError, ValueError) as err:
+        except (RuntimeError, ValueError) as err:
             log.debug(f"the watch: the job's store at {host}:{port} does not answer ({err})")
             return False
         return True
@@ -431,10 +432,11 @@ class Watchdog:
                 self._store_gone(idle)
 
     def _answers(self) -> bool:
-        """Whether the job's store takes a connection (a port nobody listens on refuses it at once)."""
+        """Whether the job's store takes a connection: a port nobody listens on refuses it at once, where the store's
+        client would retry (and log) until its timeout."""
         try:
             socket.create_connection((self.address[0], int(self.address[1])), timeout=CONNECT_SECONDS).close()
-        except OSError:
+        except (OSError, ValueError):
             return False
         return True
 
@@ -606,7 +608,8 @@ class Watchdog:
             # The main thread's own client, quickly or not at all: where the store's host is the rank that is gone
             # (torchrun's agent on a lost node), the ordinary traceback ends the rank and the agent restarts it. A
             # closed port is refused at once, where the store's client would retry until its timeout.
-            socket.create_connection((self.address[0], int(self.address[1])), timeout=CONNECT_SECONDS).close()
+            if not self._answers():
+                raise ConnectionRefusedError("nothing listens there")
             self._store = self._connect(CONNECT_SECONDS)
             if not self._store.check(["failure"]) and timed_out(err):
                 # The process group's own bound ran out first: the rank it waited for is named as in a hang.

@@ -10,6 +10,7 @@ import gc
 import multiprocessing
 import os
 import signal
+import socket
 import time
 import warnings
 from datetime import timedelta
@@ -32,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from scaleup.callbacks.loop_repairs import UNRESUMABLE_LOADER_WARNING, LoopRepairs, install_fit_loop_fixes
 from scaleup.checkpoints.io import load_checkpoint
 from scaleup.compat.dcp import read_distributed_checkpoint, stored_file_sizes, stored_tensor_shapes
-from scaleup.compat.launch import SpawnDDPStrategy
+from scaleup.compat.launch import PortPerLaunch, SpawnDDPStrategy
 from scaleup.compat.loggers import add_summaries
 from scaleup.compat.precision import model_parallel_precision
 from scaleup.distributed.fsdp import FSDPStrategy, load_one_file_checkpoint, recompute_in_backward
@@ -130,6 +131,54 @@ def test_spawn_workers_leave_the_process_group_before_their_results_are_collecte
     Lightning collects its results, and the results still reach the main process."""
     strategy = SpawnDDPStrategy(on_exit=shut_down_process_group)
     assert process_group_up_at_collection(tmp_path, monkeypatch, strategy) == ["False"] * 2
+
+
+def listening(port: int = 0) -> socket.socket:
+    """A server socket on `port` (0: a free one), as another process's would be."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: the last launch's closed connections
+    server.bind(("", port))
+    server.listen()
+    return server
+
+
+def test_lightning_launches_again_on_its_first_port_even_when_it_is_taken(monkeypatch):
+    """Canary of PortPerLaunch: Lightning's environment meets on MASTER_PORT as its first launch left it, taken or
+    not (its launcher then fails in the rendezvous: address already in use)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    with listening() as taken:
+        monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))  # as a launch leaves it
+        assert LightningEnvironment().main_port == taken.getsockname()[1]
+
+
+def test_a_port_you_set_is_kept_and_a_chosen_one_replaced_once_taken(monkeypatch):
+    """PortPerLaunch: MASTER_PORT as you set it is the port, taken or not; the port a launch chose is kept while it
+    is free and replaced once another process has it."""
+    with listening() as yours:
+        monkeypatch.setenv("MASTER_PORT", str(yours.getsockname()[1]))
+        assert PortPerLaunch().main_port == yours.getsockname()[1]
+    monkeypatch.delenv("MASTER_PORT")
+    environment = PortPerLaunch()
+    chosen = environment.main_port
+    monkeypatch.setenv("MASTER_PORT", str(chosen))  # as Lightning's launcher sets it
+    assert environment.main_port == chosen
+    with listening(chosen):
+        assert environment.main_port not in (chosen, -1)
+
+
+@pytest.mark.slow
+def test_a_spawned_job_launches_again_on_a_free_port_when_its_port_was_taken(tmp_path, monkeypatch):
+    """ddp_spawn (SpawnDDPStrategy): a job that starts its processes again (its test after its fit, a sweep's next
+    trial) does so on a free port when another process took the port of its last launch."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    model = RecordsTheProcessGroup(tmp_path)
+    run = trainer(tmp_path, devices=2, strategy=SpawnDDPStrategy(on_exit=shut_down_process_group), max_epochs=1)
+    run.fit(model)
+    first = int(os.environ["MASTER_PORT"])
+    with listening(first):
+        run.test(model)
+    assert run.state.finished and int(os.environ["MASTER_PORT"]) != first
 
 
 def test_log_hyperparams_with_metrics_adds_a_scalar_point(tmp_path):

@@ -14,7 +14,13 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from scaleup.compat.launch import SpawnDDPStrategy
 from scaleup.config.typed import values
-from scaleup.distributed.clusters import Launcher, check_one_process_per_pod, launched_world_size, launcher_of
+from scaleup.distributed.clusters import (
+    Launcher,
+    check_one_process_per_pod,
+    cluster_plugins,
+    launched_world_size,
+    launcher_of,
+)
 from scaleup.distributed.process_group import shut_down_process_group
 from scaleup.errors import UserError, config_errors
 from scaleup.plan.topology import Topology
@@ -143,7 +149,8 @@ def build_strategy(
     if name == "ddp" and multirun and launched_world_size() is None:  # srun (submitit) started every process
         name = "ddp_spawn"
     if name == "ddp_spawn":
-        return SpawnDDPStrategy(on_exit=shut_down_process_group, timeout=timeout, **options), name
+        own = not cluster_plugins()  # else the Trainer takes the cluster's environment from its plugins
+        return SpawnDDPStrategy(on_exit=shut_down_process_group, own_environment=own, timeout=timeout, **options), name
     return DDPStrategy(start_method="popen", timeout=timeout, **options), name
 
 

@@ -79,10 +79,10 @@ class PortPerLaunch(LightningEnvironment):
         given = os.environ.get("MASTER_PORT")
         if os.getpid() != self._launcher_pid or (given is not None and int(given) not in CHOSEN):
             return super().main_port  # a launched process, or your port
-        port = int(given) if given is not None else -1
-        if port == -1 or not free(port):
-            port = find_free_network_port()
-            CHOSEN.add(port)
+        if given is not None and free(int(given)):
+            return int(given)  # the port an earlier launch chose, still free
+        port = find_free_network_port()
+        CHOSEN.add(port)
         return port
 
 

@@ -606,8 +606,7 @@ class Watchdog:
         self._stopped.set()
         try:
             # The main thread's own client, quickly or not at all: where the store's host is the rank that is gone
-            # (torchrun's agent on a lost node), the ordinary traceback ends the rank and the agent restarts it. A
-            # closed port is refused at once, where the store's client would retry until its timeout.
+            # (torchrun's agent on a lost node), the ordinary traceback ends the rank and the agent restarts it.
             if not self._answers():
                 raise ConnectionRefusedError("nothing listens there")
             self._store = self._connect(CONNECT_SECONDS)

@@ -42,6 +42,14 @@ def now() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
+def print_step_times(times: list[float]) -> None:
+    """The STEP_TIMES line in one write to the process's stdout, past a progress bar's redirection of sys.stdout (which
+    would wrap the line): printed in parts, a line of about 10 kB could take a bar's redraw from tqdm's monitor
+    thread in its middle, and lose numbers."""
+    sys.__stdout__.flush()
+    os.write(sys.__stdout__.fileno(), " ".join([STEP_TIMES, *map(str, times)]).encode() + b"\n")
+
+
 class StepTimer(L.Callback):
     """Prints wall and CPU time at the end of every training step (for the variants run through Lightning)."""
 
@@ -52,8 +60,8 @@ class StepTimer(L.Callback):
         self.times.extend(now())
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if trainer.is_global_zero:  # past a progress bar's redirection of sys.stdout, which would wrap the line
-            print(STEP_TIMES, *self.times, file=sys.__stdout__, flush=True)
+        if trainer.is_global_zero:
+            print_step_times(self.times)
 
 
 def data_and_net(train_size: int, batch: int) -> tuple[DataLoader, torch.nn.Module]:
@@ -105,7 +113,7 @@ def plain_loop(loader: DataLoader, net: torch.nn.Module, opt: torch.optim.Optimi
             F.cross_entropy(net(x), y).backward()
             opt.step()
             times.extend(now())
-    print(STEP_TIMES, *times, flush=True)
+    print_step_times(times)
 
 
 def run_plain(steps: int, batch: int) -> None:

@@ -2,6 +2,7 @@
 
 import inspect
 import os
+import time
 
 import lightning as L
 import pytest
@@ -122,6 +123,38 @@ def test_every_model_builds_with_every_optimizer(model, optimizer):
     assert opt.param_groups[1]["weight_decay"] == 0.0  # norms and biases are not decayed
 
 
+def test_the_default_bar_updates_as_often_as_it_draws_and_ends_each_epoch_full(tmp_path):
+    """40 steps of well under a quarter second each: the training bar reads the metrics at the first step, about
+    every quarter second and at the epoch's last step (Lightning's, after every step), and each epoch's bar ends at
+    40 of 40."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from scaleup.callbacks.progress import SteadyRichProgressBar
+
+    class CountingBar(SteadyRichProgressBar):
+        reads, completed = 0, []
+
+        def get_metrics(self, trainer, pl_module):
+            self.reads += 1
+            return super().get_metrics(trainer, pl_module)
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.completed.append(self.progress.tasks[self.train_progress_bar_id].completed)
+            super().on_train_epoch_end(trainer, pl_module)
+
+    bar = CountingBar()
+    trainer = L.Trainer(
+        max_epochs=2, limit_train_batches=40, limit_val_batches=0, callbacks=[bar], logger=False,
+        enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    started = time.monotonic()
+    trainer.fit(BoringModel())
+    quarter_seconds = (time.monotonic() - started) / 0.25
+    assert bar.completed == [40, 40]
+    # per epoch: the first and the last step, one per quarter second between them, the epoch's end
+    assert bar.reads <= 2 * 3 + quarter_seconds + 1, (bar.reads, quarter_seconds)
+
+
 @pytest.mark.slow  # an end-to-end run
 def test_no_progress_bar_among_the_callbacks_gets_the_default_one(tmp_path):
     """callbacks=[] with the bar on: Lightning would add its TQDM bar, which redraws after every step. And
@@ -141,7 +174,7 @@ def test_no_progress_bar_among_the_callbacks_gets_the_default_one(tmp_path):
         ]
     )
     callbacks = read_json(names)
-    assert "RichProgressBar" in callbacks and "TQDMProgressBar" not in callbacks
+    assert "SteadyRichProgressBar" in callbacks and "TQDMProgressBar" not in callbacks
 
 
 # mlflow opens (and on first use creates) its tracking store when built: engine/tests/test_loggers.py runs it for real.
@@ -150,7 +183,7 @@ def test_loggers_and_callbacks_instantiate(logger):
     cfg = composed(f"logger={logger}")
     assert len(instantiate_each(cfg["logger"])) == {"none": 0, "many": 2}.get(logger, 1)
     names = [type(cb).__name__ for cb in instantiate_each(cfg["callbacks"])]
-    assert names == ["LearningRateMonitor", "TrainingDiagnostics", "RichProgressBar"]
+    assert names == ["LearningRateMonitor", "TrainingDiagnostics", "SteadyRichProgressBar"]
 
 
 def test_trainer_group_holds_every_trainer_argument_the_template_does_not_set():

@@ -19,7 +19,6 @@ from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
     ProgressBar,
-    RichProgressBar,
     WeightAveraging,
 )
 from lightning.pytorch.utilities.rank_zero import rank_zero_module, rank_zero_only
@@ -29,6 +28,7 @@ from scaleup.callbacks.loop_repairs import LoopRepairs, install_fit_loop_fixes
 from scaleup.callbacks.lr_scaling import LRScaling
 from scaleup.callbacks.performance import set_tf32
 from scaleup.callbacks.preemption import JobControl, exit_when_stopped
+from scaleup.callbacks.progress import SteadyRichProgressBar
 from scaleup.callbacks.run_files import RunFiles
 from scaleup.callbacks.step_plan import StepPlan
 from scaleup.callbacks.step_seed import StepSeed
@@ -302,7 +302,7 @@ def build_trainer(config: TrainConfig, plan: Plan, topology: Topology, strategy:
     if not config.trainer.enable_progress_bar:
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     elif not any(isinstance(cb, ProgressBar) for cb in callbacks):
-        callbacks.append(RichProgressBar(refresh_rate=4))
+        callbacks.append(SteadyRichProgressBar(refresh_rate=4))
     bounds = config.strategy.hang_timeout_minutes, config.strategy.timeout_minutes
     callbacks += job_watch(topology.world_size, *bounds)
     stop = JobControl(

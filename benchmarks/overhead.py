@@ -44,8 +44,8 @@ def now() -> tuple[float, float]:
 
 def print_step_times(times: list[float]) -> None:
     """The STEP_TIMES line in one write to the process's stdout, past a progress bar's redirection of sys.stdout (which
-    would wrap the line): printed in parts, a line of about 10 kB could take a bar's redraw from tqdm's monitor
-    thread in its middle, and lose numbers."""
+    would wrap the line). Printed in parts, the line of about 10 kB came back short beside Lightning's TQDM bar, which
+    writes to the same file (a redraw from tqdm's monitor thread, likely, taken inside it)."""
     sys.__stdout__.flush()
     os.write(sys.__stdout__.fileno(), " ".join([STEP_TIMES, *map(str, times)]).encode() + b"\n")
 

@@ -105,17 +105,20 @@ class CallbackNames(L.Callback):
 
 class FailOnRank(L.Callback):
     """Raises on one rank at one step, as a bug or a dying GPU would; with `first_attempt_only`, only before
-    torchrun's first restart."""
+    torchrun's first restart; with `job`, only in that sweep job (a search's trial `job`)."""
 
-    def __init__(self, rank: int, step: int, first_attempt_only: bool = False) -> None:
-        self.rank, self.step, self.first_attempt_only = rank, step, first_attempt_only
+    def __init__(self, rank: int, step: int, first_attempt_only: bool = False, job: int | None = None) -> None:
+        self.rank, self.step, self.first_attempt_only, self.job = rank, step, first_attempt_only, job
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
         if (
             trainer.global_rank == self.rank
             and trainer.global_step == self.step
             and not (self.first_attempt_only and restarted)
+            and (self.job is None or HydraConfig.get().job.num == self.job)
         ):
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
 

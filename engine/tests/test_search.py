@@ -130,9 +130,10 @@ def test_a_search_on_two_processes_is_the_same_trial_for_trial(searches):
 def test_a_trial_ended_by_a_user_mistake_is_failed_and_the_fixed_command_goes_on(tmp_path):
     """A mistake that shows only once a trial trains (a metric the module does not log: at its first validation)
     stops the search in one line, the trial recorded as failed; the same command with the mistake fixed goes on
-    with a new trial (the failed one is not resumed with its old overrides)."""
+    with new trials (the failed one is not resumed with its old overrides). A trial that a bug ends is failed, and
+    the search goes on, its warning naming the error and the trial's log file, which holds the traceback."""
     tiny = ["trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1"]
-    args = ["hparams_search=digits_lr", *QUICK, "trainer.max_epochs=1", *tiny, "hydra.sweeper.n_trials=2"]
+    args = ["hparams_search=digits_lr", *QUICK, "trainer.max_epochs=1", *tiny, "hydra.sweeper.n_trials=3"]
     args.append(f"paths.log_dir={tmp_path}")
     refused = run([*args, "monitor.metric=val/nosuch"], cwd=tmp_path)
     assert refused.returncode == 2, refused.stderr[-3000:]
@@ -144,10 +145,17 @@ def test_a_trial_ended_by_a_user_mistake_is_failed_and_the_fixed_command_goes_on
     ]
     sweep = tmp_path / "search" / "digits_lr"
     assert [t.state.name for t in trials(sweep)] == ["FAIL"]
-    fixed = run(args, cwd=tmp_path)
+    bug = ["+callbacks.fail._target_=probes.FailOnRank", "+callbacks.fail.rank=0", "+callbacks.fail.step=1"]
+    fixed = run([*args, *bug, "+callbacks.fail.job=1"], cwd=tmp_path)
     assert fixed.returncode == 0, fixed.stderr[-3000:]
     assert "interrupted" not in fixed.stderr + fixed.stdout
-    assert [t.state.name for t in trials(sweep)] == ["FAIL", "COMPLETE"]
+    assert [t.state.name for t in trials(sweep)] == ["FAIL", "FAIL", "COMPLETE"]
+    log_file = sweep / "1" / "train.log"
+    assert (
+        f"search: trial 1 failed: RuntimeError: injected failure on rank 0 at step 1 (its traceback: {log_file})"
+        in fixed.stdout + fixed.stderr
+    ), fixed.stderr[-3000:]
+    assert "Traceback" in log_file.read_text() and "injected failure" in log_file.read_text()
 
 
 @pytest.mark.slow

@@ -188,7 +188,7 @@ class Search:
             except Exception as err:
                 if (mistake := as_user_error(err)) is not None:
                     return mistake
-                log.warning(f"search: trial {number} failed: {(str(err).splitlines() or [repr(err)])[0]}")
+                log.warning(f"search: trial {number} failed: {failure(err, ret)}")
         elif PRUNED_AT_STEP in trial.user_attrs:
             study.tell(number, state=optuna.trial.TrialState.PRUNED)
         elif (value := best_value(trial, self.maximize)) is None:
@@ -197,3 +197,13 @@ class Search:
         else:
             study.tell(number, value)
         return None
+
+
+def failure(err: Exception, ret: JobReturn) -> str:
+    """What ended a trial that is not a user mistake (a bug in the module, a crash): the error's type and first line,
+    and the trial's log file, which holds its traceback (the launcher keeps only the error)."""
+    first = (str(err).splitlines() or [""])[0]
+    text = f"{type(err).__name__}: {first}" if first else type(err).__name__
+    hydra = OmegaConf.select(ret.hydra_cfg, "hydra") if ret.hydra_cfg is not None else None
+    log_file = None if hydra is None else Path(hydra.runtime.output_dir) / f"{hydra.job.name}.log"
+    return f"{text} (its traceback: {log_file})" if log_file is not None and log_file.is_file() else text

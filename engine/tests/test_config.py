@@ -153,6 +153,12 @@ def test_the_default_bar_updates_as_often_as_it_draws_and_ends_each_epoch_full(t
     assert bar.completed == [40, 40]
     # per epoch: the first and the last step, one per quarter second between them, the epoch's end
     assert bar.reads <= 2 * 3 + quarter_seconds + 1, (bar.reads, quarter_seconds)
+    trainer = L.Trainer(
+        max_steps=3, callbacks=[SteadyRichProgressBar(refresh_rate=0)], logger=False, enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(BoringModel())  # refresh_rate=0: Lightning's bar turned off, as Lightning's own
+    assert trainer.global_step == 3
 
 
 @pytest.mark.slow  # an end-to-end run

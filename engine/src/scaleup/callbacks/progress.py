@@ -29,5 +29,6 @@ class SteadyRichProgressBar(RichProgressBar):
         last = batch_idx + 1 >= trainer.num_training_batches or 0 < trainer.max_steps <= trainer.global_step
         if now < self._next_update and not last:
             return
-        self._next_update = now + 1 / self.refresh_rate
+        if self.is_enabled:  # refresh_rate=0 turns Lightning's bar off
+            self._next_update = now + 1 / self.refresh_rate
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

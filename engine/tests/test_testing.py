@@ -62,3 +62,20 @@ def test_the_contract_check_refuses_a_streamed_split_and_names_a_network_export_
         "  export.py's module=net: EncoderModule has no submodule 'net'; its children are encoder, metrics: pass "
         "module=<one of them>",
     ]
+
+
+def test_a_job_run_in_this_process_and_refused_leaves_no_run_directory(tmp_path):
+    """run_job as the entry point: a refused run removes the run directory it made, and the parents it made; a
+    directory that was there before stays, with what it held (test_errors' entry-point cases show the same of
+    `python train.py`)."""
+    from scaleup.testing import run_job
+
+    new = tmp_path / "new" / "run"
+    with pytest.raises(UserError, match=r"trainer\.max_epochs=abc must be an integer"):
+        run_job("train", ["trainer.max_epochs=abc", f"hydra.run.dir={new}"], project=PROJECT)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError):
+        run_job("train", ["trainer.max_epochs=abc", f"hydra.run.dir={tmp_path / 'kept'}"], project=PROJECT)
+    assert (tmp_path / "kept" / "notes.txt").read_text() == "mine"

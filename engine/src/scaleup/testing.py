@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from scaleup.config.project import compose_project, set_up_run
 from scaleup.config.typed import train_config
 from scaleup.distributed.run_dir import register_resolvers
+from scaleup.errors import UserError, new_directories, remove_refused_run
 from scaleup.modules import submodule
 
 # The equivalence check, run as its command: an extra the core names only (docs/architecture.md).
@@ -78,14 +79,22 @@ def compose(job: str, overrides: Sequence[str] = (), project: str | Path | None 
     *overrides` composes it there (the last override of a key wins), with Hydra's runtime set up as `@hydra.main`
     sets it: `HydraConfig.get()` answers, the run directory (`hydra.run.dir`) exists. The `hydra` node is removed, as
     the job receives the config."""
+    return _compose(job, overrides, project)[0]
+
+
+def _compose(job: str, overrides: Sequence[str], project: str | Path | None) -> tuple[DictConfig, list[Path]]:
+    """`compose`, and the directories it made for the run (`new_directories`: the run directory, then the parents
+    it made)."""
     register_resolvers()
     by_key = {arg.split("=", 1)[0]: arg for arg in overrides}
     with _in_folder(project):
         cfg = compose_project(job, by_key.values())
-        set_up_run(cfg).mkdir(parents=True, exist_ok=True)
+        run_dir = set_up_run(cfg)
+        created = new_directories(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
     with read_write(cfg), open_dict(cfg):
         del cfg["hydra"]
-    return cfg
+    return cfg, created
 
 
 @contextlib.contextmanager
@@ -114,18 +123,22 @@ def run_job(job: str, overrides: Sequence[str] = (), project: str | Path | None 
     """`python <job>.py *overrides` (job: train, eval or export) in this process, from `project`; returns what the
     job returns (train and eval: the final metrics; export: the file written). Pass `hydra.run.dir=DIR` among the
     overrides, or the run lands in the project's outputs/. A user mistake raises `UserError` (the entry point
-    would print it and exit 2). Torch runs on one thread, as a test's subprocesses do."""
+    would print it and exit 2), and leaves no run directory it made, as the entry point. Torch runs on one thread, as
+    a test's subprocesses do."""
     from scaleup.evaluate import evaluate
     from scaleup.export import export
     from scaleup.train import train
 
     threads = torch.get_num_threads()
     with _in_folder(project):
-        cfg = compose(job, overrides)
+        cfg, created = _compose(job, overrides, None)
         torch.set_num_threads(1)
         try:
             with _job_log(job):
                 return {"train": train, "eval": evaluate, "export": export}[job](cfg)
+        except UserError:
+            remove_refused_run(created)
+            raise
         finally:
             torch.set_num_threads(threads)
             HydraConfig.instance().cfg = None
